@@ -1,0 +1,75 @@
+"""Every default in one place. Nothing else reads the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _default_cache_dir() -> str:
+    return os.environ.get("TALLOW_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tallow"
+    )
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"
+    # "auto": float32 on CPU, bfloat16 on CUDA.
+    dtype: str = "auto"
+    # "auto": cuda when available, else cpu.
+    device: str = "auto"
+    # Weight format for Linear layers on the CPU: "auto" picks the fastest kernel
+    # available (weight-only int8 on CPU), "none" keeps dense weights.
+    quantization: str = "auto"
+    seed: int = 0
+
+    # KV cache
+    block_size: int = 16
+    # Bytes for the KV pool on the CPU (None: a share of free RAM, capped).
+    kv_cache_memory_bytes: int | None = None
+    cpu_kv_cache_fraction: float = 0.25
+    cpu_kv_cache_max_bytes: int = 2 * 1024**3
+    gpu_memory_utilization: float = 0.90
+    num_kv_blocks: int | None = None  # override for tests
+    enable_prefix_caching: bool = True
+
+    # Scheduling
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context
+    # Longest prefill chunk for one sequence in one step (None: the token budget).
+    long_prefill_token_threshold: int | None = None
+
+    # CUDA
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
+
+    # Where converted weights are cached (GGUF dequantization is slow on first load).
+    cache_dir: str = field(default_factory=_default_cache_dir)
+
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    served_model_name: str | None = None
+    max_queue: int = 256
+    api_key: str | None = field(default_factory=lambda: os.environ.get("TALLOW_API_KEY"))
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_messages: int = 4096
+    max_stop_strings: int = 16
+    max_logit_bias: int = 1024
+    max_n: int = 16
+    max_top_logprobs: int = 20
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    trace: bool = False
+    log_level: str = "info"
+    shutdown_timeout: float = 30.0
+    responses_ttl_s: float = 3600.0
+    responses_max_bytes: int = 64 * 1024 * 1024
+    template_timeout_s: float = 5.0
+    flow_control_interval_ms: float = 25.0

@@ -1,0 +1,1 @@
+"""The engine: sequences, KV cache, scheduler, runner, sampler, core loop."""

@@ -1,0 +1,1 @@
+"""Paged attention backends: a torch reference (any device) and Triton kernels (CUDA)."""

@@ -1,0 +1,101 @@
+"""ModelConfig: the architecture facts the engine needs, from config.json, GGUF metadata or a preset."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF-style rope scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...} or None.
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qkv bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None  # dtype of the stored weights, informational
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    def num_params(self) -> int:
+        h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        mlp = 3 * h * i
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return L * (attn + mlp + 2 * h) + emb + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_hidden_layers * self.kv_dim * dtype_bytes
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        mt = (d.get("model_type") or "").lower()
+        if mt in ("qwen3",) or any("Qwen3" in a for a in archs):
+            arch = "qwen3"
+        elif mt == "qwen2" or any("Qwen2" in a for a in archs):
+            arch = "qwen2"
+        elif mt == "mistral" or any("Mistral" in a for a in archs):
+            arch = "mistral"
+        elif mt == "llama" or any("Llama" in a for a in archs):
+            arch = "llama"
+        else:
+            raise ValueError(f"unsupported model_type {mt!r} / architectures {archs}")
+        n_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
+        eos = d.get("eos_token_id")
+        eos_list = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
+        rope_scaling = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta")
+        rp = d.get("rope_parameters")  # transformers >= 5 style
+        if isinstance(rp, dict):
+            rope_theta = rope_theta or rp.get("rope_theta")
+            if rp.get("rope_type", "default") != "default":
+                rope_scaling = rope_scaling or rp
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            hidden_act=d.get("hidden_act", "silu"),
+            sliding_window=d.get("sliding_window") if d.get("use_sliding_window") else None,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos_list,
+            pad_token_id=d.get("pad_token_id"),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        )
