@@ -1,0 +1,146 @@
+"""Decode latency: B sequences with a P-token prompt, N new tokens: prefill ms and decode tok/s.
+
+    python benchmarks/decode_latency.py --model default --prompt-len 100 --new-tokens 128
+    python benchmarks/decode_latency.py --model default --batch 1 8 32 --transformers
+    python benchmarks/decode_latency.py --model dummy:llama-3-8b --prompt-len 512 --new-tokens 128 --transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import table, write_json  # noqa: E402
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_tallow(core, prompts, new_tokens: int) -> tuple[float, float]:
+    """(time to first token of the batch in s, decode tok/s over all sequences after the first token)."""
+    from tallow.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    seqs = [core.make_sequences(p, params)[0] for p in prompts]
+    t0 = time.perf_counter()
+    for s in seqs:
+        core.add(s)
+    t_first = None
+    produced_after_first = 0
+    while not all(s.is_finished for s in seqs):
+        outs = core.step()
+        if t_first is None and all(s.num_output_tokens >= 1 for s in seqs):
+            t_first = time.perf_counter()
+        elif t_first is not None:
+            produced_after_first += sum(len(o.token_ids) for _, o in outs)
+    t1 = time.perf_counter()
+    return t_first - t0, produced_after_first / (t1 - t_first)
+
+
+def run_transformers(source: str, loaded, prompts, new_tokens: int, device, dtype) -> tuple[float, float]:
+    """transformers generate on the same weights (GGUF) or the same architecture (dummy)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = getattr(run_transformers, "_model", None)
+    if model is None:
+        if source.endswith(".gguf") or source == "default":
+            from tallow.models.loader import resolve_source
+
+            path = resolve_source(source).path
+            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                         dtype=dtype).to(device)
+        else:
+            from tallow.models.dummy import hf_config_dict
+
+            cfg = AutoConfig.for_model(**hf_config_dict(source.split(":", 1)[1]))
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model.eval()
+        run_transformers._model = model
+    ids = torch.tensor(prompts, device=device)
+    with torch.inference_mode():
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        sync(device)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        sync(device)
+        total = time.perf_counter() - t0
+    return ttft, len(prompts) * (new_tokens - 1) / max(total - ttft, 1e-9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--transformers", action="store_true", help="also time transformers generate in this run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from tallow.config import EngineConfig
+    from tallow.engine.core import EngineCore
+
+    t0 = time.perf_counter()
+    core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                   quantization=args.quantization, enforce_eager=args.enforce_eager,
+                                   max_num_seqs=max(256, max(args.batch)),
+                                   max_model_len=args.prompt_len + args.new_tokens + 16,
+                                   enable_prefix_caching=False))
+    load_s = time.perf_counter() - t0
+    rng = random.Random(0)
+    vocab = min(core.model_config.vocab_size, 10000)
+    rows = []
+    for b in args.batch:
+        prompts = [[rng.randint(10, vocab - 1) for _ in range(args.prompt_len)] for _ in range(b)]
+        run_tallow(core, prompts, 8)  # warm-up
+        ttfts, rates = [], []
+        for _ in range(args.repeats):
+            ttft, rate = run_tallow(core, prompts, args.new_tokens)
+            ttfts.append(ttft)
+            rates.append(rate)
+        row = {"engine": "tallow", "model": args.model, "device": str(core.device), "quant": core.quantization,
+               "batch": b, "prompt": args.prompt_len, "new": args.new_tokens,
+               "ttft_ms": 1000 * statistics.median(ttfts), "decode_tok_s": statistics.median(rates),
+               "per_seq_tok_s": statistics.median(rates) / b}
+        rows.append(row)
+        print(table([row], list(row)), flush=True)
+        if args.transformers:
+            ttfts, rates = [], []
+            for _ in range(max(1, args.repeats - 1)):
+                ttft, rate = run_transformers(args.model, core.loaded, prompts, args.new_tokens, core.device,
+                                              core.dtype if core.device.type == "cuda" else torch.float32)
+                ttfts.append(ttft)
+                rates.append(rate)
+            hrow = dict(row, engine="transformers", quant="none", ttft_ms=1000 * statistics.median(ttfts),
+                        decode_tok_s=statistics.median(rates), per_seq_tok_s=statistics.median(rates) / b)
+            rows.append(hrow)
+            print(table([hrow], list(hrow)), flush=True)
+    print()
+    print(table(rows, list(rows[0])))
+    write_json(args.out, {"benchmark": "decode_latency", "load_s": load_s, "results": rows})
+
+
+if __name__ == "__main__":
+    main()

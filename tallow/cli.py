@@ -1,0 +1,139 @@
+"""tallow serve | generate"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from tallow.config import EngineConfig, ServerConfig
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--model", default=d.model, help="default | path/to/model.gguf | HF folder | dummy:<preset>")
+    p.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N]")
+    p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--quantization", default=d.quantization, help="CPU weight format: auto | int8 | int4 | none")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3) if args.kv_cache_memory else None,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tallow.engine.core import EngineCore
+    from tallow.engine.sampling import SamplingParams
+    from tallow.serve.sink import Detokenizer, StopMatcher
+
+    core = EngineCore(engine_config_from(args))
+    tok = core.tokenizer
+    if args.chat:
+        from tallow.chat_template import ChatTemplate
+
+        template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        ids = tok.encode(template.render(messages, add_generation_prompt=True))
+    else:
+        ids = tok.encode(args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    seq = core.make_sequences(ids, params)[0]
+    core.add(seq)
+    detok = Detokenizer(tok.token_bytes, tok.special_token_ids, True)
+    stopper = StopMatcher(params.stop)
+    t0 = time.perf_counter()
+    t_first = None
+    n = 0
+    while not seq.is_finished:
+        for s, out in core.step():
+            for t in out.token_ids:
+                n += 1
+                t_first = t_first or time.perf_counter()
+                sys.stdout.write(stopper.push(detok.push(t)))
+                sys.stdout.flush()
+            if stopper.stopped:
+                core.abort(s)
+    if not stopper.stopped:
+        sys.stdout.write(stopper.push(detok.flush()) + stopper.flush())
+    sys.stdout.write("\n")
+    t1 = time.perf_counter()
+    if args.verbose and t_first:
+        rate = (n - 1) / (t1 - t_first) if n > 1 else 0.0
+        print(f"[{len(ids)} prompt tokens, {n} generated, first token {1000 * (t_first - t0):.0f} ms, "
+              f"{rate:.1f} tok/s decode, finish {seq.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tallow.serve.app import run_server
+
+    scfg = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                        max_queue=args.max_queue, log_level=args.log_level)
+    if args.api_key:
+        scfg.api_key = args.api_key
+    for name in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, name, None):
+            setattr(scfg, name, getattr(args, name))
+    run_server(engine_config_from(args), scfg)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tallow", description="A local-first LLM inference server")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--stop", action="append")
+    g.add_argument("-v", "--verbose", action="store_true")
+    _engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="start the OpenAI/Anthropic-compatible HTTP server")
+    sd = ServerConfig()
+    s.add_argument("--host", default=sd.host)
+    s.add_argument("--port", type=int, default=sd.port)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-queue", type=int, default=sd.max_queue)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--log-level", default=sd.log_level)
+    s.add_argument("--tool-call-parser", default=None)
+    s.add_argument("--reasoning-parser", default=None)
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "warning")).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

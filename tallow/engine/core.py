@@ -1,0 +1,353 @@
+"""EngineCore (the step loop) and AsyncEngine (the engine thread <-> asyncio bridge)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from tallow.config import EngineConfig
+from tallow.engine.kv_cache import KVCacheManager
+from tallow.engine.request import Sequence, SequenceStatus
+from tallow.engine.runner import ModelRunner, available_host_memory, kv_bytes_per_block
+from tallow.engine.sampling import SamplingParams
+from tallow.engine.scheduler import Scheduler
+from tallow.errors import TallowError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenOutput:
+    """New tokens of one sequence since its previous output."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None  # on the last output: "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    stop_token_id: int | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise TallowError(f"unknown dtype {name!r}; use one of {sorted(table)}", param="dtype")
+    return table[name]
+
+
+class EngineCore:
+    """Owns the model runner, the KV cache manager and the scheduler; step() advances all."""
+
+    def __init__(self, config: EngineConfig, loaded=None):
+        from tallow.models.loader import load_model
+        from tallow.tokenizer import load_tokenizer
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        t0 = time.monotonic()
+        if loaded is None:
+            loaded = load_model(config.model, dtype=self.dtype, device=self.device, cache_dir=config.cache_dir)
+        self.loaded = loaded
+        self.model_config = loaded.config
+        self.model_name = loaded.name
+        self.tokenizer = load_tokenizer(loaded.tokenizer_source)
+        self.quantization = "none"
+        if self.device.type == "cpu" and config.quantization != "none":
+            from tallow.models.quant import quantize_model_
+
+            self.quantization = quantize_model_(loaded.model, config.quantization)
+        cfg = self.model_config
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_id)
+
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
+        self.runner = ModelRunner(loaded.model, cfg, block_size=config.block_size, num_blocks=num_blocks,
+                                  device=self.device, dtype=self.dtype)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.load_seconds = time.monotonic() - t0
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, quantization %s, %.2fs",
+                 self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
+                 config.block_size, self.quantization, self.load_seconds)
+
+    def _num_blocks_from_budget(self) -> int:
+        cfg, c = self.model_config, self.config
+        per_block = kv_bytes_per_block(cfg, c.block_size, self.dtype)
+        if c.kv_cache_memory_bytes is not None:
+            budget = c.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free
+            budget = int(total * c.gpu_memory_utilization) - used_by_others - 2 * 1024**3
+        else:
+            budget = min(int(available_host_memory() * c.cpu_kv_cache_fraction), c.cpu_kv_cache_max_bytes)
+        # Never more than the whole context of max_num_seqs sequences needs.
+        max_useful = c.max_num_seqs * ((self.max_model_len + c.block_size - 1) // c.block_size) + 1
+        num = min(budget // per_block, max_useful)
+        if num < (self.max_model_len + c.block_size - 1) // c.block_size // 8 or num < 4:
+            raise TallowError(f"KV cache budget of {budget} bytes holds only {num} blocks", status=500,
+                              type="server_error")
+        return int(num)
+
+    # ---- requests --------------------------------------------------------------------
+    def make_sequences(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> list[Sequence]:
+        if len(prompt_ids) >= self.max_model_len:
+            raise TallowError(f"the prompt has {len(prompt_ids)} tokens, but the context limit is "
+                              f"{self.max_model_len} tokens", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise TallowError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        first = Sequence(prompt_ids, params, eos_token_ids=self.eos_token_ids,
+                         max_model_len=self.max_model_len, request_id=request_id)
+        seqs = [first]
+        for i in range(1, params.n):
+            seqs.append(Sequence(prompt_ids, params, eos_token_ids=self.eos_token_ids,
+                                 max_model_len=self.max_model_len,
+                                 request_id=f"{first.request_id}-{i}", prefill_after=first))
+        return seqs
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.scheduler.abort(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[tuple[Sequence, TokenOutput]]:
+        """One schedule -> run -> sample -> update round. Returns the outputs of this step."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        try:
+            res = self.runner.run(out)
+        except Exception:
+            shape = [(s.seq.seq_id, s.start, s.num_new_tokens) for s in out.scheduled]
+            log.exception("engine step failed; failing its %d sequences (seq, start, tokens): %s",
+                          len(shape), shape)
+            failed = self.scheduler.fail(out)
+            return [(seq, self._final(seq)) for seq in failed]
+        self.num_steps += 1
+        self.scheduler.update(out, res.token_ids)
+        outputs = []
+        i = 0
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            seq = s.seq
+            p = seq.params
+            lp = top = None
+            if p.logprobs is not None and res.logprobs is not None:
+                lp = [res.logprobs[i]]
+                if p.logprobs > 0 and res.top is not None:
+                    top = [res.top[i][: p.logprobs]]
+            outputs.append((seq, TokenOutput(
+                token_ids=[res.token_ids[i]], logprobs=lp, top_logprobs=top,
+                finish_reason=seq.finish_reason if seq.is_finished else None,
+                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                stop_token_id=seq.stop_token_id if seq.is_finished else None)))
+            i += 1
+        self.num_generated_tokens += i
+        return outputs
+
+    @staticmethod
+    def _final(seq: Sequence) -> TokenOutput:
+        return TokenOutput([], None, None, seq.finish_reason or "abort", seq.num_prompt_tokens,
+                           seq.num_cached_tokens)
+
+    def stats(self) -> dict:
+        kv = self.kv
+        q = kv.prefix_queries
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": self.runner.num_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_queries": q,
+            "prefix_cache_hits": kv.prefix_hits,
+            "prefix_cache_hit_rate": (kv.prefix_hits / q) if q else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions_total,
+            "num_steps": self.num_steps,
+            "generation_tokens": self.num_generated_tokens,
+        }
+
+
+class RequestStream:
+    """Async iterator of one sequence's TokenOutputs. abort() (idempotent) frees it at once."""
+
+    def __init__(self, engine: "AsyncEngine", seq: Sequence):
+        self._engine = engine
+        self.seq = seq
+        self.request_id = seq.request_id
+        self._queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenOutput:
+        if self._done:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if out.finish_reason is not None:
+            self._done = True
+        return out
+
+    def abort(self) -> None:
+        if not self._done:
+            self._engine._abort(self)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+
+class AsyncEngine:
+    """Runs EngineCore.step() in its own thread; requests talk to it through queues."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.model_config = core.model_config
+        self.max_model_len = core.max_model_len
+        self.model_name = core.model_name
+        self._chat_template = None
+        self._streams: dict[int, RequestStream] = {}
+        self._commands: deque = deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="tallow-engine", daemon=True)
+        self._thread.start()
+        self.ready = True
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(EngineCore(config))
+
+    @property
+    def chat_template(self):
+        if self._chat_template is None:
+            from tallow.chat_template import ChatTemplate
+
+            tok = self.tokenizer
+            self._chat_template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+        return self._chat_template
+
+    # ---- the asyncio side -------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> list[RequestStream]:
+        """Queue a request: one stream per sample (params.n); siblings share the prompt's blocks."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        seqs = self.core.make_sequences(prompt_ids, params, request_id)
+        streams = [RequestStream(self, s) for s in seqs]
+        for st in streams:
+            self._streams[st.seq.seq_id] = st
+        self._commands.append(("add", seqs))
+        self._wake.set()
+        return streams
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        if params.n != 1:
+            raise TallowError("generate() takes n == 1; use submit() for several samples", param="n")
+        return self.submit(prompt_ids, params, request_id)[0]
+
+    def _abort(self, stream: RequestStream) -> None:
+        self._commands.append(("abort", stream.seq))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    async def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 10)
+
+    # ---- the engine thread ------------------------------------------------------------
+    def _deliver(self, batch: list[tuple[Sequence, TokenOutput]]) -> None:
+        """Runs on the event loop: hand each output to its stream."""
+        for seq, out in batch:
+            st = self._streams.get(seq.seq_id)
+            if st is None:
+                continue
+            st._queue.put_nowait(out)
+            if out.finish_reason is not None:
+                del self._streams[seq.seq_id]
+
+    def _post(self, batch: list[tuple[Sequence, TokenOutput]]) -> None:
+        if batch and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _drain_commands(self) -> list[tuple[Sequence, TokenOutput]]:
+        finals = []
+        while self._commands:
+            kind, arg = self._commands.popleft()
+            if kind == "add":
+                for seq in arg:
+                    try:
+                        self.core.add(seq)
+                    except TallowError as e:
+                        log.warning("request %s rejected by the scheduler: %s", seq.request_id, e.message)
+                        seq.status = SequenceStatus.FINISHED
+                        seq.finish_reason = "error"
+                        finals.append((seq, EngineCore._final(seq)))
+            else:
+                seq = arg
+                if not seq.is_finished:
+                    self.core.abort(seq)
+                    finals.append((seq, EngineCore._final(seq)))
+        return finals
+
+    def _run(self) -> None:
+        core = self.core
+        while not self._stop:
+            finals = self._drain_commands()
+            if finals:
+                self._post(finals)
+            if not core.has_work():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                outputs = core.step()
+            except Exception:  # the scheduler itself failed: keep the thread alive
+                log.exception("engine step raised outside the model run")
+                outputs = []
+                time.sleep(0.01)
+            if outputs:
+                self._post(outputs)
+        # Shutting down: abort everything left.
+        for st in list(self._streams.values()):
+            if not st.seq.is_finished:
+                core.abort(st.seq)
+            self._post([(st.seq, EngineCore._final(st.seq))])
+
