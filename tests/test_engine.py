@@ -1,0 +1,200 @@
+"""End-to-end engine behaviour on the real default model (CPU): batching, preemption,
+prefix caching, seeds, n>1, abort, and the asyncio bridge."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from tallow.config import EngineConfig
+from tallow.engine.core import AsyncEngine, EngineCore
+from tallow.engine.sampling import SamplingParams
+from tallow.llm import LLM
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "List three colors:",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "In 1492,",
+    "Water boils at",
+    "My favourite programming language is Python because it is easy to read, and",
+    "Q: What is 2+2?\nA:",
+    "Paris is",
+    "The sun rises in the",
+    "import numpy as np\nx = np.",
+    "Dear Sir or Madam,",
+    "Photosynthesis is the process",
+    "1, 2, 3, 4,",
+    "The three laws of robotics are",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from tallow.models.loader import load_model
+
+    return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
+
+
+def make_core(loaded, **overrides) -> EngineCore:
+    cfg = dataclasses.replace(EngineConfig(model="default", device="cpu"), **overrides)
+    return EngineCore(cfg, loaded=loaded)
+
+
+def run_all(core: EngineCore, prompts_ids, params):
+    seqs = [s for ids in prompts_ids for s in core.make_sequences(ids, params)]
+    for s in seqs:
+        core.add(s)
+    while core.has_work():
+        core.step()
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def core(loaded):
+    return make_core(loaded)
+
+
+def test_batching_invariance(core):
+    ids = [core.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    free0 = core.kv.num_free_blocks
+    together = [s.output_ids for s in run_all(core, ids, params)]
+    alone = [run_all(core, [x], params)[0].output_ids for x in ids]
+    assert together == alone
+    assert core.kv.num_free_blocks == free0
+
+
+def test_preemption_keeps_outputs(loaded, core):
+    ids = [core.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reference = [s.output_ids for s in run_all(core, ids, params)]
+    small = make_core(loaded, num_kv_blocks=24, block_size=4, enable_prefix_caching=False)
+    free0 = small.kv.num_free_blocks
+    got = [s.output_ids for s in run_all(small, ids, params)]
+    assert small.scheduler.num_preemptions_total > 0, "the pool was meant to be too small: no preemption happened"
+    assert got == reference
+    assert small.kv.num_free_blocks == free0
+
+
+def test_prefix_cache_hit_and_same_output(loaded, core):
+    tok = core.tokenizer
+    system = " ".join(f"Rule {i}: answer briefly and politely." for i in range(60))
+    prefix = tok.encode(system)[:300]
+    assert len(prefix) == 300
+    a = prefix + tok.encode(" Question: what is the capital of Italy?")
+    b = prefix + tok.encode(" Question: name a large animal.")
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    run_all(core, [a], params)
+    seq_b = run_all(core, [b], params)[0]
+    assert seq_b.num_cached_tokens >= 300 - core.config.block_size
+    assert seq_b.num_cached_tokens % core.config.block_size == 0
+    nocache = make_core(loaded, enable_prefix_caching=False)
+    ref = run_all(nocache, [b], params)[0]
+    assert ref.num_cached_tokens == 0
+    assert seq_b.output_ids == ref.output_ids
+
+
+def test_seed_is_batch_independent(core):
+    ids = [core.tokenizer.encode(p) for p in PROMPTS[:6]]
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = run_all(core, [ids[0]], seeded)[0].output_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    seqs = [s for s in core.make_sequences(ids[0], seeded)]
+    for x in ids[1:]:
+        seqs += core.make_sequences(x, others)
+    for s in seqs:
+        core.add(s)
+    while core.has_work():
+        core.step()
+    assert seqs[0].output_ids == alone
+    again = run_all(core, [ids[0]], seeded)[0].output_ids
+    assert again == alone
+
+
+def test_n_samples_share_prompt_blocks(core):
+    ids = core.tokenizer.encode(" ".join(PROMPTS))  # > 3 blocks
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True)
+    seqs = run_all(core, [ids], params)
+    assert len(seqs) == 3
+    assert seqs[0].output_ids == seqs[1].output_ids == seqs[2].output_ids
+    full_blocks = (len(ids) - 1) // core.config.block_size * core.config.block_size
+    assert all(s.num_cached_tokens >= full_blocks for s in seqs[1:])
+
+
+def test_abort_frees_blocks(core):
+    free0 = core.kv.num_free_blocks
+    ids = [core.tokenizer.encode(p) for p in PROMPTS[:8]]
+    seqs = [s for x in ids for s in core.make_sequences(x, SamplingParams(max_tokens=50, ignore_eos=True))]
+    for s in seqs:
+        core.add(s)
+    for _ in range(3):
+        core.step()
+    assert core.kv.num_free_blocks < free0
+    for s in seqs:
+        core.abort(s)
+    assert not core.has_work()
+    assert core.kv.num_free_blocks == free0
+    assert all(s.finish_reason == "abort" for s in seqs)
+
+
+def test_llm_generate_stop_strings_and_chat(loaded):
+    llm = LLM.__new__(LLM)
+    llm.config = EngineConfig(model="default", device="cpu")
+    llm.engine = EngineCore(llm.config, loaded=loaded)
+    llm.tokenizer = llm.engine.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    full = llm.generate("Once upon a time", greedy)[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    # A stop string taken from the middle of the greedy text: the output ends right before it.
+    cut = len(full.text) // 2
+    stop = full.text[cut:cut + 4]
+    first = full.text.find(stop)
+    out = llm.generate("Once upon a time", dataclasses.replace(greedy, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:first]
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0]
+    assert "Paris" in chat.text
+
+
+def test_async_engine_concurrent_and_cancel(loaded):
+    core = make_core(loaded)
+    engine = AsyncEngine(core)
+    ids = [core.tokenizer.encode(p) for p in PROMPTS[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = [s.output_ids for s in run_all(make_core(loaded), ids, params)]
+    free0 = core.kv.num_free_blocks
+
+    async def collect(x):
+        toks = []
+        async for out in engine.generate(x, params):
+            toks += out.token_ids
+            last = out
+        return toks, last
+
+    async def cancelled():
+        stream = engine.generate(ids[0], SamplingParams(max_tokens=500, ignore_eos=True))
+        async for out in stream:
+            break  # one token in: the sequence is running
+        stream.abort()
+        async for out in stream:
+            assert out.finish_reason == "abort"
+
+    async def main():
+        results = await asyncio.gather(*(collect(x) for x in ids), cancelled())
+        await asyncio.sleep(0.2)
+        stats = engine.stats()
+        await engine.shutdown()
+        return results, stats
+
+    results, stats = asyncio.run(main())
+    assert [r[0] for r in results[:4]] == expected
+    assert all(r[1].finish_reason == "length" and r[1].num_prompt_tokens == len(x) for r, x in zip(results, ids))
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert core.kv.num_free_blocks == free0
