@@ -1,0 +1,259 @@
+"""Sampler: the logits of every sampling row -> next token ids, with logprobs.
+
+One call per engine step, vectorized over the batch: per-row parameters become tensors
+once per call, and a stage runs only when some row needs it. The chain, in vLLM's order:
+
+    processed = logits
+        + logit_bias[t]                                     logit_bias
+        -inf on eos and stop_token_ids while the output is shorter than min_tokens
+        where t in prompt or output: x > 0 -> x / r, x <= 0 -> x * r   repetition_penalty r
+        - f * count_output[t]                               frequency_penalty f
+        - p * [count_output[t] > 0]                         presence_penalty p
+    logprobs = log_softmax(processed)          vLLM's "processed" logprobs, as mlx-lm
+    greedy rows (temperature 0): argmax(processed)
+    other rows: processed / temperature -> top_k -> top_p -> min_p -> softmax
+                -> argmax(probs / q), q ~ Exp(1)  (the exponential race: a draw from probs)
+
+A seeded row draws its noise only from its own generator (seq.generator), so its tokens
+do not depend on what else is in the batch; unseeded rows share torch's default generator
+of the device (seeded by the engine's torch.manual_seed). Nothing here reads a device
+value on the host: the runner makes the one transfer of the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tallow.engine.request import Sequence
+from tallow.engine.sampling import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor  # [N] int64, on the logits' device
+    logprobs: Tensor | None  # [N] float32: log-prob of the chosen token (None when no row asked)
+    top_ids: Tensor | None  # [N, K] int64, K = the largest logprobs k asked (None when K == 0)
+    top_logprobs: Tensor | None  # [N, K] float32, sorted descending
+
+
+@dataclass
+class PenaltyState:
+    """What the sampler keeps in seq.sampler_state for penalties.
+
+    output_counts[t] counts token t among the first num_counted output tokens and
+    prompt_mask[t] says t is in the prompt. Both are rows (views) of the batch tensors of
+    the step that last saw the sequence, so the next step stacks them with one op and
+    counts only the tokens appended since. A recompute preemption keeps token_ids, so
+    what was counted stays true.
+    """
+
+    output_counts: Tensor  # [V] int32
+    prompt_mask: Tensor  # [V] bool
+    num_counted: int
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device):
+        # Logits wider than the vocabulary (a padded LM head) are cut to it.
+        self.vocab_size = vocab_size
+        # Where the logits come: seeded rows' generators are made there.
+        self.device = torch.device(device)
+
+    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits [N, V] float32: row i belongs to seqs[i]."""
+        processed = self.process_logits(logits, seqs)
+        params = [s.params for s in seqs]
+
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled_rows:
+            token_ids = processed.argmax(dim=-1)
+        elif len(sampled_rows) == len(seqs):
+            token_ids = self._sample(processed, seqs)
+        else:
+            rows = _to_device(sampled_rows, torch.int64, processed.device)
+            chosen = self._sample(processed.index_select(0, rows), [seqs[i] for i in sampled_rows])
+            token_ids = processed.argmax(dim=-1).index_copy(0, rows, chosen)
+
+        logprobs = top_ids = top_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            all_logprobs = processed.log_softmax(dim=-1)
+            logprobs = all_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            k = max(p.logprobs or 0 for p in params)
+            if k > 0:
+                top_logprobs, top_ids = all_logprobs.topk(k, dim=-1)
+        return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)
+
+    # ---- processors ----------------------------------------------------------------------
+    def process_logits(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        """The logits after logit_bias, min_tokens and the penalties (the input is not changed).
+
+        Updates the penalty counts in seq.sampler_state as a side effect.
+        """
+        logits = logits[:, : self.vocab_size]
+        if not any(s.params.logit_bias or s.num_output_tokens < s.params.min_tokens
+                   or s.params.needs_penalties for s in seqs):
+            return logits
+        processed = logits.clone()
+        self._apply_logit_bias(processed, seqs)
+        self._apply_min_tokens(processed, seqs)
+        penalty_rows = [i for i, s in enumerate(seqs) if s.params.needs_penalties]
+        if penalty_rows:
+            self._apply_penalties(processed, seqs, penalty_rows)
+        return processed
+
+    def _apply_logit_bias(self, logits: Tensor, seqs: list[Sequence]) -> None:
+        rows, cols, values = [], [], []
+        for i, s in enumerate(seqs):
+            for token, bias in (s.params.logit_bias or {}).items():
+                if 0 <= token < self.vocab_size:
+                    rows.append(i)
+                    cols.append(token)
+                    values.append(bias)
+        if rows:
+            index = _to_device([rows, cols], torch.int64, logits.device)
+            logits.index_put_(tuple(index), _to_device(values, logits.dtype, logits.device), accumulate=True)
+
+    def _apply_min_tokens(self, logits: Tensor, seqs: list[Sequence]) -> None:
+        """Forbid stopping early: eos (even with ignore_eos) and stop_token_ids get -inf."""
+        rows, cols = [], []
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens:
+                for token in s.eos_token_ids | set(s.params.stop_token_ids):
+                    if 0 <= token < self.vocab_size:
+                        rows.append(i)
+                        cols.append(token)
+        if rows:
+            index = _to_device([rows, cols], torch.int64, logits.device)
+            logits.index_put_(tuple(index), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
+
+    def _apply_penalties(self, logits: Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        """Repetition (HF/vLLM), frequency and presence (OpenAI) penalties on the given rows."""
+        device = logits.device
+        counts, prompt_mask = self._penalty_counts([seqs[i] for i in rows], device)
+        params = [seqs[i].params for i in rows]
+        index = _to_device(rows, torch.int64, device)
+        x = logits.index_select(0, index)
+        in_output = counts > 0
+        if any(p.repetition_penalty != 1.0 for p in params):
+            r = _to_device([p.repetition_penalty for p in params], x.dtype, device).unsqueeze(1)
+            x = torch.where(prompt_mask | in_output, torch.where(x > 0, x / r, x * r), x)
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            frequency = _to_device([p.frequency_penalty for p in params], x.dtype, device).unsqueeze(1)
+            presence = _to_device([p.presence_penalty for p in params], x.dtype, device).unsqueeze(1)
+            x = x - frequency * counts - presence * in_output
+        logits.index_copy_(0, index, x)
+
+    def _penalty_counts(self, seqs: list[Sequence], device: torch.device) -> tuple[Tensor, Tensor]:
+        """[M, V] output token counts (int32) and prompt masks (bool), counting only new tokens."""
+        vocab = self.vocab_size
+        states: list[PenaltyState | None] = [s.sampler_state for s in seqs]
+        fresh = [st is None for st in states]
+        zero_counts = torch.zeros(vocab, dtype=torch.int32, device=device) if any(fresh) else None
+        no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device) if any(fresh) else None
+        counts = torch.stack([zero_counts if st is None else st.output_counts for st in states])
+        prompt_mask = torch.stack([no_prompt if st is None else st.prompt_mask for st in states])
+
+        count_rows, count_cols, prompt_rows, prompt_cols = [], [], [], []
+        for j, (s, st) in enumerate(zip(seqs, states)):
+            counted = 0 if st is None else st.num_counted
+            new = s.token_ids[s.num_prompt_tokens + counted:]
+            count_rows += [j] * len(new)
+            count_cols += new
+            if st is None:
+                prompt_rows += [j] * s.num_prompt_tokens
+                prompt_cols += s.token_ids[: s.num_prompt_tokens]
+        if count_rows:
+            index = _to_device([count_rows, count_cols], torch.int64, device)
+            counts.index_put_(tuple(index), torch.ones((), dtype=torch.int32, device=device), accumulate=True)
+        if prompt_rows:
+            index = _to_device([prompt_rows, prompt_cols], torch.int64, device)
+            prompt_mask.index_put_(tuple(index), torch.ones((), dtype=torch.bool, device=device))
+        for j, s in enumerate(seqs):
+            s.sampler_state = PenaltyState(counts[j], prompt_mask[j], s.num_output_tokens)
+        return counts, prompt_mask
+
+    # ---- sampling ------------------------------------------------------------------------
+    def _sample(self, processed: Tensor, seqs: list[Sequence]) -> Tensor:
+        """A token per row from softmax(sampling_logits): argmax(probs / q), q ~ Exp(1)."""
+        probs = sampling_logits(processed, [s.params for s in seqs]).softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        seeded = [j for j, s in enumerate(seqs) if s.params.seed is not None]
+        if len(seeded) < len(seqs):
+            noise.exponential_()
+        for j in seeded:
+            noise[j].exponential_(generator=self._generator(seqs[j]))
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return seq.generator
+
+
+def sampling_logits(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """The logits sampled rows draw from: / temperature, then top_k, top_p, min_p.
+
+    Tokens outside a row's kept set get -inf. temperature 0 rows are left at temperature 1
+    (they are sampled by argmax elsewhere). Top-k alone runs torch.topk up to the largest k;
+    with top-p, one descending sort serves both.
+    """
+    device = logits.device
+    temperature = [1.0 if p.greedy else p.temperature for p in params]
+    x = logits / _to_device(temperature, logits.dtype, device).unsqueeze(1)
+    top_k = None
+    if any(p.top_k > 0 for p in params):
+        top_k = _to_device([p.top_k for p in params], torch.int64, device)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = _to_device([p.top_p for p in params], x.dtype, device)
+        x = apply_top_k_top_p(x, top_k, top_p)
+    elif top_k is not None:
+        x = apply_top_k(x, top_k, max(p.top_k for p in params))
+    if any(p.min_p > 0.0 for p in params):
+        x = apply_min_p(x, _to_device([p.min_p for p in params], x.dtype, device))
+    return x
+
+
+def apply_top_k(x: Tensor, top_k: Tensor, k_max: int) -> Tensor:
+    """Keep each row's top_k largest logits (ties with the k-th kept; 0 = all) by torch.topk."""
+    k_max = min(k_max, x.shape[-1])
+    top = x.topk(k_max, dim=-1).values
+    kth = top.gather(1, (top_k.clamp(1, k_max) - 1).unsqueeze(1))
+    kth = kth.masked_fill((top_k == 0).unsqueeze(1), -math.inf)
+    return x.masked_fill(x < kth, -math.inf)
+
+
+def apply_top_k_top_p(x: Tensor, top_k: Tensor | None, top_p: Tensor) -> Tensor:
+    """top_k (as apply_top_k), then the nucleus: the smallest set of most likely tokens whose
+    mass reaches top_p (vLLM/HF): a token stays while the mass strictly above it is < top_p,
+    so the most likely one always stays. top_p 1 keeps all.
+    """
+    vocab = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_x.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
+        kth = kth.masked_fill((top_k == 0).unsqueeze(1), -math.inf)
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, -math.inf)
+    probs = sorted_x.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    # Rows with top_p 1 keep everything, even where rounding lifts the cumulative mass to 1.
+    drop = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    sorted_x = sorted_x.masked_fill(drop, -math.inf)
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def apply_min_p(x: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens with prob < min_p * max prob, i.e. x < max(x) + log(min_p) (min_p 0: none)."""
+    threshold = x.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    return x.masked_fill(x < threshold, -math.inf)
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small per-step tensor from host data; on CUDA through pinned memory, without a sync."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
