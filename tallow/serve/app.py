@@ -1,0 +1,232 @@
+"""FastAPI routes: OpenAI Chat Completions and Completions, health, models, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tallow.config import EngineConfig, ServerConfig
+from tallow.errors import TallowError
+from tallow.serve.admission import RETRY_AFTER_S, AdmissionQueue
+from tallow.serve.executor import ChoiceUpdate, CompletionExecutor, CompletionRun
+from tallow.serve.plan import Rejection
+from tallow.serve.protocols.base import StreamProtocol
+from tallow.serve.protocols.openai_chat import OpenAIChat
+from tallow.serve.protocols.openai_completions import OpenAICompletions
+
+log = logging.getLogger(__name__)
+
+# How often a request waiting on the engine checks whether its client is still there.
+DISCONNECT_POLL_S = 0.1
+
+class ClientGone(Exception):
+    """The client closed the connection before its completion ended."""
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(Rejection.invalid(message, param, status=status, type=type).body, status,
+                        headers=headers)
+
+
+def attach_engine(app: FastAPI, engine) -> None:
+    """Serve `engine` from now on (run_server calls this once the model has loaded)."""
+    state = app.state
+    state.engine = engine
+    state.executor = CompletionExecutor(engine)
+    state.admission = AdmissionQueue(engine.max_num_seqs, state.config.max_queue)
+    state.model_name = state.config.served_model_name or engine.model_name
+
+
+def build_app(engine, server_config: ServerConfig) -> FastAPI:
+    """The HTTP app over `engine`; pass None while the model loads (every route answers 503)."""
+    app = FastAPI(title="tallow")
+    app.state.config = server_config
+    app.state.engine = None
+    app.state.counters = Counter()
+    if engine is not None:
+        attach_engine(app, engine)
+
+    def serving_engine():
+        engine = app.state.engine
+        if engine is None or not engine.ready:
+            raise TallowError("the model is still loading", status=503, type="service_unavailable")
+        return engine
+
+    def check_api_key(request: Request) -> None:
+        key = server_config.api_key
+        if key is None:
+            return
+        given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+        if given != key:
+            raise TallowError("invalid or missing API key", status=401, type="authentication_error")
+
+    @app.exception_handler(TallowError)
+    async def tallow_error(request: Request, e: TallowError) -> JSONResponse:
+        return JSONResponse(Rejection.from_error(e).body, e.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, f"internal server error: {type(e).__name__}", "server_error")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        engine = app.state.engine
+        ready = engine is not None and engine.ready
+        return JSONResponse({"status": "ok" if ready else "loading"}, 200 if ready else 503)
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card(serving_engine())]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)])
+    async def model(model_id: str) -> dict:
+        card = model_card(serving_engine())
+        if model_id != card["id"]:
+            raise TallowError(f"the model {model_id!r} does not exist", status=404, param="model",
+                              code="model_not_found")
+        return card
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        engine = serving_engine()
+        counters = dict(app.state.counters)
+        counters["in_flight"] = app.state.admission.in_flight
+        return {"engine": await asyncio.to_thread(engine.stats), "requests": counters}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, OpenAIChat)
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    async def completions(request: Request) -> Response:
+        return await complete(request, OpenAICompletions)
+
+    def model_card(engine) -> dict:
+        return {"id": app.state.model_name, "object": "model", "created": 0, "owned_by": "tallow",
+                "max_model_len": engine.max_model_len}
+
+    async def complete(request: Request, protocol_cls: type[StreamProtocol]) -> Response:
+        engine = serving_engine()
+        state, counters = app.state, app.state.counters
+        counters["total"] += 1
+        raw = await request.body()
+        if len(raw) > server_config.max_body_bytes:
+            counters["rejected"] += 1
+            return error_response(413, f"the request body exceeds {server_config.max_body_bytes} bytes",
+                                  "invalid_request_error")
+        plan = await asyncio.to_thread(protocol_cls.plan_request, raw, engine, server_config)
+        if isinstance(plan, Rejection):
+            counters["rejected"] += 1
+            return JSONResponse(plan.body, plan.status)
+        admission = state.admission.try_admit(len(plan.prompts) * plan.params.n)
+        if admission is None:
+            counters["queue_full"] += 1
+            return error_response(429, "the server is at capacity; retry shortly", "rate_limit_error",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+        request_id = protocol_cls.id_prefix + uuid.uuid4().hex
+        protocol = protocol_cls(plan, state.model_name, engine.tokenizer, request_id)
+        run = state.executor.start(plan, request_id)
+
+        if plan.stream:
+            async def frames() -> AsyncIterator[str]:
+                try:
+                    for frame in protocol.start():
+                        yield frame
+                    async for update in until_disconnected(request, run):
+                        for frame in protocol.add_events(update, run.usage):
+                            yield frame
+                    for frame in protocol.finish(run.usage):
+                        yield frame
+                    counters["completed"] += 1
+                except ClientGone:
+                    counters["disconnected"] += 1
+                except Exception as e:
+                    counters["failed"] += 1
+                    log.exception("request %s failed while streaming", request_id)
+                    message = e.message if isinstance(e, TallowError) else f"internal error: {type(e).__name__}"
+                    for frame in protocol.error(message):
+                        yield frame
+                finally:
+                    admission.release()
+
+            return StreamingResponse(frames(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            async for _ in until_disconnected(request, run):
+                pass
+        except ClientGone:
+            counters["disconnected"] += 1
+            return Response(status_code=499)
+        except Exception:
+            counters["failed"] += 1
+            raise
+        finally:
+            admission.release()
+        counters["completed"] += 1
+        return JSONResponse(protocol.response(run.summary()))
+
+    return app
+
+
+async def until_disconnected(request: Request, run: CompletionRun) -> AsyncIterator[ChoiceUpdate]:
+    """The run's updates, checking the client while waiting for each; when it has gone, or
+    whenever this generator stops early, the run is aborted at once (no await needed, so
+    this holds under cancellation too). Raises ClientGone after a disconnect."""
+    updates = run.updates()
+    step = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(updates))
+            while not (await asyncio.wait({step}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    raise ClientGone
+            try:
+                update = step.result()
+            except StopAsyncIteration:
+                return
+            yield update
+    finally:
+        run.abort()
+        if step is not None:
+            step.cancel()
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Serve over HTTP (uvicorn) at once; /health answers 503 until the model has loaded."""
+    import uvicorn
+
+    app = build_app(None, server_config)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                                           log_level=server_config.log_level,
+                                           timeout_graceful_shutdown=int(server_config.shutdown_timeout)))
+    asyncio.run(_serve(server, app, engine_config))
+
+
+async def _serve(server, app: FastAPI, engine_config: EngineConfig) -> None:
+    from tallow.engine.core import AsyncEngine
+
+    serving = asyncio.create_task(server.serve())
+    t0 = time.monotonic()
+    try:
+        engine = await asyncio.to_thread(AsyncEngine.from_config, engine_config)
+    except BaseException:
+        server.should_exit = True
+        await serving
+        raise
+    attach_engine(app, engine)
+    config = app.state.config
+    print(f"tallow: serving {app.state.model_name} at http://{config.host}:{config.port}/v1 "
+          f"(ready in {time.monotonic() - t0:.1f} s)", flush=True)
+    try:
+        await serving
+    finally:
+        await engine.shutdown()

@@ -1,0 +1,186 @@
+"""CompletionExecutor: one planned request on the engine, from submission to usage accounting.
+
+Every protocol runs through here. A run submits each prompt (params.n sibling streams
+each), feeds every stream's tokens to its own CompletionSink, gathers logprobs, keeps a
+live Usage, and aborts an engine stream as soon as its stop matcher fires. Updates from
+all choices arrive on one async iterator in the order they are produced; leaving that
+iterator early (a client that went away, a cancelled task) aborts every stream at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tallow.errors import TallowError
+from tallow.serve.plan import RequestPlan
+from tallow.serve.reasoning import make_thinking_splitter
+from tallow.serve.sink import CompletionSink, Detokenizer, Event, PlainRouter, StopMatcher, ToolCall
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_openai(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # sorted by logprob, best first; empty unless top-k was asked
+
+
+@dataclass
+class ChoiceUpdate:
+    """New events of one choice, with the logprobs of the tokens consumed since its last update."""
+
+    index: int
+    events: list[Event]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None  # set on the choice's last update
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    content: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+    finish_reason: str  # "tool_calls" > "stop" > "length"; "abort" when cut off
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass
+class CompletionSummary:
+    choices: list[ChoiceResult]
+    usage: Usage
+
+
+@dataclass
+class CompletionRun:
+    """One request in flight. Iterate `updates()` once; `usage` is kept current throughout."""
+
+    engine: object
+    plan: RequestPlan
+    request_id: str
+    usage: Usage = field(init=False)
+    results: dict[int, ChoiceResult] = field(init=False, default_factory=dict)
+    _streams: list = field(init=False, default_factory=list)
+    _pumps: list[asyncio.Task] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.usage = Usage(prompt_tokens=sum(len(ids) for ids in self.plan.prompts))
+
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+        queue: asyncio.Queue[ChoiceUpdate | BaseException] = asyncio.Queue()
+        n = self.plan.params.n
+        try:
+            for p, prompt_ids in enumerate(self.plan.prompts):
+                request_id = self.request_id if len(self.plan.prompts) == 1 else f"{self.request_id}-{p}"
+                siblings = self.engine.submit(prompt_ids, self.plan.params_for(p), request_id)
+                for j, stream in enumerate(siblings):
+                    self._streams.append(stream)
+                    self._pumps.append(asyncio.create_task(self._pump(p * n + j, stream, j == 0, queue)))
+            unfinished = len(self._pumps)
+            while unfinished:
+                update = await queue.get()
+                if isinstance(update, BaseException):
+                    raise update
+                if update.finish_reason is not None:
+                    unfinished -= 1
+                yield update
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop at once: abort every engine stream (idempotent; needs no await)."""
+        for stream in self._streams:
+            stream.abort()
+        for pump in self._pumps:
+            pump.cancel()
+
+    def summary(self) -> CompletionSummary:
+        return CompletionSummary([self.results[i] for i in sorted(self.results)], self.usage)
+
+    async def _pump(self, index: int, stream, counts_cached: bool, queue: asyncio.Queue) -> None:
+        try:
+            await self._consume(index, stream, counts_cached, queue)
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait(e)
+
+    async def _consume(self, index: int, stream, counts_cached: bool, queue: asyncio.Queue) -> None:
+        sink = self._make_sink()
+        want_logprobs = self.plan.params.logprobs is not None
+        all_logprobs: list[TokenLogprob] = []
+        pending: list[TokenLogprob] = []
+        finish = "abort"
+        first = True
+        async for out in stream:
+            if first and counts_cached:
+                self.usage.cached_tokens += out.num_cached_tokens
+            first = False
+            events: list[Event] = []
+            for k, token_id in enumerate(out.token_ids):
+                self.usage.completion_tokens += 1
+                if want_logprobs:
+                    top = out.top_logprobs[k] if out.top_logprobs else []
+                    pending.append(TokenLogprob(token_id, out.logprobs[k], top))
+                events += sink.push(token_id)
+                if sink.stopped:
+                    break
+            if events:
+                queue.put_nowait(ChoiceUpdate(index, events, pending))
+                all_logprobs += pending
+                pending = []
+            if sink.stopped:
+                stream.abort()
+                break
+            if out.finish_reason is not None:
+                finish = out.finish_reason
+        if finish == "error":
+            raise TallowError("the engine failed while generating", status=500, type="server_error")
+        result = sink.finish()
+        all_logprobs += pending
+        reason = "tool_calls" if result.tool_calls else "stop" if result.stopped else finish
+        self.results[index] = ChoiceResult(index, result.content, result.reasoning, result.tool_calls, reason,
+                                           all_logprobs if want_logprobs else None)
+        queue.put_nowait(ChoiceUpdate(index, result.events, pending, reason))
+
+    def _make_sink(self) -> CompletionSink:
+        tokenizer, params = self.engine.tokenizer, self.plan.params
+        router = PlainRouter(Detokenizer(tokenizer.token_bytes, tokenizer.special_token_ids,
+                                         params.skip_special_tokens))
+        stopper = StopMatcher(params.stop, params.include_stop_str_in_output)
+        thinking = make_thinking_splitter(self.plan.reasoning_parser, self.plan.prompt_text,
+                                          self.plan.split_reasoning)
+        return CompletionSink(router, stopper, thinking, self.plan.collect_tool_calls)
+
+
+class CompletionExecutor:
+    """Runs planned requests on one engine; every protocol shares it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def start(self, plan: RequestPlan, request_id: str) -> CompletionRun:
+        """A run for streaming: iterate its `updates()`; nothing is submitted before that."""
+        return CompletionRun(self.engine, plan, request_id)
+
+    async def run(self, plan: RequestPlan, request_id: str) -> CompletionSummary:
+        """Run to the end and return the whole result (the non-streaming path)."""
+        run = self.start(plan, request_id)
+        async for _ in run.updates():
+            pass
+        return run.summary()

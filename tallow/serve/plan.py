@@ -1,0 +1,164 @@
+"""Validation: a request body -> RequestPlan, or Rejection(status, OpenAI-shaped error body).
+
+Each protocol adapter parses its body with `parse_request`, turns its messages or
+prompts into token ids, then calls `plan_completion` for the checks every protocol
+shares: limits that depend on the server or the model, the context fit, and the
+SamplingParams the engine runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from tallow.config import ServerConfig
+from tallow.engine.sampling import SamplingParams
+from tallow.errors import TallowError
+from tallow.serve.schemas import SamplingFields
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    status: int
+    body: dict[str, Any]
+
+    @classmethod
+    def invalid(cls, message: str, param: str | None = None, *, status: int = 400,
+                type: str = "invalid_request_error", code: str | None = None) -> "Rejection":
+        return cls(status, {"error": {"message": message, "type": type, "param": param, "code": code}})
+
+    @classmethod
+    def from_error(cls, error: TallowError) -> "Rejection":
+        return cls.invalid(error.message, error.param, status=error.status, type=error.type, code=error.code)
+
+
+@dataclass
+class RequestPlan:
+    """Everything the executor needs to run one request; each prompt gets params.n choices.
+
+    params.max_tokens is the widest clamp; max_tokens[i] is prompt i's own clamp to the
+    room its context leaves.
+    """
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    max_tokens: list[int]
+    requested_max_tokens: int | None
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    echo: bool = False
+    # Chat only: the rendered prompt decides whether the reply starts inside <think>.
+    prompt_text: str = ""
+    split_reasoning: bool = False
+    reasoning_parser: str | None = None
+    collect_tool_calls: bool = False
+
+    def params_for(self, prompt_index: int) -> SamplingParams:
+        return replace(self.params, max_tokens=self.max_tokens[prompt_index])
+
+
+# Union members and validator wrappers that pydantic puts in an error's location.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none)$|[\[\-]|^[A-Z]")
+
+
+def parse_request(raw: bytes, schema: type[Model]) -> Model | Rejection:
+    """Parse and type-check a JSON body; the first problem becomes a 400 naming its field."""
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        if error["type"] == "json_invalid":
+            return Rejection.invalid(f"The request body is not valid JSON: {error['msg']}")
+        param = _field_path(error["loc"])
+        if not param:
+            return Rejection.invalid(f"The request body is invalid: {error['msg']}")
+        return Rejection.invalid(f"{param}: {error['msg']}", param)
+
+
+def _field_path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _TYPE_TAG.search(part):
+            path += f".{part}" if path else part
+    return path
+
+
+def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size: int,
+                    max_model_len: int, config: ServerConfig, max_tokens: int | None,
+                    logprobs: int | None, prompt_param: str, **plan_fields: Any) -> RequestPlan | Rejection:
+    """Shared checks and SamplingParams for a parsed request whose prompts are tokenized."""
+    if req.n > config.max_n:
+        return Rejection.invalid(f"n must be at most {config.max_n}, got {req.n}", "n")
+    if logprobs is not None and logprobs > config.max_top_logprobs:
+        param = "top_logprobs" if prompt_param == "messages" else "logprobs"
+        return Rejection.invalid(f"{param} must be at most {config.max_top_logprobs}, got {logprobs}", param)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > config.max_stop_strings:
+        return Rejection.invalid(f"stop holds at most {config.max_stop_strings} strings, got {len(stop)}", "stop")
+    if any(not s for s in stop):
+        return Rejection.invalid("stop strings must not be empty", "stop")
+    logit_bias = _logit_bias(req.logit_bias, vocab_size, config.max_logit_bias)
+    if isinstance(logit_bias, Rejection):
+        return logit_bias
+    if any(not 0 <= t < vocab_size for t in req.stop_token_ids or []):
+        return Rejection.invalid(f"stop_token_ids must be token ids below {vocab_size}", "stop_token_ids")
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        return Rejection.invalid(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                                 "min_tokens")
+
+    clamped = []
+    for ids in prompts:
+        room = max_model_len - len(ids)
+        if room < 1:
+            return Rejection.invalid(
+                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                f"{len(ids)} tokens, which leaves no room for a completion. Shorten the prompt.",
+                prompt_param, code="context_length_exceeded")
+        clamped.append(room if max_tokens is None else min(max_tokens, room))
+
+    try:
+        params = SamplingParams(
+            n=req.n, max_tokens=max(clamped),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            logit_bias=logit_bias, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens)
+    except TallowError as e:
+        return Rejection.from_error(e)
+    options = req.stream_options
+    return RequestPlan(
+        prompts=prompts, params=params, max_tokens=clamped, requested_max_tokens=max_tokens,
+        stream=req.stream, include_usage=bool(req.stream and options and options.include_usage),
+        continuous_usage_stats=bool(req.stream and options and options.continuous_usage_stats),
+        **plan_fields)
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int,
+                limit: int) -> dict[int, float] | None | Rejection:
+    if not bias:
+        return None
+    if len(bias) > limit:
+        return Rejection.invalid(f"logit_bias holds at most {limit} entries, got {len(bias)}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if not 0 <= token_id < vocab_size:
+            return Rejection.invalid(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                                     "logit_bias")
+        out[token_id] = value
+    return out

@@ -1,0 +1,70 @@
+"""StreamProtocol: the seam between the executor and one wire protocol."""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+
+from tallow.config import ServerConfig
+from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
+from tallow.serve.plan import Rejection, RequestPlan
+
+DONE = "data: [DONE]\n\n"
+# JSON has no -inf; a logprob this low reads as "impossible" to every client.
+MIN_LOGPROB = -9999.0
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+class StreamProtocol(ABC):
+    """One wire protocol: its body -> a RequestPlan, a run's updates -> SSE frames, a summary -> JSON.
+
+    Streaming calls start() once, add_events() for each ChoiceUpdate (the update carrying a
+    finish_reason closes its choice), then finish() once, or error() if the run fails midway.
+    Each returns the frames to send, in order.
+    """
+
+    id_prefix: str
+
+    def __init__(self, plan: RequestPlan, model_name: str, tokenizer, request_id: str):
+        self.plan = plan
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.request_id = request_id
+        self.created = int(time.time())
+        self.num_choices = len(plan.prompts) * plan.params.n
+
+    @classmethod
+    @abstractmethod
+    def plan_request(cls, raw: bytes, engine, config: ServerConfig) -> RequestPlan | Rejection: ...
+
+    @abstractmethod
+    def start(self) -> list[str]: ...
+
+    @abstractmethod
+    def add_events(self, update: ChoiceUpdate, usage: Usage) -> list[str]: ...
+
+    @abstractmethod
+    def finish(self, usage: Usage) -> list[str]: ...
+
+    def error(self, message: str) -> list[str]:
+        return [sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}}), DONE]
+
+    @abstractmethod
+    def response(self, summary: CompletionSummary) -> dict: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """What a token adds to the text: nothing for a special token the text skips."""
+        if self.plan.params.skip_special_tokens and token_id in self.tokenizer.special_token_ids:
+            return b""
+        return self.tokenizer.token_bytes(token_id)
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")

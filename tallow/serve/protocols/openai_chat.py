@@ -1,0 +1,115 @@
+"""OpenAI Chat Completions: POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from tallow.config import ServerConfig
+from tallow.errors import TallowError
+from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
+from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
+from tallow.serve.reasoning import reasoning_parser_for_template
+from tallow.serve.protocols.base import DONE, StreamProtocol, finite, sse
+from tallow.serve.schemas import ChatCompletionRequest
+from tallow.serve.sink import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallsEvent
+
+# chat_template_kwargs may not override what the request sets through its own fields.
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
+class OpenAIChat(StreamProtocol):
+    id_prefix = "chatcmpl-"
+
+    @classmethod
+    def plan_request(cls, raw: bytes, engine, config: ServerConfig) -> RequestPlan | Rejection:
+        req = parse_request(raw, ChatCompletionRequest)
+        if isinstance(req, Rejection):
+            return req
+        if len(req.messages) > config.max_messages:
+            return Rejection.invalid(f"messages holds at most {config.max_messages} entries", "messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            return Rejection.invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
+        try:
+            prompt_text = engine.chat_template.render(
+                [m.to_template() for m in req.messages], tools=req.tools,
+                add_generation_prompt=req.add_generation_prompt, **kwargs)
+        except TallowError as e:
+            return Rejection.from_error(e)
+        return plan_completion(
+            req, [engine.tokenizer.encode(prompt_text)], vocab_size=engine.model_config.vocab_size,
+            max_model_len=engine.max_model_len, config=config,
+            max_tokens=req.max_completion_tokens or req.max_tokens,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages",
+            prompt_text=prompt_text, split_reasoning=True,
+            reasoning_parser=config.reasoning_parser or reasoning_parser_for_template(engine.tokenizer.chat_template),
+            collect_tool_calls=bool(req.tools))
+
+    # ---- streaming ------------------------------------------------------------------
+    def start(self) -> list[str]:
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(self.num_choices)]
+
+    def add_events(self, update: ChoiceUpdate, usage: Usage) -> list[str]:
+        frames = []
+        logprobs = self._logprobs(update.logprobs)
+        for event in update.events:
+            frames.append(self._chunk([{"index": update.index, "delta": _delta(event), "logprobs": logprobs,
+                                        "finish_reason": None}], usage))
+            logprobs = None
+        if update.finish_reason is not None:
+            frames.append(self._chunk([{"index": update.index, "delta": {}, "logprobs": logprobs,
+                                        "finish_reason": update.finish_reason}], usage))
+        return frames
+
+    def finish(self, usage: Usage) -> list[str]:
+        frames = [self._chunk([], usage, final=True)] if self.plan.include_usage else []
+        return frames + [DONE]
+
+    def _chunk(self, choices: list[dict], usage: Usage | None = None, final: bool = False) -> str:
+        chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.model_name, "choices": choices}
+        if self.plan.include_usage or self.plan.continuous_usage_stats:
+            show = usage is not None and (final or self.plan.continuous_usage_stats)
+            chunk["usage"] = usage.to_openai() if show else None
+        return sse(chunk)
+
+    # ---- one body ---------------------------------------------------------------------
+    def response(self, summary: CompletionSummary) -> dict:
+        choices = []
+        for choice in summary.choices:
+            message = {"role": "assistant", "content": choice.content if choice.content or not choice.tool_calls
+                       else None}
+            if choice.reasoning:
+                message["reasoning_content"] = choice.reasoning
+            if choice.tool_calls:
+                message["tool_calls"] = [_tool_call(call) for call in choice.tool_calls]
+            choices.append({"index": choice.index, "message": message,
+                            "logprobs": self._logprobs(choice.logprobs or []),
+                            "finish_reason": choice.finish_reason})
+        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
+                "model": self.model_name, "choices": choices, "usage": summary.usage.to_openai()}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if self.plan.params.logprobs is None or not entries:
+            return None
+        return {"content": [self._logprob(e) for e in entries], "refusal": None}
+
+    def _logprob(self, entry: TokenLogprob) -> dict:
+        def one(token_id: int, logprob: float) -> dict:
+            data = self.token_bytes(token_id)
+            return {"token": data.decode("utf-8", errors="replace"), "logprob": finite(logprob),
+                    "bytes": list(data)}
+
+        return {**one(entry.token_id, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+
+
+def _delta(event: Event) -> dict:
+    if isinstance(event, ContentEvent):
+        return {"content": event.text}
+    if isinstance(event, ReasoningEvent):
+        return {"reasoning_content": event.text}
+    assert isinstance(event, ToolCallsEvent)
+    return {"tool_calls": [{"index": k, **_tool_call(call)} for k, call in enumerate(event.calls)]}
+
+
+def _tool_call(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

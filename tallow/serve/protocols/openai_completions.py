@@ -1,0 +1,105 @@
+"""OpenAI (legacy) Completions: POST /v1/completions."""
+
+from __future__ import annotations
+
+from tallow.config import ServerConfig
+from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
+from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
+from tallow.serve.protocols.base import DONE, StreamProtocol, finite, sse
+from tallow.serve.schemas import CompletionRequest
+from tallow.serve.sink import ContentEvent
+
+
+class OpenAICompletions(StreamProtocol):
+    """Text completions; choice i answers prompt i // n. Echo prepends the prompt's text."""
+
+    id_prefix = "cmpl-"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prompt_texts = [self.tokenizer.decode(ids, skip_special_tokens=False) if self.plan.echo else ""
+                             for ids in self.plan.prompts]
+        # Legacy logprobs give each token's character offset into the choice's text.
+        self.text_offsets = [len(self.prompt_texts[i // self.plan.params.n]) for i in range(self.num_choices)]
+
+    @classmethod
+    def plan_request(cls, raw: bytes, engine, config: ServerConfig) -> RequestPlan | Rejection:
+        req = parse_request(raw, CompletionRequest)
+        if isinstance(req, Rejection):
+            return req
+        if req.suffix is not None:
+            return Rejection.invalid("suffix is not supported", "suffix")
+        if req.echo and req.logprobs is not None:
+            return Rejection.invalid("echo with logprobs needs prompt logprobs, which this server does not "
+                                     "compute", "echo")
+        prompts = _prompt_ids(req.prompt, engine.tokenizer)
+        vocab_size = engine.model_config.vocab_size
+        if not prompts or any(not ids for ids in prompts):
+            return Rejection.invalid("prompt must not be empty", "prompt")
+        if any(not 0 <= t < vocab_size for ids in prompts for t in ids):
+            return Rejection.invalid(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        return plan_completion(
+            req, prompts, vocab_size=vocab_size, max_model_len=engine.max_model_len, config=config,
+            max_tokens=req.max_tokens if "max_tokens" in req.model_fields_set else 16,
+            logprobs=req.logprobs, prompt_param="prompt", echo=req.echo)
+
+    # ---- streaming ------------------------------------------------------------------
+    def start(self) -> list[str]:
+        if not self.plan.echo:
+            return []
+        return [self._chunk([self._choice(i, self.prompt_texts[i // self.plan.params.n])])
+                for i in range(self.num_choices)]
+
+    def add_events(self, update: ChoiceUpdate, usage: Usage) -> list[str]:
+        text = "".join(e.text for e in update.events if isinstance(e, ContentEvent))
+        if not text and update.finish_reason is None and not update.logprobs:
+            return []
+        logprobs = self._logprobs(update.index, update.logprobs)
+        return [self._chunk([self._choice(update.index, text, logprobs, update.finish_reason)], usage)]
+
+    def finish(self, usage: Usage) -> list[str]:
+        frames = [self._chunk([], usage, final=True)] if self.plan.include_usage else []
+        return frames + [DONE]
+
+    def _chunk(self, choices: list[dict], usage: Usage | None = None, final: bool = False) -> str:
+        chunk = {"id": self.request_id, "object": "text_completion", "created": self.created,
+                 "model": self.model_name, "choices": choices}
+        if self.plan.include_usage or self.plan.continuous_usage_stats:
+            show = usage is not None and (final or self.plan.continuous_usage_stats)
+            chunk["usage"] = usage.to_openai() if show else None
+        return sse(chunk)
+
+    @staticmethod
+    def _choice(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    # ---- one body ---------------------------------------------------------------------
+    def response(self, summary: CompletionSummary) -> dict:
+        n = self.plan.params.n
+        choices = [self._choice(c.index, self.prompt_texts[c.index // n] + c.content,
+                                self._logprobs(c.index, c.logprobs or []), c.finish_reason)
+                   for c in summary.choices]
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.model_name, "choices": choices, "usage": summary.usage.to_openai()}
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> dict | None:
+        if self.plan.params.logprobs is None:
+            return None
+        tokens, offsets = [], []
+        for entry in entries:
+            tokens.append(self.token_text(entry.token_id))
+            offsets.append(self.text_offsets[index])
+            self.text_offsets[index] += len(tokens[-1])
+        top = ([{self.token_text(t): finite(lp) for t, lp in e.top} for e in entries]
+               if self.plan.params.logprobs > 0 else None)
+        return {"tokens": tokens, "token_logprobs": [finite(e.logprob) for e in entries],
+                "top_logprobs": top, "text_offset": offsets}
+
+
+def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer) -> list[list[int]]:
+    """Every accepted prompt shape -> one token list per prompt."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt, add_special_tokens=True)]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]

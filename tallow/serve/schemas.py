@@ -1,0 +1,91 @@
+"""Pydantic wire models for the OpenAI Chat Completions and Completions request bodies.
+
+Types and static ranges live here; limits that depend on the server or the model
+(n cap, context length, vocabulary) are checked in plan.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+class WireModel(BaseModel):
+    # Strict: "0.5" is not a float and "true" is not a bool; unknown fields are ignored.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(WireModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(WireModel):
+    """The sampling and stop fields both OpenAI endpoints share (plus vLLM's extras)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Bias] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: Probability = 0.0
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class TextPart(WireModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(WireModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined, unset fields left out."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0)

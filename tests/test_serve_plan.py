@@ -1,0 +1,172 @@
+"""Request validation and planning, through the HTTP app (httpx ASGITransport) over the fake engine."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from serve_utils import ByteTokenizer, ChatMLTemplate, FakeEngine
+from tallow.config import ServerConfig
+from tallow.serve.app import attach_engine, build_app
+
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def post(app, path: str, body=None, content: bytes | None = None) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post(path, json=body, content=content)
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def engine():
+    return FakeEngine(max_model_len=128)
+
+
+@pytest.fixture
+def app(engine):
+    return build_app(engine, ServerConfig())
+
+
+REJECTIONS = [
+    (CHAT, {}, "messages"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]}, "messages[0].content"),
+    (CHAT, {"messages": USER, "temperature": "hot"}, "temperature"),
+    (CHAT, {"messages": USER, "temperature": 2.5}, "temperature"),
+    (CHAT, {"messages": USER, "temperature": -0.1}, "temperature"),
+    (CHAT, {"messages": USER, "top_p": 0}, "top_p"),
+    (CHAT, {"messages": USER, "top_p": 1.5}, "top_p"),
+    (CHAT, {"messages": USER, "n": 0}, "n"),
+    (CHAT, {"messages": USER, "n": 17}, "n"),
+    (CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
+    (CHAT, {"messages": USER, "frequency_penalty": -3}, "frequency_penalty"),
+    (CHAT, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"999": 1}}, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"5": 101}}, "logit_bias.5"),
+    (CHAT, {"messages": USER, "stop": ["x"] * 17}, "stop"),
+    (CHAT, {"messages": USER, "stop": 3}, "stop"),
+    (CHAT, {"messages": USER, "stream": "yes"}, "stream"),
+    (CHAT, {"messages": USER, "min_p": 1.5}, "min_p"),
+    (CHAT, {"messages": USER, "stop_token_ids": [1000]}, "stop_token_ids"),
+    (CHAT, {"messages": USER, "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    (TEXT, {"prompt": "hi", "suffix": "bye"}, "suffix"),
+    (TEXT, {}, "prompt"),
+    (TEXT, {"prompt": ""}, "prompt"),
+    (TEXT, {"prompt": []}, "prompt"),
+    (TEXT, {"prompt": [1, 258]}, "prompt"),
+    (TEXT, {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    (TEXT, {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    (TEXT, {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", REJECTIONS, ids=[f"{p.split('/')[-1]}-{f}" for p, _, f in REJECTIONS])
+def test_rejection_names_the_field(app, engine, path, body, param):
+    r = post(app, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert param.split("[")[0] in error["message"]
+    assert engine.submitted == []
+
+
+def test_malformed_json_is_a_400(app):
+    r = post(app, CHAT, content=b'{"messages": [')
+    assert r.status_code == 400
+    assert "JSON" in r.json()["error"]["message"]
+
+
+def test_prompt_beyond_the_context_is_rejected_with_its_length(app, engine):
+    content = "x" * 200
+    prompt_len = len(ByteTokenizer().encode(ChatMLTemplate().render([{"role": "user", "content": content}])))
+    r = post(app, CHAT, {"messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
+    assert str(prompt_len) in error["message"] and "128" in error["message"]
+
+
+@pytest.mark.parametrize("max_tokens", [None, 5, 1000])
+def test_max_tokens_is_clamped_to_the_room_left(app, engine, max_tokens):
+    body = {"messages": USER, "temperature": 0}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    assert post(app, CHAT, body).status_code == 200
+    prompt_ids, params = engine.submitted[0]
+    assert prompt_ids == ByteTokenizer().encode(ChatMLTemplate().render(USER))
+    room = 128 - len(prompt_ids)
+    assert params.max_tokens == (room if max_tokens is None else min(max_tokens, room))
+
+
+def test_every_sampling_field_reaches_the_engine(app, engine):
+    body = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0.7, "top_p": 0.9, "n": 2, "seed": 11,
+            "stop": "zz", "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"65": -100},
+            "logprobs": True, "top_logprobs": 3, "user": "u", "top_k": 5, "min_p": 0.1,
+            "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [10],
+            "include_stop_str_in_output": True, "skip_special_tokens": False}
+    r = post(app, CHAT, body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+    prompt_ids, p = engine.submitted[0]
+    assert prompt_ids == ByteTokenizer().encode(ChatMLTemplate().render(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]))
+    assert (p.max_tokens, p.temperature, p.top_p, p.n, p.seed, p.stop) == (7, 0.7, 0.9, 2, 11, ["zz"])
+    assert (p.presence_penalty, p.frequency_penalty, p.logit_bias, p.logprobs) == (0.5, -0.5, {65: -100.0}, 3)
+    assert (p.top_k, p.min_p, p.repetition_penalty, p.min_tokens, p.ignore_eos) == (5, 0.1, 1.2, 2, True)
+    assert (p.stop_token_ids, p.include_stop_str_in_output, p.skip_special_tokens) == ([10], True, False)
+
+
+def test_completion_prompt_shapes(app, engine):
+    tok = ByteTokenizer()
+    ab, cde = tok.encode("ab"), tok.encode("cde")
+    for prompt, expected in [("ab", [ab]), (["ab", "cde"], [ab, cde]), (ab, [ab]), ([ab, cde], [ab, cde])]:
+        engine.submitted.clear()
+        r = post(app, TEXT, {"prompt": prompt, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert [ids for ids, _ in engine.submitted] == expected
+        assert all(p.max_tokens == 16 for _, p in engine.submitted)  # the legacy default
+        assert len(r.json()["choices"]) == len(expected)
+
+
+def test_loading_answers_503_then_serves():
+    app = build_app(None, ServerConfig())
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            health = await client.get("/health")
+            chat = await client.post(CHAT, json={"messages": USER})
+            attach_engine(app, FakeEngine())
+            return health, chat, await client.get("/health"), await client.get("/v1/models")
+
+    health, chat, ready, models = asyncio.run(go())
+    assert health.status_code == 503 and chat.status_code == 503
+    assert chat.json()["error"]["message"]
+    assert ready.status_code == 200
+    assert models.json()["data"][0]["id"] == "fake-model"
+
+
+def test_api_key_is_required_when_set(engine):
+    app = build_app(engine, ServerConfig(api_key="secret"))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return (await client.post(CHAT, json={"messages": USER}),
+                    await client.post(CHAT, json={"messages": USER, "max_tokens": 2},
+                                      headers={"Authorization": "Bearer secret"}))
+
+    denied, allowed = asyncio.run(go())
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    assert allowed.status_code == 200
