@@ -1,0 +1,74 @@
+"""TritonAttentionBackend: paged attention on CUDA with Triton kernels.
+
+forward() writes the step's K/V into the cache, then runs the split-K decode kernel for
+decode-only batches and the tiled prefill kernel for anything else.
+
+CUDA graphs. forward() never synchronises with the host and allocates only its output
+([T, num_heads, head_dim], a shape-determined allocation). Every kernel grid is a function
+of q's shape, seq_lens' shape and constants fixed at construction; the split-K buffers are
+preallocated. What must stay fixed between capture and replay:
+  * the shapes: T (padded token count) and B (padded number of sequences, the length of
+    seq_lens and query_start_loc - 1) and block_tables' shape (its row stride is baked in);
+  * meta.max_query_len == 1 (the decode path) for a captured decode graph;
+  * the tensors' storage: the runner refills the same slot_mapping, query_start_loc,
+    seq_lens and block_tables tensors in place.
+Padding: pad sequences with seq_lens 0 (their output rows are not written) and padding
+tokens with slot_mapping -1 (not written to the cache). For a decode graph of B_pad rows,
+query_start_loc = arange(B_pad + 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.engine.attention.triton_decode import decode_attention, num_decode_splits
+from tallow.engine.attention.triton_kv_write import write_kv_cache
+from tallow.engine.attention.triton_prefill import prefill_attention
+
+
+class TritonAttentionBackend:
+    """Paged attention for one model; the split-K workspace is shared by all its layers.
+
+    max_num_seqs bounds the decode batch that may use more than one split (a larger batch
+    falls back to one split, which needs no workspace).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 max_num_seqs: int, device: torch.device | str, max_decode_splits: int = 32,
+                 num_sms: int | None = None):
+        device = torch.device(device)
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                       if device.type == "cuda" else 4)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_sms = num_sms
+        self.max_decode_splits = max_decode_splits
+        rows = max(b * self.decode_splits(b) for b in range(1, max_num_seqs + 1))
+        self._capacity = rows  # (sequence, split) pairs the workspace holds
+        self._partial_out = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)
+        self._partial_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+
+    def decode_splits(self, num_seqs: int) -> int:
+        """Splits per sequence for a decode batch of num_seqs (padded) sequences."""
+        return num_decode_splits(num_seqs, self.num_kv_heads, self.num_sms, self.max_decode_splits)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotated);
+        caches: [num_blocks, block_size, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim]."""
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape)
+        if meta.is_decode_only:
+            num_seqs = meta.seq_lens.shape[0]
+            splits = self.decode_splits(num_seqs)
+            if num_seqs * splits > self._capacity:
+                splits = 1
+            decode_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
+                             meta.block_tables, scale, splits, self._partial_out, self._partial_lse)
+        else:
+            prefill_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
+                              meta.block_tables, scale)
+        return out
