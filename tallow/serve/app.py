@@ -8,6 +8,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -15,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tallow.config import EngineConfig, ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.admission import RETRY_AFTER_S, AdmissionQueue
-from tallow.serve.executor import ChoiceUpdate, CompletionExecutor, CompletionRun
+from tallow.serve.executor import CompletionAborted, CompletionExecutor, CompletionRun
 from tallow.serve.plan import Rejection
 from tallow.serve.protocols.base import StreamProtocol
 from tallow.serve.protocols.openai_chat import OpenAIChat
@@ -25,10 +26,6 @@ log = logging.getLogger(__name__)
 
 # How often a request waiting on the engine checks whether its client is still there.
 DISCONNECT_POLL_S = 0.1
-
-class ClientGone(Exception):
-    """The client closed the connection before its completion ended."""
-
 
 def error_response(status: int, message: str, type: str, param: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
@@ -139,15 +136,16 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         if plan.stream:
             async def frames() -> AsyncIterator[str]:
                 try:
-                    for frame in protocol.start():
-                        yield frame
-                    async for update in until_disconnected(request, run):
-                        for frame in protocol.add_events(update, run.usage):
+                    async with abort_on_disconnect(request, run):
+                        for frame in protocol.start():
                             yield frame
+                        async for update in run.updates():
+                            for frame in protocol.add_events(update, run.usage):
+                                yield frame
                     for frame in protocol.finish(run.usage):
                         yield frame
                     counters["completed"] += 1
-                except ClientGone:
+                except CompletionAborted:
                     counters["disconnected"] += 1
                 except Exception as e:
                     counters["failed"] += 1
@@ -161,9 +159,10 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
             return StreamingResponse(frames(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            async for _ in until_disconnected(request, run):
-                pass
-        except ClientGone:
+            async with abort_on_disconnect(request, run):
+                async for _ in run.updates():
+                    pass
+        except CompletionAborted:
             counters["disconnected"] += 1
             return Response(status_code=499)
         except Exception:
@@ -177,27 +176,22 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
     return app
 
 
-async def until_disconnected(request: Request, run: CompletionRun) -> AsyncIterator[ChoiceUpdate]:
-    """The run's updates, checking the client while waiting for each; when it has gone, or
-    whenever this generator stops early, the run is aborted at once (no await needed, so
-    this holds under cancellation too). Raises ClientGone after a disconnect."""
-    updates = run.updates()
-    step = None
-    try:
-        while True:
-            step = asyncio.ensure_future(anext(updates))
-            while not (await asyncio.wait({step}, timeout=DISCONNECT_POLL_S))[0]:
-                if await request.is_disconnected():
-                    raise ClientGone
-            try:
-                update = step.result()
-            except StopAsyncIteration:
-                return
-            yield update
-    finally:
+@asynccontextmanager
+async def abort_on_disconnect(request: Request, run: CompletionRun) -> AsyncIterator[None]:
+    """While inside, a client that goes away aborts `run` (whose updates() then raise
+    CompletionAborted). Leaving, by any path, aborts whatever is left of the run without an
+    await, so it holds under cancellation too."""
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
         run.abort()
-        if step is not None:
-            step.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        run.abort()
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:

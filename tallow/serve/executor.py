@@ -19,6 +19,10 @@ from tallow.serve.reasoning import make_thinking_splitter
 from tallow.serve.sink import CompletionSink, Detokenizer, Event, PlainRouter, StopMatcher, ToolCall
 
 
+class CompletionAborted(Exception):
+    """The run was aborted (its client went away) before it finished."""
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
@@ -79,12 +83,14 @@ class CompletionRun:
     results: dict[int, ChoiceResult] = field(init=False, default_factory=dict)
     _streams: list = field(init=False, default_factory=list)
     _pumps: list[asyncio.Task] = field(init=False, default_factory=list)
+    _queue: asyncio.Queue = field(init=False, default_factory=asyncio.Queue)
 
     def __post_init__(self) -> None:
         self.usage = Usage(prompt_tokens=sum(len(ids) for ids in self.plan.prompts))
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
-        queue: asyncio.Queue[ChoiceUpdate | BaseException] = asyncio.Queue()
+        """Every choice's updates as they come; raises CompletionAborted after abort()."""
+        queue = self._queue
         n = self.plan.params.n
         try:
             for p, prompt_ids in enumerate(self.plan.prompts):
@@ -105,11 +111,12 @@ class CompletionRun:
             self.abort()
 
     def abort(self) -> None:
-        """Stop at once: abort every engine stream (idempotent; needs no await)."""
+        """Stop at once: abort every engine stream and end updates() (idempotent; needs no await)."""
         for stream in self._streams:
             stream.abort()
         for pump in self._pumps:
             pump.cancel()
+        self._queue.put_nowait(CompletionAborted())
 
     def summary(self) -> CompletionSummary:
         return CompletionSummary([self.results[i] for i in sorted(self.results)], self.usage)
