@@ -1,0 +1,1 @@
+"""The serving layer: HTTP protocols, request planning, the completion executor and sink."""
