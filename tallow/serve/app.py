@@ -147,6 +147,9 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
                     counters["completed"] += 1
                 except CompletionAborted:
                     counters["disconnected"] += 1
+                except asyncio.CancelledError:  # Starlette saw the disconnect first
+                    counters["disconnected"] += 1
+                    raise
                 except Exception as e:
                     counters["failed"] += 1
                     log.exception("request %s failed while streaming", request_id)
