@@ -1,0 +1,211 @@
+"""Scheduler: which sequences run each step, and how many of their tokens.
+
+Continuous batching over one flat token batch: every step takes one token from each decoding
+sequence and a chunk of the prompt from sequences still in prefill, under a token budget
+(chunked prefill: a long prompt spans several steps). Running sequences come first, then
+waiting ones in FIFO order. When a running sequence cannot get a block for its next tokens,
+the most recently admitted running sequence is preempted by recompute: its blocks are freed
+and it goes back to the front of the queue, to be prefilled again (prompt and output so far,
+mostly from the prefix cache) later. The scheduler knows nothing of tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tallow.config import EngineConfig
+from tallow.engine.kv_cache import KVCacheManager
+from tallow.engine.request import Sequence, SequenceStatus
+from tallow.errors import TallowError
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # seq.num_computed_tokens when scheduled
+    num_new_tokens: int  # compute seq.token_ids[start:start + num_new_tokens] this step
+    # Whether this row's chunk reaches the end of the sequence, so one token is sampled for it.
+    # Fixed when scheduled: it stays true after update() has appended the sampled token.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]  # decode rows first, then prefill chunks
+    preempted: list[Sequence]
+    num_batched_tokens: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every row is one token that samples (a step that CUDA graphs can replay)."""
+        return bool(self.scheduled) and all(s.num_new_tokens == 1 and s.samples for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int):
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_chunk = config.long_prefill_token_threshold or config.max_num_batched_tokens
+        self.pool_tokens = kv.num_blocks * kv.block_size  # no context can outgrow this
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.num_preemptions_total = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; raises TallowError if its prompt could never run."""
+        if seq.max_model_len is None or seq.max_model_len > self.max_model_len:
+            seq.max_model_len = self.max_model_len
+        if seq.num_prompt_tokens >= self.max_model_len:
+            raise TallowError(f"the prompt has {seq.num_prompt_tokens} tokens, but the context is "
+                              f"{self.max_model_len} tokens, which leaves no room to generate",
+                              param="prompt", code="context_length_exceeded")
+        if seq.num_prompt_tokens > self.pool_tokens:
+            raise TallowError(f"the prompt has {seq.num_prompt_tokens} tokens, more than the KV cache "
+                              f"holds ({self.pool_tokens} tokens)",
+                              param="prompt", code="context_length_exceeded")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish seq with "abort" wherever it is, freeing its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:  # not there if add() rejected it
+            self.waiting.remove(seq)
+        self._finish(seq, "abort")
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        # Running sequences, oldest first: one token each when decoding, a chunk when in prefill.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
+            while not self.kv.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                row = ScheduledSeq(seq, seq.num_computed_tokens, n)
+                (decodes if n == 1 and row.samples else prefills).append(row)
+                budget -= n
+                i += 1
+
+        # Waiting sequences in FIFO order, until one does not fit; none after a preemption
+        # (a victim readmitted with a small chunk would only be preempted again).
+        held_back: list[Sequence] = []  # n>1 siblings waiting for their prompt to be computed
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            if (seq.prefill_after is not None and self.kv.enable_prefix_caching
+                    and not _prompt_computed(seq.prefill_after)):
+                held_back.append(self.waiting.popleft())
+                continue
+            blocks, num_cached = self.kv.get_computed_prefix(seq)
+            n = min(seq.num_tokens - num_cached, budget, self.max_chunk)
+            if not self.kv.allocate_slots(seq, n, blocks):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.prefill_after = None
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = num_cached
+            self.running.append(seq)
+            row = ScheduledSeq(seq, seq.num_computed_tokens, n)
+            (decodes if n == 1 and row.samples else prefills).append(row)
+            budget -= n
+        self.waiting.extendleft(reversed(held_back))
+
+        decodes.extend(prefills)
+        return SchedulerOutput(decodes, preempted, self.max_num_batched_tokens - budget)
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Apply one step's results; sampled holds one token per sampling row, in order.
+
+        Returns the sequences that finished in this step.
+        """
+        finished: list[Sequence] = []
+        k = 0
+        now = time.monotonic()
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished:  # aborted while the step ran
+                k += s.samples
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(seq)
+            if not s.samples:
+                continue
+            seq.append_token(sampled[k])
+            k += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = seq.check_stop()
+            # The next step computes the new token: it needs slots for the whole context.
+            if reason is None and seq.num_tokens > self.pool_tokens:
+                reason = "length"
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        if finished:
+            self.running = [seq for seq in self.running if not seq.is_finished]
+        return finished
+
+    def fail(self, out: SchedulerOutput) -> list[Sequence]:
+        """The step raised: finish every sequence it scheduled with "error"."""
+        failed = [s.seq for s in out.scheduled if not s.seq.is_finished]
+        for seq in failed:
+            self._finish(seq, "error")
+        self.running = [seq for seq in self.running if not seq.is_finished]
+        return failed
+
+    def check_invariants(self) -> None:
+        """Every queued sequence is in the state of its queue; the KV cache is consistent."""
+        assert all(seq.status is SequenceStatus.RUNNING and seq.block_table for seq in self.running)
+        assert all(seq.status is SequenceStatus.WAITING and not seq.block_table for seq in self.waiting)
+        assert len(self.running) <= self.max_num_seqs
+        self.kv.check_invariants()
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq)
+
+
+def _prompt_computed(seq: Sequence) -> bool:
+    return seq.is_finished or seq.num_computed_tokens >= seq.num_prompt_tokens
