@@ -35,6 +35,19 @@ class TokenOutput:
     stop_token_id: int | None = None
 
 
+def load_tokenizer(source):
+    """A Tokenizer from the loader's TokenizerSource."""
+    from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
+
+    if source.kind == "hf":
+        return Tokenizer.from_hf_dir(source.path)
+    if source.kind == "gguf" and source.metadata:
+        return Tokenizer.from_gguf_metadata(source.metadata)
+    if source.path is None:
+        raise TallowError(source.note or "no tokenizer for this model", status=500, type="server_error")
+    return Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(source.path))
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -56,7 +69,6 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, loaded=None):
         from tallow.models.loader import load_model
-        from tallow.tokenizer import load_tokenizer
 
         self.config = config
         self.device = resolve_device(config.device)
