@@ -23,5 +23,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         from tallow.ops.triton_norm import triton_rms_norm
 
         return triton_rms_norm(x, residual, weight, eps)
+    return torch_add_rms_norm(x, residual, weight, eps)
+
+
+def torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm in plain torch ops (any device)."""
     residual = x + residual
     return F.rms_norm(residual, weight.shape, weight, eps), residual

@@ -14,6 +14,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         from tallow.ops.triton_rotary import triton_apply_rotary
 
         return triton_apply_rotary(q, k, positions, cos_sin_cache)
+    return torch_apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def torch_apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                       cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary in plain torch ops (any device)."""
     cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
