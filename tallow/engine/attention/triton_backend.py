@@ -12,9 +12,10 @@ preallocated. What must stay fixed between capture and replay:
   * meta.max_query_len == 1 (the decode path) for a captured decode graph;
   * the tensors' storage: the runner refills the same slot_mapping, query_start_loc,
     seq_lens and block_tables tensors in place.
-Padding: pad sequences with seq_lens 0 (their output rows are not written) and padding
-tokens with slot_mapping -1 (not written to the cache). For a decode graph of B_pad rows,
-query_start_loc = arange(B_pad + 1).
+Padding: padding tokens take slot_mapping -1 (not written to the cache); padding sequences
+take seq_lens 0 (their output rows are left unwritten) or any length their block-table row
+covers with valid block ids (e.g. 1, computed like a real row and ignored). For a decode
+graph of B_pad rows, query_start_loc = arange(B_pad + 1).
 """
 
 from __future__ import annotations
