@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tallow.engine.request import Sequence
-from tallow.engine.sampler import Sampler, sampling_logits
+from tallow.engine.sampler import Sampler, apply_top_p, sampling_logits
 from tallow.engine.sampling import SamplingParams
 
 EOS = 2
@@ -107,6 +107,21 @@ def test_truncation_keeps_the_reference_set(batch):
         np.testing.assert_array_equal(np.isfinite(got), keep)
         ref = softmax(np.where(keep, row.astype(np.float64) / p.temperature, -np.inf))
         np.testing.assert_allclose(softmax(got.astype(np.float64)), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.3], ids=["peaked", "flat"])
+def test_top_p_from_the_head_or_a_full_sort(scale):
+    """Peaked rows: every nucleus fits in a head of 64, read off topk; flat rows: it does not,
+    and the full sort takes over. Both keep the reference set."""
+    top_p = [0.5, 0.9, 1.0, 0.3, 0.95, 0.99]
+    logits = torch.randn(len(top_p), 2000, generator=torch.Generator().manual_seed(2)) * scale
+    keeps = [ref_kept(row, SamplingParams(top_p=p)) for row, p in zip(logits.numpy(), top_p)]
+    fits = [k.sum() <= 64 for k, p in zip(keeps, top_p) if p < 1.0]
+    assert all(fits) if scale > 1 else not any(fits)
+    for head in (64, None):
+        got = apply_top_p(logits, torch.tensor(top_p), head=head)
+        for g, keep in zip(got.numpy(), keeps):
+            np.testing.assert_array_equal(np.isfinite(g), keep)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(top_p=0.7),
