@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 import re
 import socket
 import threading
@@ -221,19 +220,17 @@ class LiveServer:
         self.thread.join(5)
 
 
-def real_engine_missing() -> str | None:
-    """Why the real default-model engine cannot run yet (its modules are still being written)."""
-    for module in ("tallow.models.loader", "tallow.tokenizer", "tallow.chat_template"):
-        if importlib.util.find_spec(module) is None:
-            return f"{module} does not exist yet"
-    return None
-
-
 def start_real_engine():
+    """The default model on the real engine; skips the calling test while its parts are still missing."""
+    import pytest
+
     from tallow.config import EngineConfig
     from tallow.engine.core import AsyncEngine
 
-    engine = AsyncEngine.from_config(EngineConfig(model="default", max_num_seqs=16))
+    try:
+        engine = AsyncEngine.from_config(EngineConfig(model="default", max_num_seqs=16))
+    except ImportError as e:
+        pytest.skip(f"the real engine cannot start yet: {e}")
     if not hasattr(engine, "max_num_seqs"):  # until AsyncEngine exposes it
         engine.max_num_seqs = engine.core.config.max_num_seqs
     return engine

@@ -9,18 +9,12 @@ import httpx
 import openai
 import pytest
 
-from serve_utils import SCRIPT, ByteTokenizer, ChatMLTemplate, FakeEngine, LiveServer, real_engine_missing, \
-    start_real_engine
+from serve_utils import ByteTokenizer, ChatMLTemplate, FakeEngine, LiveServer, start_real_engine
 
 
 @pytest.fixture(scope="module", params=["fake", "real"])
 def server(request):
-    if request.param == "real":
-        if reason := real_engine_missing():
-            pytest.skip(reason)
-        engine = start_real_engine()
-    else:
-        engine = FakeEngine(max_model_len=4096)
+    engine = start_real_engine() if request.param == "real" else FakeEngine(max_model_len=4096)
     with LiveServer(engine) as live:
         live.engine = engine
         yield live
@@ -59,50 +53,49 @@ def raw_frames(server, path: str, body: dict) -> list[str]:
 
 def test_streamed_chat_equals_the_whole_reply(server, client):
     messages = ask("Write one sentence about the sea.")
-    whole = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=16)
+    whole = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=8)
     deltas, finish = stream_text(client.chat.completions.create(
-        model="m", messages=messages, temperature=0, max_tokens=16, stream=True))
+        model="m", messages=messages, temperature=0, max_tokens=8, stream=True))
     content = whole.choices[0].message.content
     assert "".join(deltas) == content
     assert finish == whole.choices[0].finish_reason
-    assert whole.usage.completion_tokens <= 16
+    assert whole.usage.completion_tokens <= 8
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
     if is_fake(server):
         prompt_ids = ByteTokenizer().encode(ChatMLTemplate().render(messages))
         assert whole.usage.prompt_tokens == len(prompt_ids)
-        assert content == server.engine.greedy_text(prompt_ids, 16)
+        assert content == server.engine.greedy_text(prompt_ids, 8)
 
 
 def test_streamed_completion_equals_the_whole_text_and_echo(server, client):
     prompt = "Once upon a time"
-    whole = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=12)
-    chunks = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=12, stream=True)
+    whole = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=6)
+    chunks = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=6, stream=True)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-    echoed = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=12, echo=True)
+    echoed = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=6, echo=True)
     assert echoed.choices[0].text == prompt + whole.choices[0].text
-    chunks = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=12, echo=True,
+    chunks = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=6, echo=True,
                                        stream=True)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
 
 
 def test_completion_prompt_lists_give_one_choice_per_prompt_and_sample(server, client):
     prompts = ["The sky is", "Two plus two"]
-    single = [client.completions.create(model="m", prompt=p, temperature=0, max_tokens=6).choices[0].text
-              for p in prompts]
-    both = client.completions.create(model="m", prompt=prompts, temperature=0, max_tokens=6, n=2)
+    single = [client.completions.create(model="m", prompt=p, temperature=0, max_tokens=4) for p in prompts]
+    both = client.completions.create(model="m", prompt=prompts, temperature=0, max_tokens=4, n=2)
+    texts = [r.choices[0].text for r in single]
     assert [c.index for c in both.choices] == [0, 1, 2, 3]
-    assert [c.text for c in both.choices] == [single[0], single[0], single[1], single[1]]
-    ids = client.completions.create(model="m", prompt=prompts[0], temperature=0, max_tokens=1,
-                                    logprobs=0, echo=False)
-    assert ids.usage.prompt_tokens > 0
-    assert both.usage.prompt_tokens == sum(
-        client.completions.create(model="m", prompt=p, max_tokens=1).usage.prompt_tokens for p in prompts)
+    assert [c.text for c in both.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    assert both.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in single)
+    token_ids = [server.engine.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    by_ids = client.completions.create(model="m", prompt=token_ids, temperature=0, max_tokens=4)
+    assert [c.text for c in by_ids.choices] == texts
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_spanning_token_boundaries(server, client, stream):
     messages = ask("List three colours, separated by commas.")
-    first = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=24,
+    first = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=16,
                                            logprobs=True)
     text = first.choices[0].message.content
     # Token boundaries inside the text, from the tokens' own bytes.
@@ -113,7 +106,7 @@ def test_stop_string_spanning_token_boundaries(server, client, stream):
     stop = next(text[b - 2:b + 2] for b in bounds[len(bounds) // 3:]
                 if 2 <= b <= len(text) - 2 and text.find(text[b - 2:b + 2]) == b - 2)
     expected = text[:text.find(stop)]
-    kwargs = dict(model="m", messages=messages, temperature=0, max_tokens=24, stop=[stop, "never-seen"])
+    kwargs = dict(model="m", messages=messages, temperature=0, max_tokens=16, stop=[stop, "never-seen"])
     if stream:
         deltas, finish = stream_text(client.chat.completions.create(stream=True, **kwargs))
         content = "".join(deltas)
@@ -127,11 +120,11 @@ def test_stop_string_spanning_token_boundaries(server, client, stream):
 
 def test_chat_logprobs_are_consistent(server, client):
     reply = client.chat.completions.create(model="m", messages=ask("Name a fruit."), temperature=0,
-                                           max_tokens=12, logprobs=True, top_logprobs=3)
+                                           max_tokens=6, logprobs=True, top_logprobs=3)
     choice = reply.choices[0]
     entries = choice.logprobs.content
     assert len(entries) == reply.usage.completion_tokens
-    assert b"".join(bytes(e.bytes) for e in entries).decode() == choice.message.content
+    assert b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == choice.message.content
     for e in entries:
         assert len(e.top_logprobs) == 3
         assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
@@ -155,7 +148,7 @@ def test_completion_legacy_logprobs_are_consistent(server, client):
 def test_n_choices_and_seeds(server, client):
     def sample(seed):
         reply = client.chat.completions.create(model="m", messages=ask("Say something."), temperature=1.0,
-                                               max_tokens=8, n=3, seed=seed)
+                                               max_tokens=6, n=3, seed=seed)
         assert [c.index for c in reply.choices] == [0, 1, 2]
         return [c.message.content for c in reply.choices]
 
@@ -166,13 +159,13 @@ def test_n_choices_and_seeds(server, client):
 
 def test_concurrent_requests_give_the_sequential_texts(server, client):
     prompts = [f"Count from {i} to {i + 3}." for i in range(12)]
-    sequential = [client.chat.completions.create(model="m", messages=ask(p), temperature=0, max_tokens=10)
+    sequential = [client.chat.completions.create(model="m", messages=ask(p), temperature=0, max_tokens=6)
                   .choices[0].message.content for p in prompts]
 
     async def together():
         aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
         replies = await asyncio.gather(*(aclient.chat.completions.create(
-            model="m", messages=ask(p), temperature=0, max_tokens=10) for p in prompts))
+            model="m", messages=ask(p), temperature=0, max_tokens=6) for p in prompts))
         return [r.choices[0].message.content for r in replies]
 
     assert asyncio.run(together()) == sequential
@@ -197,10 +190,10 @@ def test_non_ascii_text_streams_without_replacement_characters(server, client):
     if is_fake(server):  # a question whose scripted reply holds accents, CJK and emoji
         template, tok = ChatMLTemplate(), ByteTokenizer()
         question = next(q for q in (f"{question} #{i}" for i in range(200))
-                        if "🙂" in server.engine.greedy_text(tok.encode(template.render(ask(q))), 48))
+                        if "🙂" in server.engine.greedy_text(tok.encode(template.render(ask(q))), 24))
     deltas, _ = stream_text(client.chat.completions.create(model="m", messages=ask(question), temperature=0,
-                                                           max_tokens=48, stream=True))
-    whole = client.chat.completions.create(model="m", messages=ask(question), temperature=0, max_tokens=48)
+                                                           max_tokens=24, stream=True))
+    whole = client.chat.completions.create(model="m", messages=ask(question), temperature=0, max_tokens=24)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == whole.choices[0].message.content
     if is_fake(server):
