@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -33,12 +33,36 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
                         headers=headers)
 
 
+class ReleasingStream(StreamingResponse):
+    """An SSE response that calls `release` once it is over, however it ends (even when the
+    client left before the body started, so the generator never ran)."""
+
+    def __init__(self, frames: AsyncIterator[str], release: Callable[[], None]):
+        super().__init__(frames, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+
+def engine_slots(engine) -> int:
+    """How many sequences the engine runs at once. AsyncEngine keeps it in its core's config
+    until it exposes max_num_seqs itself."""
+    if hasattr(engine, "max_num_seqs"):
+        return engine.max_num_seqs
+    return engine.core.config.max_num_seqs
+
+
 def attach_engine(app: FastAPI, engine) -> None:
     """Serve `engine` from now on (run_server calls this once the model has loaded)."""
     state = app.state
     state.engine = engine
     state.executor = CompletionExecutor(engine)
-    state.admission = AdmissionQueue(engine.max_num_seqs, state.config.max_queue)
+    state.admission = AdmissionQueue(engine_slots(engine), state.config.max_queue)
     state.model_name = state.config.served_model_name or engine.model_name
 
 
@@ -156,11 +180,8 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
                     message = e.message if isinstance(e, TallowError) else f"internal error: {type(e).__name__}"
                     for frame in protocol.error(message):
                         yield frame
-                finally:
-                    admission.release()
 
-            return StreamingResponse(frames(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return ReleasingStream(frames(), admission.release)
         try:
             async with abort_on_disconnect(request, run):
                 async for _ in run.updates():
@@ -208,13 +229,17 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     asyncio.run(_serve(server, app, engine_config))
 
 
-async def _serve(server, app: FastAPI, engine_config: EngineConfig) -> None:
-    from tallow.engine.core import AsyncEngine
+def _load_engine(engine_config: EngineConfig):
+    from tallow.engine.core import AsyncEngine  # torch and the model load off the event loop
 
+    return AsyncEngine.from_config(engine_config)
+
+
+async def _serve(server, app: FastAPI, engine_config: EngineConfig) -> None:
     serving = asyncio.create_task(server.serve())
     t0 = time.monotonic()
     try:
-        engine = await asyncio.to_thread(AsyncEngine.from_config, engine_config)
+        engine = await asyncio.to_thread(_load_engine, engine_config)
     except BaseException:
         server.should_exit = True
         await serving
