@@ -44,6 +44,9 @@ class ByteTokenizer:
             ids += [self.SPECIALS[piece]] if piece in self.SPECIALS else list(piece.encode())
         return ids
 
+    def token_to_id(self, token: str) -> int | None:
+        return self.SPECIALS.get(token)
+
     def token_bytes(self, token_id: int) -> bytes:
         if token_id < 256:
             return bytes([token_id])
@@ -66,13 +69,14 @@ class FakeEngine:
     Greedy decoding continues SCRIPT from a prompt-dependent character offset (the scripted
     byte gets logit 5, the others small noise), and ends with eos after the script; sampling
     draws from the softmax with a per-sibling numpy generator (seed + sibling index when
-    seeded). Honours max_tokens, stop_token_ids, ignore_eos, min_tokens, logit_bias and
+    seeded); with `reply`, greedy decoding says exactly that. Honours max_tokens, stop_token_ids, ignore_eos, min_tokens, logit_bias and
     logprobs; simulates a prefix cache over 16-token blocks; emits one token per `interval`.
     """
 
     block_size = 16
 
-    def __init__(self, max_model_len: int = 1024, max_num_seqs: int = 8, interval: float = 0.002):
+    def __init__(self, max_model_len: int = 1024, max_num_seqs: int = 8, interval: float = 0.002,
+                 reply: str | None = None):
         self.tokenizer = ByteTokenizer()
         self.chat_template = ChatMLTemplate()
         self.model_config = ModelConfig("llama", 258, 64, 128, 2, 4, 2, 16)
@@ -80,6 +84,7 @@ class FakeEngine:
         self.max_num_seqs = max_num_seqs
         self.model_name = "fake-model"
         self.interval = interval
+        self.reply = reply  # a fixed greedy reply instead of SCRIPT from a prompt-dependent offset
         self.ready = True
         self.running: set[FakeStream] = set()
         self.waiting: set[FakeStream] = set()
@@ -105,8 +110,9 @@ class FakeEngine:
         """What greedy decoding of num_tokens tokens decodes to (eos aside)."""
         return self.script_bytes(prompt_ids)[:num_tokens].decode(errors="replace")
 
-    @staticmethod
-    def script_bytes(prompt_ids: list[int]) -> bytes:
+    def script_bytes(self, prompt_ids: list[int]) -> bytes:
+        if self.reply is not None:
+            return self.reply.encode()
         offset = int(hashlib.sha256(bytes(str(prompt_ids), "ascii")).hexdigest(), 16) % len(SCRIPT)
         return SCRIPT[offset:].encode()
 

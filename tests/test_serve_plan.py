@@ -1,6 +1,7 @@
 """Request validation and planning, through the HTTP app (httpx ASGITransport) over the fake engine."""
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -170,3 +171,30 @@ def test_api_key_is_required_when_set(engine):
     denied, allowed = asyncio.run(go())
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
     assert allowed.status_code == 200
+
+
+def test_tool_calls_are_parsed_from_the_reply():
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    reply = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    app = build_app(FakeEngine(reply=reply), ServerConfig(tool_call_parser="hermes"))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    body = {"messages": USER, "tools": tools, "temperature": 0, "max_tokens": 200}
+
+    choice = post(app, CHAT, body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [parsed] = choice["message"]["tool_calls"]
+    assert parsed["function"]["name"] == call["name"]
+    assert json.loads(parsed["function"]["arguments"]) == call["arguments"]
+
+    frames = post(app, CHAT, {**body, "stream": True}).text.split("\n\n")
+    chunks = [json.loads(f.removeprefix("data: ")) for f in frames if f.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any(d.get("content") for d in deltas)
+    [streamed] = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert (streamed["function"]["name"], streamed["function"]["arguments"]) == (
+        parsed["function"]["name"], parsed["function"]["arguments"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    plain = post(app, CHAT, {**body, "tools": None}).json()["choices"][0]
+    assert (plain["message"]["content"], plain["finish_reason"]) == (reply, "stop")

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from tallow.errors import TallowError
 from tallow.serve.plan import RequestPlan
-from tallow.serve.reasoning import make_thinking_splitter
+from tallow.serve.reasoning import REASONING_PARSERS, make_thinking_splitter
 from tallow.serve.sink import CompletionSink, Detokenizer, Event, PlainRouter, StopMatcher, ToolCall
+from tallow.serve.tool_parsers import make_tool_router
 
 
 class CompletionAborted(Exception):
@@ -166,13 +167,17 @@ class CompletionRun:
         queue.put_nowait(ChoiceUpdate(index, result.events, pending, reason))
 
     def _make_sink(self) -> CompletionSink:
-        tokenizer, params = self.engine.tokenizer, self.plan.params
-        router = PlainRouter(Detokenizer(tokenizer.token_bytes, tokenizer.special_token_ids,
-                                         params.skip_special_tokens))
+        plan, tokenizer, params = self.plan, self.engine.tokenizer, self.plan.params
+        if plan.tool_parser is not None:
+            reasoning = REASONING_PARSERS.get(plan.reasoning_parser or "none") if plan.split_reasoning else None
+            router = make_tool_router(tokenizer, plan.tool_parser, tools=plan.tools, reasoning=reasoning,
+                                      prompt_text=plan.prompt_text, skip_special_tokens=params.skip_special_tokens)
+        else:
+            router = PlainRouter(Detokenizer(tokenizer.token_bytes, tokenizer.special_token_ids,
+                                             params.skip_special_tokens))
         stopper = StopMatcher(params.stop, params.include_stop_str_in_output)
-        thinking = make_thinking_splitter(self.plan.reasoning_parser, self.plan.prompt_text,
-                                          self.plan.split_reasoning)
-        return CompletionSink(router, stopper, thinking, self.plan.collect_tool_calls)
+        thinking = make_thinking_splitter(plan.reasoning_parser, plan.prompt_text, plan.split_reasoning)
+        return CompletionSink(router, stopper, thinking, collect_tool_calls=plan.tool_parser is not None)
 
 
 class CompletionExecutor:

@@ -57,7 +57,9 @@ class RequestPlan:
     prompt_text: str = ""
     split_reasoning: bool = False
     reasoning_parser: str | None = None
-    collect_tool_calls: bool = False
+    # Chat with tools: the parser that turns the model's tool-call markup into tool calls.
+    tool_parser: str | None = None
+    tools: list[dict[str, Any]] | None = None
 
     def params_for(self, prompt_index: int) -> SamplingParams:
         return replace(self.params, max_tokens=self.max_tokens[prompt_index])

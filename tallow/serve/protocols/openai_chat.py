@@ -6,10 +6,11 @@ from tallow.config import ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
-from tallow.serve.reasoning import reasoning_parser_for_template
 from tallow.serve.protocols.base import DONE, StreamProtocol, finite, sse
+from tallow.serve.reasoning import reasoning_parser_for_template
 from tallow.serve.schemas import ChatCompletionRequest
 from tallow.serve.sink import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallsEvent
+from tallow.serve.tool_parsers import tool_parser_for_template
 
 # chat_template_kwargs may not override what the request sets through its own fields.
 _RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})
@@ -34,14 +35,18 @@ class OpenAIChat(StreamProtocol):
                 add_generation_prompt=req.add_generation_prompt, **kwargs)
         except TallowError as e:
             return Rejection.from_error(e)
+        template_source = engine.tokenizer.chat_template
+        tool_parser = None
+        if req.tools and req.tool_choice != "none":
+            tool_parser = config.tool_call_parser or tool_parser_for_template(template_source)
         return plan_completion(
             req, [engine.tokenizer.encode(prompt_text)], vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len, config=config,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages",
             prompt_text=prompt_text, split_reasoning=True,
-            reasoning_parser=config.reasoning_parser or reasoning_parser_for_template(engine.tokenizer.chat_template),
-            collect_tool_calls=bool(req.tools))
+            reasoning_parser=config.reasoning_parser or reasoning_parser_for_template(template_source),
+            tool_parser=tool_parser, tools=req.tools)
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:
