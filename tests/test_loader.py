@@ -11,7 +11,7 @@ import torch
 
 from model_utils import PagedBatches, tiny_hf_model, write_gguf
 from tallow.errors import ModelLoadError
-from tallow.models import dummy, gguf, loader
+from tallow.models import gguf, loader
 from tallow.models.dummy import PRESETS, dummy_config
 from tallow.models.llama import LlamaForCausalLM
 from tallow.models.loader import load_model, resolve_source
