@@ -9,7 +9,9 @@ RETRY_AFTER_S = 1
 class AdmissionQueue:
     """Counts the sequences the server has in flight (a request with n choices weighs n).
 
-    All calls come from the event loop, so plain counters suffice.
+    A request that would pass capacity is refused, unless nothing is in flight (so a lone
+    request heavier than capacity still runs). All calls come from the event loop, so plain
+    counters suffice.
     """
 
     def __init__(self, max_running: int, max_queue: int):
