@@ -28,17 +28,19 @@ WEATHER_TOOLS = [{"type": "function", "function": {
 
 PARIS = ("get_weather", {"city": "Paris"})
 ZURICH = ("get_weather", {"city": "Zürich 🌧", "days": 3})
+TRICKY = ("get_weather", {"city": 'a "quoted" \\ path} with ] and \'', "where": {"x": [1, {"y": "}"}]}})
 
 # (parser, reply, expected content, expected calls)
 CASES = [
     ("hermes", 'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      "Let me check.", [PARIS]),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Z\\u00fcrich 🌧", "days": 3}}\n</tool_call>\n',
-     "", [PARIS, ZURICH]),
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Z\\u00fcrich 🌧", "days": 3}}\n'
+               '</tool_call>\n', "", [PARIS, ZURICH]),
     ("hermes", 'Two:<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call> done.\n',
      "Two: done.\n", [PARIS]),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "", [PARIS]),  # unclosed at the end
+    # Unclosed at the end of generation, but complete.
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "", [PARIS]),
     ("qwen3_coder", 'On it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich 🌧\n</parameter>\n'
                     '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>', "On it.", [ZURICH]),
     ("qwen3_coder", '<function=get_weather>\n<parameter=city>\nParis\n</function>\n'
@@ -47,12 +49,16 @@ CASES = [
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [PARIS]),
     ("llama3_json", ' {"name": "get_weather", "parameters": {"city": "Paris"}}; '
                     '{"name": "get_weather", "parameters": {"city": "Zürich 🌧", "days": 3}}', "", [PARIS, ZURICH]),
+    ("llama3_json", '{"name": "get_weather", "parameters": ' + json.dumps(TRICKY[1]) + '}', "", [TRICKY]),
     ("llama3_json", 'Sure: <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "Sure:", [PARIS]),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                 '{"name": "get_weather", "arguments": {"city": "Zürich 🌧", "days": 3}}]', "", [PARIS, ZURICH]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]' + json.dumps(TRICKY[1]), "", [TRICKY]),
     ("mistral", 'Checking[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
-                '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Zürich 🌧", "days": 3}', "Checking", [PARIS, ZURICH]),
+                '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Zürich 🌧", "days": 3}',
+     "Checking", [PARIS, ZURICH]),
     ("pythonic", '[get_weather(city="Paris"), get_weather(city=\'Zürich 🌧\', days=3)]', "", [PARIS, ZURICH]),
+    ("pythonic", f'[get_weather(city={TRICKY[1]["city"]!r}, where={TRICKY[1]["where"]!r})]', "", [TRICKY]),
     ("pythonic", '\n[get_weather(city="Paris")]\nThat is all.', "That is all.", [PARIS]),
 ]
 

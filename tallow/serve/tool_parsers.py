@@ -68,45 +68,80 @@ class ToolParser:
     """One tool-call format.
 
     The router hands parse() the text from the start of the markup (a start tag, or a
-    reply_start character as the first character of the reply). parse() returns None while
-    it cannot decide yet; with final=True (generation ended) it must decide. A decision must
-    hold for every continuation of the text.
+    reply_start character as the first character of the reply), growing with every token,
+    until parse() decides; the next call starts new markup. parse() returns None while it
+    cannot decide; with final=True (generation ended) it must decide. A decision must hold for
+    every continuation of the text.
     """
 
     start_tags: tuple[str, ...] = ()  # open markup anywhere in the content
     reply_start: str = ""  # characters that open markup when they begin the reply
     markers: tuple[str, ...] = ()  # tags that may be special tokens: never skipped
+    quotes, brackets = '"', ("{[", "}]")  # the value syntax, for finding where a value ends
 
     def __init__(self, schemas: Schemas | None = None):
         self.schemas = schemas or {}
+        self._closers: dict[int, _Closer] = {}  # for the current markup, by start
 
     def parse(self, markup: str, final: bool) -> Parsed | None:
+        parsed = self._parse(markup, final)
+        if parsed is not None:
+            self._closers.clear()
+        return parsed
+
+    def _parse(self, markup: str, final: bool) -> Parsed | None:
         raise NotImplementedError
+
+    def _value_end(self, markup: str, start: int) -> int | None:
+        """The index after the value (object, list, call) that opens at markup[start]; None
+        while it is not closed. Resumes the scan where the previous call stopped."""
+        closer = self._closers.get(start)
+        if closer is None:
+            closer = self._closers[start] = _Closer(start, self.quotes, self.brackets)
+        return closer.end(markup)
 
 
 # ---- shared pieces --------------------------------------------------------------------------
 
-# Tokens for finding the end of a bracketed value: whole strings, brackets, a string that
-# has not ended, anything else.
-_JSON_SCAN = re.compile(r'"(?:[^"\\]|\\.)*"|(?P<open>[{\[])|(?P<close>[}\]])|(?P<unclosed>")|[^"{}\[\]]+', re.S)
-_PY_SCAN = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|(?P<open>[{\[(])|(?P<close>[}\])])'
-                      r'|(?P<unclosed>["\'])|[^"\'{}\[\]()]+', re.S)
 
+class _Closer:
+    """Finds where the bracket at text[start] closes, skipping strings, in a text that only
+    grows between calls: each call scans only the new text, so streaming stays linear."""
 
-def _bracket_end(text: str, start: int, scanner: re.Pattern = _JSON_SCAN) -> int | None:
-    """The index after the bracket that closes the one at text[start], skipping strings;
-    None when the text ends first."""
-    depth = 0
-    for m in scanner.finditer(text, start):
-        if m.group("open"):
-            depth += 1
-        elif m.group("close"):
-            depth -= 1
-            if depth == 0:
-                return m.end()
-        elif m.group("unclosed"):
-            return None
-    return None
+    _STRING_BODY = {q: re.compile(rf"(?:[^{q}\\]|\\.)*", re.S) for q in "\"'"}
+
+    def __init__(self, start: int, quotes: str, brackets: tuple[str, str]):
+        self._pos = start  # scanned up to here
+        self._depth = 0
+        self._quote: str | None = None  # inside a string opened by this quote
+        self._end: int | None = None
+        self._opens, self._closes = brackets
+        self._quotes = quotes
+        self._next_stop = re.compile("[" + re.escape(quotes + self._opens + self._closes) + "]")
+
+    def end(self, text: str) -> int | None:
+        while self._end is None:
+            if self._quote is not None:
+                pos = self._STRING_BODY[self._quote].match(text, self._pos).end()
+                if pos == len(text) or text[pos] != self._quote:  # the text ends inside the string
+                    self._pos = pos
+                    return None
+                self._pos, self._quote = pos + 1, None
+                continue
+            stop = self._next_stop.search(text, self._pos)
+            if stop is None:
+                self._pos = len(text)
+                return None
+            char, self._pos = stop.group(), stop.end()
+            if char in self._quotes:
+                self._quote = char
+            elif char in self._opens:
+                self._depth += 1
+            else:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._end = self._pos
+        return self._end
 
 
 def _loads(text: str) -> Any:
@@ -120,6 +155,11 @@ def _reject_constant(name: str) -> Any:
 
 def _compact(args: dict[str, Any]) -> str:
     return json.dumps(args, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _undecided(markup: str, final: bool) -> Parsed | None:
+    """Markup that cannot be decided yet; at the end of generation, content."""
+    return Parsed(len(markup), None) if final else None
 
 
 def _skip_ws(text: str, pos: int) -> int:
@@ -163,7 +203,7 @@ class HermesParser(ToolParser):
     markers = ("<tool_call>", "</tool_call>")
     _open, _close = "<tool_call>", "</tool_call>"
 
-    def parse(self, markup: str, final: bool) -> Parsed | None:
+    def _parse(self, markup: str, final: bool) -> Parsed | None:
         close = markup.find(self._close, len(self._open))
         if close == -1:
             return Parsed(len(markup), _json_calls(markup[len(self._open):])) if final else None
@@ -187,7 +227,7 @@ class Qwen3CoderParser(ToolParser):
     start_tags = ("<tool_call>", "<function=")
     markers = ("<tool_call>", "</tool_call>")
 
-    def parse(self, markup: str, final: bool) -> Parsed | None:
+    def _parse(self, markup: str, final: bool) -> Parsed | None:
         wrapped = markup.startswith("<tool_call>")
         body_start = len("<tool_call>") if wrapped else 0
         close_tag = "</tool_call>" if wrapped else "</function>"
@@ -280,7 +320,7 @@ class Llama3JsonParser(ToolParser):
     reply_start = "{"
     markers = ("<|python_tag|>",)
 
-    def parse(self, markup: str, final: bool) -> Parsed | None:
+    def _parse(self, markup: str, final: bool) -> Parsed | None:
         tag = self.start_tags[0]
         pos = end = len(tag) if markup.startswith(tag) else 0
         calls: list[tuple[str, dict]] = []
@@ -290,9 +330,9 @@ class Llama3JsonParser(ToolParser):
                 return None
             if pos == len(markup) or markup[pos] != "{":
                 return Parsed(end, calls) if calls else Parsed(max(end, pos, 1), None)
-            close = _bracket_end(markup, pos)
+            close = self._value_end(markup, pos)
             if close is None:
-                return Parsed(len(markup), None) if final else None
+                return _undecided(markup, final)
             try:
                 call = _json_call(_loads(markup[pos:close]), ("parameters", "arguments"))
             except ValueError:
@@ -319,14 +359,14 @@ class MistralParser(ToolParser):
     start_tags = ("[TOOL_CALLS]",)
     markers = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
 
-    def parse(self, markup: str, final: bool) -> Parsed | None:
+    def _parse(self, markup: str, final: bool) -> Parsed | None:
         pos = _skip_ws(markup, len(self.start_tags[0]))
         if pos == len(markup):
-            return Parsed(len(markup), None) if final else None
+            return _undecided(markup, final)
         if markup[pos] in "[{":
-            close = _bracket_end(markup, pos)
+            close = self._value_end(markup, pos)
             if close is None:
-                return Parsed(len(markup), None) if final else None
+                return _undecided(markup, final)
             return Parsed(close, _json_calls(markup[pos:close]))
         name = _MISTRAL_NAME.match(markup, pos)
         if name is None:
@@ -335,19 +375,19 @@ class MistralParser(ToolParser):
         if markup.startswith("[CALL_ID]", pos):
             args_at = markup.find("[ARGS]", pos)
             if args_at == -1:
-                return Parsed(len(markup), None) if final else None
+                return _undecided(markup, final)
             pos = args_at
         if markup.startswith("[ARGS]", pos):
             pos += len("[ARGS]")
         elif pos == len(markup) or any(tag.startswith(markup[pos:]) for tag in ("[ARGS]", "[CALL_ID]")):
-            return Parsed(len(markup), None) if final else None
+            return _undecided(markup, final)
         if pos == len(markup):
-            return Parsed(len(markup), None) if final else None
+            return _undecided(markup, final)
         if markup[pos] != "{":
             return Parsed(pos, None)
-        close = _bracket_end(markup, pos)
+        close = self._value_end(markup, pos)
         if close is None:
-            return Parsed(len(markup), None) if final else None
+            return _undecided(markup, final)
         try:
             args = _loads(markup[pos:close])
         except ValueError:
@@ -360,11 +400,12 @@ class PythonicParser(ToolParser):
     whose values are literals."""
 
     reply_start = "["
+    quotes, brackets = "\"'", ("{[(", "}])")
 
-    def parse(self, markup: str, final: bool) -> Parsed | None:
-        close = _bracket_end(markup, 0, _PY_SCAN)
+    def _parse(self, markup: str, final: bool) -> Parsed | None:
+        close = self._value_end(markup, 0)
         if close is None:
-            return Parsed(len(markup), None) if final else None
+            return _undecided(markup, final)
         return Parsed(close, self._calls(markup[:close]))
 
     @staticmethod
@@ -487,8 +528,6 @@ class ToolCallRouter:
 
     def _parse_markup(self, out: list[str], final: bool) -> bool:
         parsed = self._parser.parse(self._buffer, final)
-        if parsed is None and final:
-            parsed = Parsed(len(self._buffer), None)
         if parsed is None:
             return True
         markup, self._buffer = self._buffer[:parsed.end], self._buffer[parsed.end:]
