@@ -292,3 +292,28 @@ def test_marker_tokens_survive_skip_special_tokens():
     assert _feed(router, [0, 1, 2, 3, 4]) == ("", [PARIS])
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         make_tool_router(_MistralLikeTokenizer(), "nope")
+
+
+# ---- random mixtures ------------------------------------------------------------------------
+
+FRAGMENTS = ["Hi", " ", "\n", "x", "<tool_call>", "</tool_call>", "<tool", '{"name": "f", "arguments": {"a": 1}}',
+             '{"name": "g", "parameters": {}}', "<think>", "</think>", "{", "}", "[", "]", "(", ")", "f(a=1)", ";",
+             '"', "'", "\\", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<function=f>", "<parameter=a>",
+             "</parameter>", "</function>"]
+
+
+@pytest.mark.parametrize("parser", list(TOOL_PARSERS))
+def test_random_mixtures_are_split_invariant_and_lose_nothing(parser):
+    """Fragments of every format, tags and reasoning mixed at random: cut at any point, the
+    router gives what it gives the whole text; with no call found, the content is the text."""
+    rng = random.Random(parser)
+    for _ in range(150):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 12)))
+        kwargs = {}
+        if rng.random() < 0.5:
+            kwargs = dict(reasoning=REASONING_PARSERS["qwen3"], start_in_reasoning=rng.random() < 0.3)
+        whole = _run_pieces(parser, [text], **kwargs)
+        if not whole[1]:
+            assert whole[0] == text
+        for pieces in [list(text), *([text[:cut], text[cut:]] for cut in range(1, len(text)))]:
+            assert _run_pieces(parser, pieces, **kwargs) == whole, pieces
