@@ -266,3 +266,31 @@ def test_mixed_batch_gives_each_row_what_it_gives_alone():
             assert (top_t is None) == (top_a is None) == (not rows[key].logprobs)
             if top_t is not None:
                 assert top_t[0] == top_a[0] and top_t[1] == pytest.approx(top_a[1], abs=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_makes_no_host_sync():
+    vocab, steps = 4096, 3
+    rows = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=3),
+            SamplingParams(top_p=0.9, top_k=50, seed=5, logit_bias={1: 2.0}),
+            SamplingParams(min_p=0.1, frequency_penalty=0.5, presence_penalty=0.2, min_tokens=2),
+            SamplingParams(temperature=0.7, seed=6)]
+    gpu_seqs = [make_seq(p, output=[4, 4]) for p in rows]
+    cpu_seqs = [make_seq(p, output=[4, 4]) for p in rows]
+    sampler_gpu, sampler_cpu = Sampler(vocab, torch.device("cuda")), Sampler(vocab, "cpu")
+    for step in range(steps):
+        logits = torch.stack([step_logits(vocab, step, key) for key in range(len(rows))])
+        logits_gpu = logits.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = sampler_gpu(logits_gpu, gpu_seqs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        ref = sampler_cpu(logits, cpu_seqs)
+        assert out.token_ids[0].item() == ref.token_ids[0].item()
+        np.testing.assert_allclose(out.top_logprobs.cpu().numpy(), ref.top_logprobs.numpy(), atol=1e-4)
+        for gpu_seq, cpu_seq, token in zip(gpu_seqs, cpu_seqs, out.token_ids.tolist()):
+            gpu_seq.append_token(token)
+            cpu_seq.append_token(token)
