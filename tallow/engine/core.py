@@ -251,6 +251,7 @@ class AsyncEngine:
         self.model_config = core.model_config
         self.max_model_len = core.max_model_len
         self.model_name = core.model_name
+        self.max_num_seqs = core.config.max_num_seqs
         self._chat_template = None
         self._streams: dict[int, RequestStream] = {}
         self._commands: deque = deque()

@@ -85,7 +85,12 @@ def resolve_source(source: str) -> ResolvedSource:
 def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
                cache_dir: str | None = None, seed: int = 0) -> LoadedModel:
     """Build the engine's model for a source. cache_dir keeps dequantized GGUF weights
-    (None: dequantize on every load); seed drives the random weights of dummy models."""
+    (None: dequantize on every load); seed drives the random weights of dummy models.
+    `replay:<file.json>` is a test fixture (tallow/models/replay.py), not a model."""
+    if source.startswith("replay:"):
+        from tallow.models.replay import load_replay
+
+        return load_replay(source.removeprefix("replay:"), dtype=dtype, device=device)
     resolved = resolve_source(source)
     device = torch.device(device)
     try:
