@@ -1,0 +1,201 @@
+"""Weight-only quantized Linear layers for the CPU.
+
+Decoding reads every weight once per step, so on the CPU a small batch runs at memory
+bandwidth over weight bytes: 4-bit weights read 6x fewer bytes than float32. torch's packed
+kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) are vectorised for
+bfloat16 activations only (with float32 activations they are 3-15x slower than a float32
+GEMV), so these layers round activations to bfloat16 inside and return float32.
+
+Past a few rows (prefill, large decode batches) the work is compute-bound and a dense
+bfloat16 GEMM (avx512_bf16) beats the packed kernels (2-3x at 128 rows): each layer keeps a
+dense bfloat16 copy and switches to it from `dense_min_rows` rows on.
+benchmarks/cpu_linear.py has the figures.
+
+Int4 has the layout of GGUF's Q4_1: groups of 32 along the input, w = (q - 8) * scale + zero,
+q in 0..15. A Q4_1 weight (w = d * q + m, d and m float16) is scale = d, zero = m + 8 d, and
+the min/max fit below recovers q, d and m exactly from the dequantized float32 weights: with
+float32 scales the layer holds the file's weights bit for bit; the bfloat16 scales of the
+fast path round d and zero to 8 significant bits (a relative 2^-9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCHEMES = ("int4", "int8", "bf16", "none")
+GROUP_SIZE = 32
+INT4_OUT_MULTIPLE = 16  # the int4 packing works on blocks of 16 output channels
+INT8_IN_MULTIPLE = 16  # the int8 kernel reads the input in blocks of 16 (other widths give wrong results)
+# From this many rows on, a dense bfloat16 GEMM is faster than the packed kernels here.
+DENSE_MIN_ROWS = 8
+
+
+class _QuantizedLinear(nn.Module):
+    """Shared plumbing: flatten leading dims, pick the packed kernel or the dense copy, add bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense_min_rows: int | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dense_min_rows = dense_min_rows
+        dense = weight.detach().to(torch.bfloat16) if dense_min_rows is not None else None
+        self.register_buffer("dense_weight", dense)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 [out, in] weight the packed kernel multiplies by."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.dense_weight is not None and rows.shape[0] >= self.dense_min_rows:
+            y = F.linear(rows.to(torch.bfloat16), self.dense_weight).float()
+        else:
+            y = self._packed_matmul(rows).float()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dense_min_rows={self.dense_min_rows}"
+
+
+class Int8Linear(_QuantizedLinear):
+    """int8 weights with one symmetric scale per output channel (torch._weight_int8pack_mm)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 dtype: torch.dtype = torch.bfloat16, dense_min_rows: int | None = DENSE_MIN_ROWS):
+        super().__init__(weight, bias, dense_min_rows)
+        if not int8_fits(weight):
+            raise ValueError(f"Int8Linear needs in_features divisible by {INT8_IN_MULTIPLE}, got {self.in_features}")
+        w = weight.detach()
+        row_max = torch.maximum(w.amax(dim=1), -w.amin(dim=1)).float()
+        scales = (row_max / 127).clamp_min(torch.finfo(torch.float32).tiny).to(dtype)
+        inv_scales = 1 / scales.float()[:, None]
+        qweight = torch.empty(w.shape, dtype=torch.int8)
+        for rows in _row_chunks(*w.shape):
+            qweight[rows] = (w[rows].float() * inv_scales[rows]).round_().clamp_(-127, 127)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(self.scales.dtype), self.qweight, self.scales)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+
+class Int4Linear(_QuantizedLinear):
+    """4-bit weights in groups of 32 inputs, asymmetric (torch._weight_int4pack_mm_for_cpu).
+
+    dtype is the kernel's activation and scale dtype: bfloat16 is the fast path; float32 keeps
+    scales exact (a GGUF Q4_1 weight bit for bit) at a tenth of the speed.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 dtype: torch.dtype = torch.bfloat16, dense_min_rows: int | None = DENSE_MIN_ROWS):
+        super().__init__(weight, bias, dense_min_rows)
+        if not int4_fits(weight):
+            raise ValueError(f"Int4Linear needs in_features divisible by {GROUP_SIZE} and out_features by "
+                             f"{INT4_OUT_MULTIPLE}, got {tuple(weight.shape)}")
+        n, k = weight.shape
+        qweight = torch.empty(n, k // 2, dtype=torch.uint8)
+        # [in / 32, out, 2]: (scale, zero) per group, the kernel's layout.
+        scales_and_zeros = torch.empty(k // GROUP_SIZE, n, 2, dtype=dtype)
+        for rows in _row_chunks(n, k):
+            q, scale, zero = quantize_int4(weight[rows].detach().float())
+            qweight[rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            scales_and_zeros[:, rows, 0], scales_and_zeros[:, rows, 1] = scale.T, zero.T
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+
+    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        sz = self.scales_and_zeros
+        return torch._weight_int4pack_mm_for_cpu(x.to(sz.dtype), self.qweight, GROUP_SIZE, sz)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        # The kernel applied to the identity in float32 (its own unpacking, nothing reimplemented):
+        # bfloat16 scales widen exactly, and a float32 output is not rounded.
+        eye = torch.eye(self.in_features)
+        sz = self.scales_and_zeros.float()
+        return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP_SIZE, sz).T.contiguous()
+
+
+class Bf16Linear(nn.Module):
+    """Dense bfloat16 weights (oneDNN avx512_bf16 GEMM); float32 in and out."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).float()
+
+
+def int8_fits(weight: torch.Tensor) -> bool:
+    return weight.shape[1] % INT8_IN_MULTIPLE == 0
+
+
+def int4_fits(weight: torch.Tensor) -> bool:
+    out_features, in_features = weight.shape
+    return in_features % GROUP_SIZE == 0 and out_features % INT4_OUT_MULTIPLE == 0
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min/max fit of a float32 [out, in] weight in groups of 32: (q int32 [out, in] in 0..15,
+    scale [out, in / 32], zero [out, in / 32]) with w ~= (q - 8) * scale + zero, as Q4_1 quantizes."""
+    out_features, in_features = w.shape
+    groups = w.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = (hi - lo) / 15
+    inv_scale = torch.where(scale > 0, 1 / scale, 0.0)
+    q = (groups - lo[..., None]).mul_(inv_scale[..., None]).round_().clamp_(0, 15)
+    return q.to(torch.int32).reshape(out_features, in_features), scale, lo + 8 * scale
+
+
+def _row_chunks(rows: int, cols: int) -> Iterator[slice]:
+    """Row slices of about a million weights, in multiples of 64 rows: quantizing chunk by chunk
+    keeps temporaries small (fresh memory is slow to fault in), and int4 packing works on
+    blocks of 64 rows, so packed chunks are rows of the packed whole."""
+    step = max(64, (1 << 20) // cols // 64 * 64)
+    return (slice(start, min(start + step, rows)) for start in range(0, rows, step))
+
+
+def quantize_model_(model: nn.Module, scheme: str = "auto") -> str:
+    """Replace the model's nn.Linear layers in place with quantized ones; returns the scheme used.
+
+    scheme: "auto" (int4 on the CPU), "int4", "int8", "bf16" or "none". Under int4 the LM head
+    (a module named lm_head) is int8: it is the one layer whose 4-bit error shows in the
+    logits, and often a tied embedding stored at 8 bits. A tied LM head gets its own quantized
+    copy; the embedding stays a float lookup table. Layers whose shape a kernel cannot take
+    fall back from int4 to int8 to bf16. A model off the CPU is left alone ("none").
+    """
+    if scheme == "auto":
+        scheme = "int4"
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization {scheme!r}; use auto or one of {', '.join(SCHEMES)}")
+    if scheme == "none" or any(p.device.type != "cpu" for p in model.parameters()):
+        return "none"
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    for name, linear in linears:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, _quantized(linear, scheme, is_head=attr == "lm_head"))
+    return scheme
+
+
+def _quantized(linear: nn.Linear, scheme: str, is_head: bool) -> nn.Module:
+    if scheme == "bf16":
+        return Bf16Linear(linear.weight, linear.bias)
+    if scheme == "int4" and not is_head and int4_fits(linear.weight):
+        return Int4Linear(linear.weight, linear.bias)
+    if int8_fits(linear.weight):
+        return Int8Linear(linear.weight, linear.bias)
+    return Bf16Linear(linear.weight, linear.bias)
