@@ -1,9 +1,9 @@
 """The one sink for generated tokens: token ids in, semantic events out.
 
-    token id -> router (incremental detokenizer; later also withholds tool-call markup)
+    token id -> router (incremental detokenizer; a tool router withholds tool-call markup)
              -> StopMatcher (stop strings on the decoded text)
              -> ThinkingSplitter (<think>...</think> into reasoning)
-             -> events: ContentEvent | ReasoningEvent | ToolCallsEvent
+             -> events: ContentEvent | ReasoningEvent | ToolCallDeltaEvent | ToolCallsEvent
 
 Every stage works incrementally and holds back only what it cannot decide yet: an
 incomplete UTF-8 sequence, a tail that may begin a stop string, a tail that may begin a
@@ -42,11 +42,39 @@ class ReasoningEvent:
 
 
 @dataclass(frozen=True)
+class ToolCallDelta:
+    """One piece of a streamed tool call, in OpenAI's incremental form.
+
+    A call's first delta carries id and name (arguments ""); the next ones carry pieces of
+    the arguments, whose concatenation is exactly the call's final `arguments`.
+    """
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+    @staticmethod
+    def whole(index: int, call: ToolCall) -> list[ToolCallDelta]:
+        """A complete call as deltas: the header, then all of its arguments."""
+        return [ToolCallDelta(index, call.id, call.name, ""), ToolCallDelta(index, None, None, call.arguments)]
+
+
+@dataclass(frozen=True)
+class ToolCallDeltaEvent:
+    """Tool-call pieces as they are parsed, for streaming."""
+
+    deltas: list[ToolCallDelta]
+
+
+@dataclass(frozen=True)
 class ToolCallsEvent:
+    """Every tool call of the reply, once, at the end (after the last ToolCallDeltaEvent)."""
+
     calls: list[ToolCall]
 
 
-Event = ContentEvent | ReasoningEvent | ToolCallsEvent
+Event = ContentEvent | ReasoningEvent | ToolCallDeltaEvent | ToolCallsEvent
 
 
 def _partial_suffix_len(text: str, patterns: Iterable[str]) -> int:
@@ -105,6 +133,12 @@ class TokenRouter(Protocol):
     def tool_calls(self) -> list[ToolCall]:
         """The tool calls parsed so far."""
 
+    def take_tool_deltas(self) -> list[ToolCallDelta]:
+        """The tool-call deltas parsed since the last call (and forgets them).
+
+        Optional: the sink streams each call that no delta announced whole at the end.
+        """
+
 
 class PlainRouter:
     """A TokenRouter with no tool-call parsing: all text is content."""
@@ -122,6 +156,9 @@ class PlainRouter:
         return ""
 
     def tool_calls(self) -> list[ToolCall]:
+        return []
+
+    def take_tool_deltas(self) -> list[ToolCallDelta]:
         return []
 
 
@@ -265,6 +302,7 @@ class CompletionSink:
         self._collect_tool_calls = collect_tool_calls
         self._content: list[str] = []
         self._reasoning: list[str] = []
+        self._announced_calls = 0  # calls whose first delta has been emitted
 
     @property
     def stopped(self) -> bool:
@@ -277,6 +315,7 @@ class CompletionSink:
         text = self._router.push(token_id)
         self._emit_reasoning(events, self._router.take_reasoning())
         self._emit(events, self._thinking.push(self._stopper.push(text)))
+        self._emit_tool_deltas(events)
         return events
 
     def finish(self) -> SinkResult:
@@ -289,8 +328,13 @@ class CompletionSink:
                 tail += self._stopper.flush()
             self._emit(events, self._thinking.push(tail))
         self._emit(events, self._thinking.flush())
+        self._emit_tool_deltas(events)
         tool_calls = self._router.tool_calls() if self._collect_tool_calls else []
         if tool_calls:
+            if len(tool_calls) > self._announced_calls:  # a router that does not stream deltas
+                events.append(ToolCallDeltaEvent([
+                    delta for k in range(self._announced_calls, len(tool_calls))
+                    for delta in ToolCallDelta.whole(k, tool_calls[k])]))
             events.append(ToolCallsEvent(tool_calls))
         return SinkResult(events=events, content="".join(self._content),
                           reasoning="".join(self._reasoning), tool_calls=tool_calls,
@@ -302,6 +346,15 @@ class CompletionSink:
         if content:
             self._content.append(content)
             events.append(ContentEvent(content))
+
+    def _emit_tool_deltas(self, events: list[Event]) -> None:
+        take = getattr(self._router, "take_tool_deltas", None)  # optional, see TokenRouter
+        if not self._collect_tool_calls or take is None:
+            return
+        deltas = take()
+        if deltas:
+            self._announced_calls = max(self._announced_calls, max(d.index for d in deltas) + 1)
+            events.append(ToolCallDeltaEvent(deltas))
 
     def _emit_reasoning(self, events: list[Event], text: str) -> None:
         if text:

@@ -33,23 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tallow.serve.reasoning import ReasoningFormat, prompt_opens_reasoning
-from tallow.serve.sink import Detokenizer, ToolCall, _partial_suffix_len
+from tallow.serve.sink import Detokenizer, ToolCall, ToolCallDelta, _partial_suffix_len
 
 Schemas = dict[str, dict[str, Any]]  # tool name -> JSON schema of its parameters
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    """One piece of a streamed tool call, in OpenAI's incremental form.
-
-    A call's first delta carries id and name (arguments ""); the next ones carry pieces of
-    the arguments, whose concatenation is exactly the call's final `arguments`.
-    """
-
-    index: int
-    id: str | None
-    name: str | None
-    arguments: str
 
 
 @dataclass(frozen=True)
@@ -599,10 +585,8 @@ class ToolCallRouter:
 
     def _add_call(self, name: str, args: dict[str, Any]) -> None:
         call = ToolCall.create(name, _compact(args))
-        index = len(self._calls)
+        self._deltas += ToolCallDelta.whole(len(self._calls), call)
         self._calls.append(call)
-        self._deltas.append(ToolCallDelta(index, call.id, call.name, ""))
-        self._deltas.append(ToolCallDelta(index, None, None, call.arguments))
 
 
 def make_tool_router(tokenizer, parser_name: str, *, tools: list[dict[str, Any]] | None = None,
