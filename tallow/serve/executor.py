@@ -55,6 +55,7 @@ class ChoiceUpdate:
     events: list[Event]
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None  # set on the choice's last update
+    stop_string: str | None = None  # on the last update: the stop string that ended the choice
 
 
 @dataclass
@@ -65,6 +66,7 @@ class ChoiceResult:
     tool_calls: list[ToolCall]
     finish_reason: str  # "tool_calls" > "stop" > "length"; "abort" when cut off
     logprobs: list[TokenLogprob] | None
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass
@@ -163,8 +165,8 @@ class CompletionRun:
         all_logprobs += pending
         reason = "tool_calls" if result.tool_calls else "stop" if result.stopped else finish
         self.results[index] = ChoiceResult(index, result.content, result.reasoning, result.tool_calls, reason,
-                                           all_logprobs if want_logprobs else None)
-        queue.put_nowait(ChoiceUpdate(index, result.events, pending, reason))
+                                           all_logprobs if want_logprobs else None, result.stop_string)
+        queue.put_nowait(ChoiceUpdate(index, result.events, pending, reason, result.stop_string))
 
     def _make_sink(self) -> CompletionSink:
         plan, tokenizer, params = self.plan, self.engine.tokenizer, self.plan.params
