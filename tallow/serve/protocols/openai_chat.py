@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
 from tallow.config import ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
 from tallow.serve.protocols.base import DONE, StreamProtocol, finite, sse
-from tallow.serve.reasoning import reasoning_parser_for_template
+from tallow.serve.chat_prompt import render_chat
 from tallow.serve.schemas import ChatCompletionRequest
-from tallow.serve.sink import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallsEvent
-from tallow.serve.tool_parsers import tool_parser_for_template
-
-# chat_template_kwargs may not override what the request sets through its own fields.
-_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+from tallow.serve.sink import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallDelta, ToolCallDeltaEvent
 
 
 class OpenAIChat(StreamProtocol):
@@ -28,25 +26,22 @@ class OpenAIChat(StreamProtocol):
             return Rejection.invalid(f"messages holds at most {config.max_messages} entries", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             return Rejection.invalid("top_logprobs needs logprobs set to true", "top_logprobs")
-        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
+        tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
         try:
-            prompt_text = engine.chat_template.render(
-                [m.to_template() for m in req.messages], tools=req.tools,
-                add_generation_prompt=req.add_generation_prompt, **kwargs)
+            prompt = render_chat(engine.chat_template, [m.to_template() for m in req.messages], config,
+                                 tools=tools, tool_choice=tool_choice, reasoning_effort=req.reasoning_effort,
+                                 template_kwargs=req.chat_template_kwargs,
+                                 add_generation_prompt=req.add_generation_prompt)
         except TallowError as e:
             return Rejection.from_error(e)
-        template_source = engine.tokenizer.chat_template
-        tool_parser = None
-        if req.tools and req.tool_choice != "none":
-            tool_parser = config.tool_call_parser or tool_parser_for_template(template_source)
         return plan_completion(
-            req, [engine.tokenizer.encode(prompt_text)], vocab_size=engine.model_config.vocab_size,
+            req, [engine.tokenizer.encode(prompt.text)], vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len, config=config,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages",
-            prompt_text=prompt_text, split_reasoning=True,
-            reasoning_parser=config.reasoning_parser or reasoning_parser_for_template(template_source),
-            tool_parser=tool_parser, tools=req.tools)
+            prompt_text=prompt.text, split_reasoning=True, reasoning_parser=prompt.reasoning_parser,
+            tool_parser=prompt.tool_parser, tools=prompt.tools)
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -56,8 +51,8 @@ class OpenAIChat(StreamProtocol):
     def add_events(self, update: ChoiceUpdate, usage: Usage) -> list[str]:
         frames = []
         logprobs = self._logprobs(update.logprobs)
-        for event in update.events:
-            frames.append(self._chunk([{"index": update.index, "delta": _delta(event), "logprobs": logprobs,
+        for delta in (d for event in update.events for d in _deltas(event)):
+            frames.append(self._chunk([{"index": update.index, "delta": delta, "logprobs": logprobs,
                                         "finish_reason": None}], usage))
             logprobs = None
         if update.finish_reason is not None:
@@ -84,7 +79,7 @@ class OpenAIChat(StreamProtocol):
             message = {"role": "assistant", "content": choice.content if choice.content or not choice.tool_calls
                        else None}
             if choice.reasoning:
-                message["reasoning_content"] = choice.reasoning
+                message["reasoning_content"] = message["reasoning"] = choice.reasoning
             if choice.tool_calls:
                 message["tool_calls"] = [_tool_call(call) for call in choice.tool_calls]
             choices.append({"index": choice.index, "message": message,
@@ -107,13 +102,24 @@ class OpenAIChat(StreamProtocol):
         return {**one(entry.token_id, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
 
 
-def _delta(event: Event) -> dict:
+def _deltas(event: Event) -> list[dict]:
+    """The chunk deltas of one event. The calls were streamed by their ToolCallDeltaEvents, so the
+    ToolCallsEvent at the end adds nothing."""
     if isinstance(event, ContentEvent):
-        return {"content": event.text}
+        return [{"content": event.text}]
     if isinstance(event, ReasoningEvent):
-        return {"reasoning_content": event.text}
-    assert isinstance(event, ToolCallsEvent)
-    return {"tool_calls": [{"index": k, **_tool_call(call)} for k, call in enumerate(event.calls)]}
+        return [{"reasoning_content": event.text, "reasoning": event.text}]
+    if isinstance(event, ToolCallDeltaEvent):
+        return [{"tool_calls": [_tool_call_delta(d)]} for d in event.deltas]
+    return []
+
+
+def _tool_call_delta(delta: ToolCallDelta) -> dict:
+    """OpenAI's incremental form: id, type and name with the first piece, then argument pieces."""
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, "id": delta.id, "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments}}
 
 
 def _tool_call(call: ToolCall) -> dict:

@@ -1,0 +1,141 @@
+"""Chat messages + tools -> prompt text, and which parsers read the reply.
+
+Shared by every chat protocol (they translate their messages, tools and tool_choice into the
+OpenAI shapes first):
+
+- tools go through the template's own tools section. A template that does not read `tools`
+  (SmolLM2's, plain ChatML) gets the fallback: a "# Tools" section in the system prompt that
+  describes them in the hermes format (Qwen2.5's wording), assistant tool calls written back
+  as <tool_call> markup and tool results as <tool_response> user turns; the reply is then read
+  with the hermes parser.
+- tool_choice: "auto" renders the tools and parses calls; "none" renders no tools and parses
+  nothing (markup in the reply is content). "required" and a named function need constrained
+  decoding, which does not exist yet: they are rejected, never silently ignored.
+- reasoning: reasoning_effort "none" turns thinking off (enable_thinking=False) where the
+  template supports it; chat_template_kwargs pass through and win over it.
+
+The parsers: --tool-call-parser / --reasoning-parser when set, else what the template implies.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tallow.chat_template import ChatTemplate
+from tallow.config import ServerConfig
+from tallow.errors import TallowError
+from tallow.serve.reasoning import REASONING_PARSERS, reasoning_parser_for_template
+from tallow.serve.tool_parsers import TOOL_PARSERS, tool_parser_for_template
+
+# chat_template_kwargs may not override what the request sets through its own fields.
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+
+FALLBACK_TOOL_PARSER = "hermes"
+
+_TOOLS_SECTION = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str
+    tool_parser: str | None  # None: tool-call markup in the reply stays content
+    reasoning_parser: str  # "none": reasoning is not split out
+    tools: list[dict[str, Any]] | None  # the tools rendered (their schemas type parsed values)
+
+
+def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: ServerConfig, *,
+                tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+                reasoning_effort: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                add_generation_prompt: bool = True) -> ChatPrompt:
+    """Render a chat request (OpenAI-shaped messages, tools and tool_choice).
+
+    Raises TallowError: 400 for a tool_choice that cannot be honoured or a template that fails,
+    500 for a parser name in the server config that does not exist.
+    """
+    check_tool_choice(tool_choice)
+    # Until tests/serve_utils.py's ChatMLTemplate stand-in has these traits, it counts as plain ChatML.
+    source = getattr(template, "source", None)
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_ARGS}
+    if reasoning_effort == "none" and getattr(template, "supports_thinking", False):
+        kwargs.setdefault("enable_thinking", False)
+    use_tools = bool(tools) and tool_choice != "none"
+    if getattr(template, "supports_tools", False):
+        text = template.render(messages, tools=tools if use_tools else None,
+                               add_generation_prompt=add_generation_prompt, **kwargs)
+        implied = tool_parser_for_template(source)
+    else:
+        text = template.render(hermes_fallback_messages(messages, tools if use_tools else None),
+                               add_generation_prompt=add_generation_prompt, **kwargs)
+        implied = FALLBACK_TOOL_PARSER
+    tool_parser = _configured(config.tool_call_parser, TOOL_PARSERS, "tool-call") or implied
+    reasoning_parser = (_configured(config.reasoning_parser, REASONING_PARSERS, "reasoning")
+                        or reasoning_parser_for_template(source))
+    return ChatPrompt(text, tool_parser if use_tools else None, reasoning_parser, tools if use_tools else None)
+
+
+def check_tool_choice(tool_choice: str | dict[str, Any] | None) -> None:
+    """Accept "auto" and "none" (None means "auto"); reject what needs constrained decoding."""
+    if tool_choice in (None, "auto", "none"):
+        return
+    what = "'required'" if tool_choice == "required" else "a named function"
+    raise TallowError(f"tool_choice {what} is not supported yet: forcing a tool call needs constrained "
+                      "decoding, which this server does not have yet. Use 'auto' or 'none'.",
+                      param="tool_choice")
+
+
+def hermes_fallback_messages(messages: list[dict[str, Any]],
+                             tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Messages for a template without a tools section: the tools described in the system
+    prompt, assistant tool calls as <tool_call> markup, tool results as <tool_response> user
+    turns (consecutive results share one turn)."""
+    out: list[dict[str, Any]] = []
+    previous_role = None
+    for message in messages:
+        role = message.get("role")
+        if role == "assistant" and message.get("tool_calls"):
+            markup = [_tool_call_markup(call) for call in message["tool_calls"]]
+            text = "\n".join(([message["content"]] if message.get("content") else []) + markup)
+            out.append({**{k: v for k, v in message.items() if k != "tool_calls"}, "content": text})
+        elif role == "tool":
+            response = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
+            if previous_role == "tool":
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response})
+        else:
+            out.append(message)
+        previous_role = role
+    if tools:
+        section = _TOOLS_SECTION.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{section}"}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+def _tool_call_markup(call: dict[str, Any]) -> str:
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass  # written as given: the model sees what it was sent
+    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def _configured(name: str | None, known: dict, kind: str) -> str | None:
+    if name is not None and name not in known:
+        raise TallowError(f"the server is configured with an unknown {kind} parser {name!r}; known: "
+                          f"{', '.join(known)}", status=500, type="server_error")
+    return name
