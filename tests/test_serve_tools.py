@@ -282,3 +282,14 @@ def test_the_default_model_answers_a_request_with_tools():
     assert whole.message.content or whole.message.tool_calls
     assert streamed["finish"] == whole.finish_reason
     assert streamed["content"] == (whole.message.content or "")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_malformed_tools_are_400s_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=ask("[one-call]"), extra_body=body)
+    assert e.value.body["param"] == param

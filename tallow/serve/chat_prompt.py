@@ -14,7 +14,8 @@ OpenAI shapes first):
 - reasoning: reasoning_effort "none" turns thinking off (enable_thinking=False) where the
   template supports it; chat_template_kwargs pass through and win over it.
 
-The parsers: --tool-call-parser / --reasoning-parser when set, else what the template implies.
+The parsers: --tool-call-parser / --reasoning-parser when set, else what the template implies
+(a tools section whose markup names no known format gets no parser: the markup stays content).
 """
 
 from __future__ import annotations

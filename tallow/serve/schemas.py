@@ -101,7 +101,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # Accepted, not enforced: every call the model writes is returned.
     parallel_tool_calls: bool | None = None
+    # Only "none" has an effect: thinking off where the template supports it (see chat_prompt.py).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
