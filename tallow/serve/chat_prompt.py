@@ -67,19 +67,18 @@ def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: 
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_ARGS}
     if reasoning_effort == "none" and getattr(template, "supports_thinking", False):
         kwargs.setdefault("enable_thinking", False)
-    use_tools = bool(tools) and tool_choice != "none"
+    tools = tools if tools and tool_choice != "none" else None
     if getattr(template, "supports_tools", False):
-        text = template.render(messages, tools=tools if use_tools else None,
-                               add_generation_prompt=add_generation_prompt, **kwargs)
+        text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
         implied = tool_parser_for_template(source)
     else:
-        text = template.render(hermes_fallback_messages(messages, tools if use_tools else None),
+        text = template.render(hermes_fallback_messages(messages, tools),
                                add_generation_prompt=add_generation_prompt, **kwargs)
         implied = FALLBACK_TOOL_PARSER
     tool_parser = _configured(config.tool_call_parser, TOOL_PARSERS, "tool-call") or implied
     reasoning_parser = (_configured(config.reasoning_parser, REASONING_PARSERS, "reasoning")
                         or reasoning_parser_for_template(source))
-    return ChatPrompt(text, tool_parser if use_tools else None, reasoning_parser, tools if use_tools else None)
+    return ChatPrompt(text, tool_parser if tools else None, reasoning_parser, tools)
 
 
 def check_tool_choice(tool_choice: str | dict[str, Any] | None) -> None:

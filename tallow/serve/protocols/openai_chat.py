@@ -6,10 +6,10 @@ from pydantic import BaseModel
 
 from tallow.config import ServerConfig
 from tallow.errors import TallowError
+from tallow.serve.chat_prompt import render_chat
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
 from tallow.serve.protocols.base import DONE, StreamProtocol, finite, sse
-from tallow.serve.chat_prompt import render_chat
 from tallow.serve.schemas import ChatCompletionRequest
 from tallow.serve.sink import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallDelta, ToolCallDeltaEvent
 
