@@ -89,7 +89,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tallow.serve.app import run_server
 
     scfg = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                        max_queue=args.max_queue, log_level=args.log_level)
+                        max_queue=args.max_queue, log_level=args.log_level, trace=args.trace,
+                        shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes)
+    # Trace lines are asked for (--trace or x-tallow-trace: 1): shown whatever the log level.
+    logging.getLogger("tallow.trace").setLevel(logging.INFO)
     if args.api_key:
         scfg.api_key = args.api_key
     for name in ("tool_call_parser", "reasoning_parser"):
@@ -124,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-queue", type=int, default=sd.max_queue)
     s.add_argument("--api-key", default=None)
     s.add_argument("--log-level", default=sd.log_level)
+    s.add_argument("--trace", action="store_true",
+                   help="log one JSON line per request with its phases (or per request: x-tallow-trace: 1)")
+    s.add_argument("--shutdown-timeout", type=float, default=sd.shutdown_timeout,
+                   help="seconds running requests get to finish after SIGTERM before they are aborted")
+    s.add_argument("--max-body-bytes", type=int, default=sd.max_body_bytes,
+                   help="larger request bodies are refused with 413")
     s.add_argument("--tool-call-parser", default=None)
     s.add_argument("--reasoning-parser", default=None)
     _engine_args(s)

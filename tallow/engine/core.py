@@ -98,6 +98,9 @@ class EngineCore:
         self.load_seconds = time.monotonic() - t0
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # seq_id -> (monotonic time, first position, tokens) of each prefill chunk, kept only for
+        # sequences submitted with trace_prefill (request traces); empty otherwise.
+        self.prefill_log: dict[int, list[tuple[float, int, int]]] = {}
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, quantization %s, %.2fs",
                  self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                  config.block_size, self.quantization, self.load_seconds)
@@ -155,6 +158,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        if self.prefill_log:
+            self._log_prefill_chunks(out)
         try:
             res = self.runner.run(out)
         except Exception:
@@ -185,6 +190,13 @@ class EngineCore:
             i += 1
         self.num_generated_tokens += i
         return outputs
+
+    def _log_prefill_chunks(self, out) -> None:
+        now = time.monotonic()
+        for s in out.scheduled:
+            chunks = self.prefill_log.get(s.seq.seq_id)
+            if chunks is not None and (s.num_new_tokens > 1 or not s.samples):
+                chunks.append((now, s.start, s.num_new_tokens))
 
     @staticmethod
     def _final(seq: Sequence) -> TokenOutput:
@@ -218,6 +230,8 @@ class RequestStream:
         self.request_id = seq.request_id
         self._queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._done = False
+        # Prefill chunks (time, first position, tokens) when submitted with trace_prefill.
+        self.prefill_chunks: list[tuple[float, int, int]] | None = None
 
     def __aiter__(self):
         return self
@@ -276,14 +290,18 @@ class AsyncEngine:
         return self._chat_template
 
     # ---- the asyncio side -------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> list[RequestStream]:
-        """Queue a request: one stream per sample (params.n); siblings share the prompt's blocks."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               trace_prefill: bool = False) -> list[RequestStream]:
+        """Queue a request: one stream per sample (params.n); siblings share the prompt's blocks.
+        With trace_prefill, each stream's prefill_chunks lists its prefill steps."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         seqs = self.core.make_sequences(prompt_ids, params, request_id)
         streams = [RequestStream(self, s) for s in seqs]
         for st in streams:
             self._streams[st.seq.seq_id] = st
+            if trace_prefill:  # registered before the engine thread can see the sequence
+                st.prefill_chunks = self.core.prefill_log[st.seq.seq_id] = []
         self._commands.append(("add", seqs))
         self._wake.set()
         return streams
@@ -315,6 +333,7 @@ class AsyncEngine:
             st._queue.put_nowait(out)
             if out.finish_reason is not None:
                 del self._streams[seq.seq_id]
+                self.core.prefill_log.pop(seq.seq_id, None)
 
     def _post(self, batch: list[tuple[Sequence, TokenOutput]]) -> None:
         if batch and self._loop is not None and not self._loop.is_closed():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 import uuid
 from collections import Counter
@@ -16,7 +17,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tallow.config import EngineConfig, ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.admission import RETRY_AFTER_S, AdmissionQueue
-from tallow.serve.executor import CompletionAborted, CompletionExecutor, CompletionRun
+from tallow.serve.access_log import mark_phase
+from tallow.serve.executor import CompletionAborted, CompletionRun
+from tallow.serve.gate import GateState, RequestGate
+from tallow.serve.instrument import InstrumentedEngine, MeteredExecutor
+from tallow.serve.metrics import ServerMetrics
+from tallow.serve.security import api_key_matches, exposure_warning
+from tallow.serve.shutdown import ABORT_GRACE_S, DrainingServer
 from tallow.serve.plan import Rejection
 from tallow.serve.protocols.base import StreamProtocol
 from tallow.serve.protocols.openai_chat import OpenAIChat
@@ -60,10 +67,11 @@ def engine_slots(engine) -> int:
 def attach_engine(app: FastAPI, engine) -> None:
     """Serve `engine` from now on (run_server calls this once the model has loaded)."""
     state = app.state
-    state.engine = engine
-    state.executor = CompletionExecutor(engine)
+    state.engine = InstrumentedEngine(engine, state.metrics)
+    state.executor = MeteredExecutor(state.engine, state.metrics)
     state.admission = AdmissionQueue(engine_slots(engine), state.config.max_queue)
     state.model_name = state.config.served_model_name or engine.model_name
+    state.metrics.bind(engine, state.model_name)
 
 
 def build_app(engine, server_config: ServerConfig) -> FastAPI:
@@ -72,6 +80,9 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
     app.state.config = server_config
     app.state.engine = None
     app.state.counters = Counter()
+    app.state.metrics = ServerMetrics()
+    app.state.gate = GateState()
+    app.add_middleware(RequestGate, config=server_config, metrics=app.state.metrics, state=app.state.gate)
     if engine is not None:
         attach_engine(app, engine)
 
@@ -85,8 +96,7 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         key = server_config.api_key
         if key is None:
             return
-        given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
-        if given != key:
+        if not api_key_matches(request.headers, key):
             raise TallowError("invalid or missing API key", status=401, type="authentication_error")
 
     @app.exception_handler(TallowError)
@@ -115,6 +125,11 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
             raise TallowError(f"the model {model_id!r} does not exist", status=404, param="model",
                               code="model_not_found")
         return card
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text, content_type = await asyncio.to_thread(app.state.metrics.render)
+        return Response(text, media_type=content_type)
 
     @app.get("/stats")
     async def stats() -> dict:
@@ -145,6 +160,7 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
             return error_response(413, f"the request body exceeds {server_config.max_body_bytes} bytes",
                                   "invalid_request_error")
         plan = await asyncio.to_thread(protocol_cls.plan_request, raw, engine, server_config)
+        mark_phase("plan")
         if isinstance(plan, Rejection):
             counters["rejected"] += 1
             return JSONResponse(plan.body, plan.status)
@@ -223,10 +239,22 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     import uvicorn
 
     app = build_app(None, server_config)
-    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                                           log_level=server_config.log_level,
-                                           timeout_graceful_shutdown=int(server_config.shutdown_timeout)))
+    warning = exposure_warning(server_config.host, server_config.api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    # No uvicorn access log: RequestGate writes one line per request, with tokens and timings.
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                            log_level=server_config.log_level, access_log=False,
+                            timeout_graceful_shutdown=ABORT_GRACE_S)
+    server = DrainingServer(config, app.state.gate, server_config.shutdown_timeout,
+                            abort_all=lambda: _abort_all(app))
     asyncio.run(_serve(server, app, engine_config))
+
+
+async def _abort_all(app: FastAPI) -> None:
+    """Stop the engine: every request still running ends with finish_reason "abort"."""
+    if app.state.engine is not None:
+        await app.state.engine.shutdown()
 
 
 def _load_engine(engine_config: EngineConfig):

@@ -1,0 +1,51 @@
+"""The record of one HTTP request, filled in as it runs, and its one access-log line.
+
+The request gate (gate.py) makes a RequestRecord for every request and sets it as
+`current_request` for the request's task, so code deep in the request path (the
+instrumented engine, the executor's run, the route) adds to it without passing it around:
+asyncio tasks and `asyncio.to_thread` copy the context.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from tallow.serve.trace import RequestTrace
+
+access_log = logging.getLogger("tallow.access")
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    method: str
+    route: str
+    start: float  # time.monotonic() on arrival
+    trace: RequestTrace | None = None
+    status: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token: float | None = None  # monotonic time of the first generated token
+    finish_reasons: list[str] = field(default_factory=list)  # one per finished choice
+    outcome: str | None = None  # "aborted" (the client left) | "failed" (an error midway)
+
+    def line(self, end: float) -> str:
+        ttft = "-" if self.first_token is None else f"{(self.first_token - self.start) * 1000:.1f}"
+        finish = ",".join(self.finish_reasons) or "-"
+        if self.outcome:
+            finish = f"{finish}({self.outcome})" if self.finish_reasons else self.outcome
+        return (f"{self.request_id} {self.method} {self.route} {self.status or '-'} "
+                f"prompt_tokens={self.prompt_tokens} completion_tokens={self.completion_tokens} "
+                f"ttft_ms={ttft} duration_ms={(end - self.start) * 1000:.1f} finish={finish}")
+
+
+current_request: ContextVar[RequestRecord | None] = ContextVar("tallow_request", default=None)
+
+
+def mark_phase(phase: str) -> None:
+    """Mark the end of `phase` in the current request's trace, if it is traced."""
+    record = current_request.get()
+    if record is not None and record.trace is not None:
+        record.trace.mark(phase)
