@@ -275,7 +275,7 @@ def test_templates_with_tools_render_their_own_section():
 def test_the_default_model_answers_a_request_with_tools():
     for client in serve(start_real_engine()):
         whole, streamed = both(client, ask("What is the weather in Paris? Use the tool."), tools=[WEATHER],
-                               temperature=0, max_tokens=48)
+                               temperature=0, max_tokens=32)
     assert whole.finish_reason in ("stop", "length", "tool_calls")
     for name, arguments in calls_of(whole):  # a parsed call is well-formed
         assert name and isinstance(arguments, dict)
