@@ -121,9 +121,12 @@ CANDIDATES: dict[str, tuple[Callable[[torch.Tensor], tuple[Kernel, int]], bool]]
 
 
 def _calls_per_sample(kernel: Kernel, x: torch.Tensor, target_s: float) -> int:
-    start = time.perf_counter()
-    kernel(x)
-    return max(1, int(target_s / max(time.perf_counter() - start, 1e-7)))
+    """How many calls fill target_s (counted, not extrapolated from one call that may stall)."""
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < target_s:
+        kernel(x)
+        calls += 1
+    return calls
 
 
 def bench_shape(
