@@ -191,9 +191,9 @@ def test_tool_calls_are_parsed_from_the_reply():
     chunks = [json.loads(f.removeprefix("data: ")) for f in frames if f.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert not any(d.get("content") for d in deltas)
-    [streamed] = [call for d in deltas for call in d.get("tool_calls", [])]
-    assert (streamed["function"]["name"], streamed["function"]["arguments"]) == (
-        parsed["function"]["name"], parsed["function"]["arguments"])
+    parts = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert {p["index"] for p in parts} == {0} and parts[0]["function"]["name"] == parsed["function"]["name"]
+    assert "".join(p["function"]["arguments"] for p in parts) == parsed["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
     plain = post(app, CHAT, {**body, "tools": None}).json()["choices"][0]
