@@ -195,7 +195,7 @@ class EngineCore:
         now = time.monotonic()
         for s in out.scheduled:
             chunks = self.prefill_log.get(s.seq.seq_id)
-            if chunks is not None and (s.num_new_tokens > 1 or not s.samples):
+            if chunks is not None and (s.start < s.seq.num_prompt_tokens or s.num_new_tokens > 1):
                 chunks.append((now, s.start, s.num_new_tokens))
 
     @staticmethod

@@ -142,7 +142,7 @@ class MeteredStream:
         self._metrics.e2e.labels(self._metrics.model_name).observe(now - self._arrival)
         trace = self._trace
         if trace is not None:
-            trace.finish, trace.finish_reason = now, reason
+            trace.finish, trace.engine_finish = now, reason
             trace.prefill_chunks = list(getattr(self._stream, "prefill_chunks", None) or [])
 
 

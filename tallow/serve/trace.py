@@ -9,7 +9,7 @@ are monotonic milliseconds since the request arrived:
      "sequences": [{"engine_id": "chatcmpl-...", "submitted": 2.6, "scheduled": 3.0,
                     "queue_wait": 0.4, "prefill_chunks": [[3.0, 0, 512], [41.7, 512, 88]],
                     "first_token": 55.0, "tokens": 64, "decode": 757.1, "finish": 812.1,
-                    "finish_reason": "length"}],
+                    "engine_finish": "length"}],
      "finish_reasons": ["length"]}
 
 A phase's mark is when it ended: parse ends when the template starts (chat) or the prompt is
@@ -39,7 +39,9 @@ class SequenceTrace:
     first_token: float | None = None
     tokens: int = 0
     finish: float | None = None
-    finish_reason: str | None = None
+    # The engine's end: stop / length / error, or abort when the server ended it (a stop
+    # string, a client gone); the request's finish_reasons are the protocol's.
+    engine_finish: str | None = None
 
     def to_dict(self, start: float) -> dict:
         wait = None if self.scheduled is None else _ms(self.submitted, self.scheduled)
@@ -48,7 +50,7 @@ class SequenceTrace:
                 "scheduled": _ms(start, self.scheduled), "queue_wait": wait,
                 "prefill_chunks": [[_ms(start, t), pos, n] for t, pos, n in self.prefill_chunks],
                 "first_token": _ms(start, self.first_token), "tokens": self.tokens, "decode": decode,
-                "finish": _ms(start, self.finish), "finish_reason": self.finish_reason}
+                "finish": _ms(start, self.finish), "engine_finish": self.engine_finish}
 
 
 class RequestTrace:

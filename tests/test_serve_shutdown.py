@@ -1,0 +1,106 @@
+"""SIGTERM on `tallow serve` (a subprocess on a replay model): new requests get 503 at once,
+a request in flight that ends within --shutdown-timeout finishes normally, one that would run
+longer is aborted at the timeout (its stream still ends properly), and the process exits 0."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+SHUTDOWN_TIMEOUT_S = 4.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StreamReader(threading.Thread):
+    """Streams one chat completion; keeps its status, finish reason and whether [DONE] came."""
+
+    def __init__(self, url: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.started = threading.Event()
+        self.status = self.finish_reason = None
+        self.done = False
+        self.tokens = 0
+
+    def run(self) -> None:
+        body = {"messages": [{"role": "user", "content": f"count to {self.max_tokens}"}], "max_tokens": self.max_tokens,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    self.done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    self.started.set()
+                    for choice in chunk["choices"]:
+                        self.finish_reason = choice["finish_reason"] or self.finish_reason
+                    if chunk.get("usage"):
+                        self.tokens = chunk["usage"]["completion_tokens"]
+
+
+@pytest.fixture
+def serve(tmp_path):
+    script = tmp_path / "reply.json"
+    script.write_text(json.dumps([{"reply": "One, two, three, four, five, six, seven, eight, nine, ten."}]))
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tallow.cli", "serve", "--model", f"replay:{script}", "--port", str(port),
+         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--max-num-seqs", "4", "--kv-cache-memory", "0.05"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    yield proc, url, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_sigterm_drains_then_exits_zero(serve):
+    proc, url, log = serve
+    short, long = StreamReader(url, max_tokens=40), StreamReader(url, max_tokens=4000)
+    for reader in (short, long):
+        reader.start()
+        assert reader.started.wait(30)
+
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    refused = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    health = httpx.get(url + "/health")
+    code = proc.wait(timeout=SHUTDOWN_TIMEOUT_S + 20)
+    elapsed = time.monotonic() - sent
+    short.join(5)
+    long.join(5)
+    log.seek(0)
+    output = log.read()
+
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    assert health.status_code == 503
+    assert (short.status, short.finish_reason, short.done, short.tokens) == (200, "length", True, 40)
+    assert (long.status, long.finish_reason, long.done) == (200, "abort", True)
+    assert 0 < long.tokens < 4000
+    assert code == 0, output
+    assert SHUTDOWN_TIMEOUT_S <= elapsed < SHUTDOWN_TIMEOUT_S + 10
+    assert "draining" in output and "aborting 1 requests" in output
