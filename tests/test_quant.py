@@ -38,7 +38,7 @@ def assert_output_close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_forward_matches_own_dequantized_weights(cls, rows):
     w, bias = random_weight(96, 128), torch.randn(96)
-    layer = cls(w, bias)
+    layer = cls(w, bias, dense_min_rows=8)
     x = torch.randn(rows, 2, 128)  # leading dims are flattened: 2 * rows rows reach the kernel
     y = layer(x)
     assert y.shape == (rows, 2, 96) and y.dtype == torch.float32
@@ -46,6 +46,16 @@ def test_forward_matches_own_dequantized_weights(cls, rows):
     weight = w.to(torch.bfloat16).float() if 2 * rows >= layer.dense_min_rows else layer.dequantized_weight()
     ref = bf16_matmul_reference(x, weight) + bias
     assert_output_close(y, ref, rel=BF16_EPS)
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_default_layers_are_batch_invariant(cls):
+    """By default a row's output does not depend on how many rows share the call."""
+    layer = cls(random_weight(96, 128), None)
+    x = torch.randn(40, 128)
+    full = layer(x)
+    for rows in (1, 2, 7, 8, 16, 33):
+        assert torch.equal(layer(x[:rows]), full[:rows])
 
 
 def test_int8_weights_within_quantization_error():

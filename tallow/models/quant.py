@@ -7,9 +7,11 @@ bfloat16 activations only (with float32 activations they are 3-15x slower than a
 GEMV), so these layers round activations to bfloat16 inside and return float32.
 
 Past a few rows (prefill, large decode batches) the work is compute-bound and a dense
-bfloat16 GEMM (avx512_bf16) beats the packed kernels (2-3x at 128 rows): each layer keeps a
-dense bfloat16 copy and switches to it from `dense_min_rows` rows on.
-benchmarks/cpu_linear.py has the figures.
+bfloat16 GEMM (avx512_bf16) can beat the packed kernels: a layer built with `dense_min_rows`
+keeps a dense bfloat16 copy and switches to it from that many rows on. The engine does not:
+each kernel alone gives a row the same result whatever the batch, but switching kernels by
+batch size would make a sequence's greedy text depend on what it was batched with (and on
+prefill chunking). benchmarks/cpu_linear.py has the figures.
 
 Int4 has the layout of GGUF's Q4_1: groups of 32 along the input, w = (q - 8) * scale + zero,
 q in 0..15. A Q4_1 weight (w = d * q + m, d and m float16) is scale = d, zero = m + 8 d, and
@@ -30,8 +32,8 @@ SCHEMES = ("int4", "int8", "bf16", "none")
 GROUP_SIZE = 32
 INT4_OUT_MULTIPLE = 16  # the int4 packing works on blocks of 16 output channels
 INT8_IN_MULTIPLE = 16  # the int8 kernel reads the input in blocks of 16 (other widths give wrong results)
-# From this many rows on, a dense bfloat16 GEMM is faster than the packed kernels here.
-DENSE_MIN_ROWS = 8
+# None: always the packed kernel, so results do not depend on the batch (see the docstring).
+DENSE_MIN_ROWS: int | None = None
 
 
 class _QuantizedLinear(nn.Module):
