@@ -1,4 +1,5 @@
-"""FastAPI routes: OpenAI Chat Completions and Completions, health, models, stats."""
+"""FastAPI routes: OpenAI Chat Completions, Completions and Responses, Anthropic Messages, health,
+models, stats."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -25,9 +26,13 @@ from tallow.serve.metrics import ServerMetrics
 from tallow.serve.security import api_key_matches, exposure_warning
 from tallow.serve.shutdown import ABORT_GRACE_S, DrainingServer
 from tallow.serve.plan import Rejection
+from tallow.serve.protocols.anthropic import AnthropicMessages, anthropic_response
+from tallow.serve.protocols.anthropic import error_response as anthropic_error
 from tallow.serve.protocols.base import StreamProtocol
 from tallow.serve.protocols.openai_chat import OpenAIChat
 from tallow.serve.protocols.openai_completions import OpenAICompletions
+from tallow.serve.protocols.responses import OpenAIResponses
+from tallow.serve.responses_store import ResponsesStore
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +150,48 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(request: Request) -> Response:
         return await complete(request, OpenAICompletions)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await anthropic(request, lambda: complete(request, AnthropicMessages))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        async def count() -> Response:
+            engine, raw = serving_engine(), await request.body()
+            counted = await asyncio.to_thread(AnthropicMessages.count_tokens, raw, engine, server_config)
+            if isinstance(counted, Rejection):
+                return JSONResponse(counted.body, counted.status)
+            return JSONResponse(counted)
+        return await anthropic(request, count)
+
+    async def anthropic(request: Request, handle: Callable[[], Awaitable[Response]]) -> Response:
+        """Anthropic's routes: every failure in Anthropic's error shape, pings on idle streams."""
+        try:
+            check_api_key(request)
+            return anthropic_response(await handle())
+        except TallowError as e:
+            return anthropic_error(e.status, e.message)
+
+    responses_store = ResponsesStore(server_config.responses_ttl_s, server_config.responses_max_bytes)
+    responses_protocol = OpenAIResponses.with_store(responses_store)
+
+    @app.post("/v1/responses", dependencies=[Depends(check_api_key)])
+    async def create_response(request: Request) -> Response:
+        return await complete(request, responses_protocol)
+
+    @app.get("/v1/responses/{response_id}", dependencies=[Depends(check_api_key)])
+    async def get_response(response_id: str) -> dict:
+        stored = responses_store.get(response_id)
+        if stored is None:
+            raise TallowError(f"Response with id '{response_id}' not found.", status=404, param="response_id")
+        return stored.response
+
+    @app.delete("/v1/responses/{response_id}", dependencies=[Depends(check_api_key)])
+    async def delete_response(response_id: str) -> dict:
+        if not responses_store.delete(response_id):
+            raise TallowError(f"Response with id '{response_id}' not found.", status=404, param="response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     def model_card(engine) -> dict:
         return {"id": app.state.model_name, "object": "model", "created": 0, "owned_by": "tallow",

@@ -1,0 +1,248 @@
+"""Anthropic Messages: POST /v1/messages and POST /v1/messages/count_tokens.
+
+A stream follows Anthropic's event grammar: message_start; per content block (thinking, text,
+tool_use) content_block_start, content_block_delta (thinking_delta, text_delta,
+input_json_delta) and content_block_stop; message_delta (stop_reason, stop_sequence, final
+usage); message_stop. Every response of these routes goes through `anthropic_response`, which
+puts errors in Anthropic's shape and pings a stream that stays silent.
+
+Usage follows Anthropic's accounting: input_tokens are the prompt tokens computed for this
+request, cache_read_input_tokens those served from the prefix cache; their sum is the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tallow.config import ServerConfig
+from tallow.errors import TallowError
+from tallow.serve.anthropic_schemas import MessagesInput, MessagesRequest
+from tallow.serve.chat_prompt import ChatPrompt, render_chat
+from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
+from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
+from tallow.serve.protocols.base import StreamProtocol
+from tallow.serve.schemas import SamplingFields
+from tallow.serve.sink import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
+
+# A stream silent this long (a queued request, a long prefill) gets a ping event.
+PING_INTERVAL_S = 1.0
+# Anthropic's status for "overloaded": what a full admission queue answers here.
+OVERLOADED_STATUS = 529
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", OVERLOADED_STATUS: "overloaded_error"}
+_STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+
+
+def event(name: str, payload: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+PING = event("ping", {"type": "ping"})
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status, headers=headers)
+
+
+def anthropic_response(response: Response) -> Response:
+    """A response of the shared completion path, in Anthropic's terms: an error body in
+    Anthropic's shape (a full queue's 429 becomes 529 overloaded_error), a stream with pings."""
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = with_pings(response.body_iterator)
+        return response
+    if not isinstance(response, JSONResponse) or response.status_code < 400:
+        return response
+    status = OVERLOADED_STATUS if response.status_code == 429 else response.status_code
+    message = json.loads(response.body).get("error", {}).get("message", "")
+    retry_after = response.headers.get("retry-after")
+    return error_response(status, message, {"Retry-After": retry_after} if retry_after else None)
+
+
+async def with_pings(frames: AsyncIterator[str], interval: float | None = None) -> AsyncIterator[str]:
+    """`frames`, with a ping whenever none came for `interval` seconds (PING_INTERVAL_S).
+
+    The frames are drawn in a task of their own, so that waiting can time out; leaving early
+    cancels that task, which the frame generator handles as a disconnect.
+    """
+    async def draw() -> str | None:
+        return await anext(frames, None)
+
+    pending: asyncio.Task | None = None
+    try:
+        while True:
+            pending = pending or asyncio.create_task(draw())
+            done, _ = await asyncio.wait({pending}, timeout=interval or PING_INTERVAL_S)
+            if not done:
+                yield PING
+                continue
+            frame, pending = pending.result(), None
+            if frame is None:
+                return
+            yield frame
+    finally:
+        if pending is not None:
+            pending.cancel()
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _render(req: MessagesInput, engine, config: ServerConfig) -> ChatPrompt | Rejection:
+    if len(req.messages) > config.max_messages:
+        return Rejection.invalid(f"messages holds at most {config.max_messages} entries", "messages")
+    for k, tool in enumerate(req.tools or []):
+        if tool.type not in (None, "custom"):
+            return Rejection.invalid(f"tools[{k}]: the server tool type {tool.type!r} is not supported; "
+                                     "define client tools with name, description and input_schema",
+                                     f"tools[{k}].type")
+        if tool.input_schema is None:
+            return Rejection.invalid(f"tools[{k}].input_schema: Field required", f"tools[{k}].input_schema")
+    tools = [tool.to_openai() for tool in req.tools] if req.tools else None
+    choice = req.tool_choice.type if req.tool_choice is not None and req.tool_choice.type == "none" else "auto"
+    try:
+        return render_chat(engine.chat_template, req.template_messages(), config, tools=tools, tool_choice=choice,
+                           template_kwargs={"enable_thinking": req.thinking_enabled})
+    except TallowError as e:
+        return Rejection.from_error(e)
+
+
+class AnthropicMessages(StreamProtocol):
+    id_prefix = "msg_"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._num_blocks = 0
+        self._open: str | None = None  # the streaming block: "text", "thinking" or "tool_use:<index>"
+        self._stop: tuple[str, str | None] = ("end_turn", None)  # stop_reason, stop_sequence
+
+    @classmethod
+    def plan_request(cls, raw: bytes, engine, config: ServerConfig) -> RequestPlan | Rejection:
+        req = parse_request(raw, MessagesRequest)
+        if isinstance(req, Rejection):
+            return req
+        if req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+            return Rejection.invalid(f"tool_choice {req.tool_choice.type!r} is not enforced yet: forcing a tool "
+                                     "call needs constrained decoding. Use 'auto' or 'none'.", "tool_choice")
+        budget = req.thinking.budget_tokens if req.thinking_enabled else None
+        if budget is not None and budget >= req.max_tokens:
+            return Rejection.invalid("thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens")
+        prompt = _render(req, engine, config)
+        if isinstance(prompt, Rejection):
+            return prompt
+        sampling = SamplingFields(stream=req.stream, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=req.top_k, stop=req.stop_sequences)
+        return plan_completion(
+            sampling, [engine.tokenizer.encode(prompt.text)], vocab_size=engine.model_config.vocab_size,
+            max_model_len=engine.max_model_len, config=config, max_tokens=req.max_tokens, logprobs=None,
+            prompt_param="messages", prompt_text=prompt.text, split_reasoning=True,
+            reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools)
+
+    @staticmethod
+    def count_tokens(raw: bytes, engine, config: ServerConfig) -> dict | Rejection:
+        """The body of POST /v1/messages/count_tokens: the prompt tokens the request would use."""
+        req = parse_request(raw, MessagesInput)
+        if isinstance(req, Rejection):
+            return req
+        prompt = _render(req, engine, config)
+        if isinstance(prompt, Rejection):
+            return prompt
+        return {"input_tokens": len(engine.tokenizer.encode(prompt.text))}
+
+    def error(self, message: str) -> list[str]:
+        return [event("error", error_body(500, message))]
+
+    # ---- streaming ------------------------------------------------------------------
+    def start(self) -> list[str]:
+        message = self._message([], None, None, {"input_tokens": len(self.plan.prompts[0]), "output_tokens": 0})
+        return [event("message_start", {"type": "message_start", "message": message})]
+
+    def add_events(self, update: ChoiceUpdate, usage: Usage) -> list[str]:
+        frames = []
+        for ev in update.events:
+            if isinstance(ev, ContentEvent):
+                frames += self._delta("text", {"type": "text_delta", "text": ev.text})
+            elif isinstance(ev, ReasoningEvent):
+                frames += self._delta("thinking", {"type": "thinking_delta", "thinking": ev.text})
+            elif isinstance(ev, ToolCallDeltaEvent):
+                for d in ev.deltas:
+                    block = f"tool_use:{d.index}"
+                    if d.name is not None:
+                        frames += self._start(block, {"type": "tool_use", "id": _tool_use_id(d.id), "name": d.name,
+                                                      "input": {}})
+                    if d.arguments:
+                        frames += self._delta(block, {"type": "input_json_delta", "partial_json": d.arguments})
+        if update.finish_reason is not None:
+            frames += self._close()
+            self._stop = self._stop_reason(update.finish_reason, update.stop_string)
+        return frames
+
+    def finish(self, usage: Usage) -> list[str]:
+        stop_reason, stop_sequence = self._stop
+        return [event("message_delta", {"type": "message_delta",
+                                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                        "usage": _usage(usage)}),
+                event("message_stop", {"type": "message_stop"})]
+
+    def _delta(self, block: str, delta: dict) -> list[str]:
+        frames = []
+        if self._open != block:
+            empty = {"text": {"type": "text", "text": ""},
+                     "thinking": {"type": "thinking", "thinking": "", "signature": ""}}[block]
+            frames = self._start(block, empty)
+        return frames + [event("content_block_delta", {"type": "content_block_delta",
+                                                       "index": self._num_blocks - 1, "delta": delta})]
+
+    def _start(self, block: str, content_block: dict) -> list[str]:
+        frames = self._close()
+        self._open = block
+        self._num_blocks += 1
+        return frames + [event("content_block_start", {"type": "content_block_start",
+                                                       "index": self._num_blocks - 1,
+                                                       "content_block": content_block})]
+
+    def _close(self) -> list[str]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [event("content_block_stop", {"type": "content_block_stop", "index": self._num_blocks - 1})]
+
+    # ---- one body ---------------------------------------------------------------------
+    def response(self, summary: CompletionSummary) -> dict:
+        choice = summary.choices[0]
+        content: list[dict[str, Any]] = []
+        if choice.reasoning:
+            content.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
+        if choice.content:
+            content.append({"type": "text", "text": choice.content})
+        for call in choice.tool_calls:
+            content.append({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
+                            "input": json.loads(call.arguments)})
+        return self._message(content, *self._stop_reason(choice.finish_reason, choice.stop_string),
+                             _usage(summary.usage))
+
+    def _message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None,
+                 usage: dict) -> dict:
+        return {"id": self.request_id, "type": "message", "role": "assistant", "model": self.model_name,
+                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+    @staticmethod
+    def _stop_reason(finish_reason: str, stop_string: str | None) -> tuple[str, str | None]:
+        if stop_string is not None and finish_reason == "stop":
+            return "stop_sequence", stop_string
+        return _STOP_REASONS.get(finish_reason, "end_turn"), None
+
+
+def _usage(usage: Usage) -> dict:
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": usage.cached_tokens, "output_tokens": usage.completion_tokens}
