@@ -1,0 +1,174 @@
+"""Hostile input: thousands of generated bodies on every POST /v1 route (and ids on the others)
+against the in-process app over the fake engine. None may be answered with a 5xx, and none
+may leave a sequence running or an admission slot taken."""
+
+import asyncio
+import json
+import math
+import re
+from urllib.parse import quote
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from starlette.routing import Route
+
+from serve_utils import FakeEngine
+from tallow.config import ServerConfig
+from tallow.serve.app import build_app
+
+EXAMPLES_PER_ROUTE = 600
+
+scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.integers(-3, 300)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)
+small_ints = st.integers(-2, 40)
+texts = st.text(max_size=30)
+roles = st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "model", ""])
+part_types = st.sampled_from(["text", "image_url", "input_text", "output_text", "image", "tool_use", "tool_result",
+                              "thinking", "input_image", "function_call", "refusal"])
+parts = st.fixed_dictionaries({"type": part_types}, optional={
+    "text": texts, "image_url": json_values, "id": texts, "name": texts, "input": json_values,
+    "tool_use_id": texts, "content": texts | json_values, "thinking": texts})
+contents = texts | st.lists(parts, max_size=3) | json_values
+messages = st.lists(st.fixed_dictionaries({"role": roles}, optional={
+    "content": contents, "name": texts, "tool_calls": json_values, "tool_call_id": texts,
+    "reasoning_content": texts}), max_size=4) | json_values
+tools = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search", "custom"])}, optional={
+    "function": st.fixed_dictionaries({"name": texts}, optional={"parameters": json_values}),
+    "name": texts, "input_schema": json_values, "parameters": json_values}), max_size=2) | json_values
+token_ids = st.lists(st.integers(-5, 300), max_size=6)
+
+# Every field some protocol reads, each with plausible and implausible values.
+FIELDS = {
+    "model": texts, "messages": messages, "input": texts | messages, "prompt": texts | token_ids
+    | st.lists(texts | token_ids, max_size=3) | json_values, "system": texts | st.lists(parts, max_size=2),
+    "instructions": texts, "max_tokens": small_ints | json_values, "max_completion_tokens": small_ints,
+    "max_output_tokens": small_ints, "temperature": st.floats(-1, 3) | json_values, "top_p": st.floats(-0.5, 1.5),
+    "top_k": small_ints, "min_p": st.floats(-1, 2), "n": st.integers(-1, 20) | json_values, "seed": json_values,
+    "stop": texts | st.lists(texts, max_size=20) | json_values, "stop_sequences": st.lists(texts, max_size=5),
+    "stream": st.booleans() | json_values, "stream_options": json_values,
+    "logprobs": st.booleans() | small_ints | json_values, "top_logprobs": small_ints,
+    "logit_bias": st.dictionaries(st.text(max_size=4), st.floats(-150, 150), max_size=4) | json_values,
+    "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3), "repetition_penalty": st.floats(-1, 3),
+    "min_tokens": small_ints, "ignore_eos": st.booleans(), "echo": st.booleans(), "suffix": texts,
+    "stop_token_ids": token_ids | json_values, "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(), "tools": tools, "tool_choice": json_values
+    | st.sampled_from(["auto", "none", "required", "any"]), "parallel_tool_calls": json_values,
+    "chat_template_kwargs": json_values, "reasoning_effort": texts, "thinking": json_values,
+    "metadata": json_values, "store": json_values, "previous_response_id": texts, "response_format": json_values,
+    "user": json_values,
+}
+
+# Mostly valid bodies per protocol, so that generation, streaming and the sink are reached too.
+words = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=24)
+text_parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": words}), min_size=1, max_size=2)
+chat_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                "content": words | text_parts}), min_size=1, max_size=3)
+function_tools = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.from_regex(r"[a-z_]{1,8}", fullmatch=True), "parameters": st.just({"type": "object"})})}),
+    max_size=2)
+sampling = {
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50),
+    "seed": st.integers(0, 2**31), "stream": st.booleans(), "ignore_eos": st.booleans(),
+    "stop": st.lists(words, max_size=3), "min_tokens": st.integers(0, 4),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 257).map(str), st.floats(-100, 100), max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 257), max_size=2), "n": st.integers(1, 4),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                          "continuous_usage_stats": st.booleans()}),
+    "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
+}
+anthropic_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                                     "content": words | text_parts}), min_size=1, max_size=3)
+anthropic = ({"messages": anthropic_messages}, {
+    "model": words, "system": words | text_parts, "stop_sequences": st.lists(words, max_size=3),
+    "temperature": st.floats(0, 1), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 50),
+    "stream": st.booleans(), "metadata": st.just({"user_id": "u"}),
+    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}]),
+    "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}])})
+VALID_BODIES = {
+    "/v1/chat/completions": ({"messages": chat_messages}, {
+        **sampling, "max_tokens": st.integers(1, 40), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
+        "tools": function_tools, "tool_choice": st.sampled_from(["auto", "none"])}),
+    "/v1/completions": ({"prompt": words | st.lists(st.integers(0, 257), min_size=1, max_size=8)
+                         | st.lists(words, min_size=1, max_size=2)}, {
+        **sampling, "max_tokens": st.integers(1, 40), "echo": st.booleans(), "logprobs": st.integers(0, 5)}),
+    "/v1/messages": ({**anthropic[0], "max_tokens": st.integers(1, 40)}, anthropic[1]),
+    "/v1/messages/count_tokens": anthropic,
+    "/v1/responses": ({"input": words | chat_messages}, {
+        "instructions": words, "max_output_tokens": st.integers(16, 40), "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1), "stream": st.booleans(), "store": st.booleans(), "tools": st.just([]),
+        "tool_choice": st.sampled_from(["auto", "none"])}),
+}
+
+
+def bodies_for(path: str) -> st.SearchStrategy[bytes]:
+    """A third valid bodies, a third valid bodies with one field replaced by any JSON value,
+    a third anything (field soup, any JSON, any bytes)."""
+    required, optional = VALID_BODIES.get(path, ({}, {}))
+    valid = st.fixed_dictionaries(required, optional=optional)
+    names = sorted(set(required) | set(optional) | set(FIELDS))
+    mutated = st.tuples(valid, st.sampled_from(names), json_values).map(lambda t: {**t[0], t[1]: t[2]})
+    anything = st.fixed_dictionaries({}, optional=FIELDS) | json_values
+    return (valid | mutated | anything).map(lambda body: json.dumps(body).encode()) | st.binary(max_size=64)
+
+
+@pytest.fixture(scope="module")
+def app_client():
+    loop = asyncio.new_event_loop()
+    engine = FakeEngine(max_model_len=96, max_num_seqs=8, interval=0)
+    app = build_app(engine, ServerConfig(max_n=4))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://fuzz")
+    yield loop, client, app, engine
+    loop.run_until_complete(client.aclose())
+    loop.close()
+
+
+def routes(methods: set[str]) -> list[tuple[str, str]]:
+    app = build_app(FakeEngine(), ServerConfig())
+    return sorted((method, route.path) for route in app.routes if isinstance(route, Route)
+                  and route.path.startswith("/v1") for method in route.methods & methods)
+
+
+def check(app_client, method: str, path: str, body: bytes | None) -> None:
+    loop, client, app, engine = app_client
+    response = loop.run_until_complete(client.request(
+        method, path, content=body, headers={"content-type": "application/json"}))
+    assert response.status_code < 500, (body, response.status_code, response.text[:500])
+    assert not engine.running and not engine.waiting, body
+    assert app.state.admission.in_flight == 0, body
+
+
+@pytest.mark.parametrize("path", [path for _, path in routes({"POST"})])
+def test_generated_bodies_never_break_a_post_route(app_client, path):
+    @settings(max_examples=EXAMPLES_PER_ROUTE, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(body=bodies_for(path))
+    def fuzz(body: bytes) -> None:
+        check(app_client, "POST", path, body)
+
+    fuzz()
+
+
+@pytest.mark.parametrize("method, path", routes({"GET", "DELETE"}))
+def test_generated_ids_never_break_a_route(app_client, method, path):
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None)
+    @given(value=st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=20))
+    def fuzz(value: str) -> None:
+        check(app_client, method, re.sub(r"\{[^}]*\}", quote(value, safe=""), path), None)
+
+    if "{" not in path:
+        check(app_client, method, path, None)
+        return
+    fuzz()
+
+
+def test_json_numbers_that_are_not_finite_are_refused(app_client):
+    loop, client, _, _ = app_client
+    for value in (math.nan, math.inf, -math.inf):
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": value}).encode()
+        response = loop.run_until_complete(client.post("/v1/chat/completions", content=body))
+        assert response.status_code == 400
