@@ -85,10 +85,10 @@ class Tool(WireModel):
     type: str | None = None
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
-    input_schema: dict[str, Any] | None = None
+    input_schema: dict[str, Any] | None = None  # required of client tools (the protocol checks)
 
     def to_openai(self) -> dict[str, Any]:
-        function = {"name": self.name, "parameters": self.input_schema or {"type": "object", "properties": {}}}
+        function = {"name": self.name, "parameters": self.input_schema}
         if self.description is not None:
             function["description"] = self.description
         return {"type": "function", "function": function}

@@ -109,7 +109,9 @@ def _render(req: MessagesInput, engine, config: ServerConfig) -> ChatPrompt | Re
         if tool.input_schema is None:
             return Rejection.invalid(f"tools[{k}].input_schema: Field required", f"tools[{k}].input_schema")
     tools = [tool.to_openai() for tool in req.tools] if req.tools else None
-    choice = req.tool_choice.type if req.tool_choice is not None and req.tool_choice.type == "none" else "auto"
+    # "any" and "tool" never get here from a Messages request (plan_request refuses them); counting
+    # tokens renders them as "auto" does.
+    choice = "none" if req.tool_choice is not None and req.tool_choice.type == "none" else "auto"
     try:
         return render_chat(engine.chat_template, req.template_messages(), config, tools=tools, tool_choice=choice,
                            template_kwargs={"enable_thinking": req.thinking_enabled})
