@@ -1,0 +1,333 @@
+"""Soak: many clients against `tallow serve` for a bounded time, then check that nothing leaked.
+
+Starts `tallow serve` on loopback (nothing else is reachable from here), runs --clients
+concurrent clients until --duration has passed, each looping over a mix of requests:
+streamed and whole chat and completions, stop strings, n=2, logprobs; 10% of the streamed
+ones disconnect after a random number of chunks, 5% of all bodies are malformed. At the end,
+with the server idle, it checks:
+
+- no unexpected status (200 for good bodies, 400 for malformed ones) and every completed
+  response well formed (JSON shape, one finish per choice, [DONE], usage adds up);
+- the KV pool is back to its free block count from the start;
+- the server's RSS grew by less than --max-rss-growth from after the warm-up to the end;
+- /metrics equals what the clients counted: finished choices by reason, aborted requests,
+  refused requests, prompt tokens (exactly), generated tokens (exactly for completed
+  requests; disconnected ones may have produced a few tokens more than they received).
+
+    python benchmarks/soak.py --duration 300 --clients 64 --out results/soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import table, write_json  # noqa: E402
+
+TOPICS = ["the sea", "bread", "mountains", "a library", "rain", "trains", "gardens", "the moon", "bees", "maps"]
+STOPS = [".", " the", "\n", ","]
+MALFORMED = [
+    b'{"messages": [{"role": "user", "content": "hi"}',
+    b'{"messages": "hi"}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}',
+    b'{"messages": [{"role": "wizard", "content": "hi"}]}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}',
+    b'{"prompt": "hi", "max_tokens": -1}',
+    b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}',
+    b'[1, 2, 3]',
+]
+
+
+@dataclass
+class Tally:
+    """What the clients saw, to compare with the server's /metrics."""
+
+    statuses: Counter = field(default_factory=Counter)
+    unexpected: list = field(default_factory=list)  # (what, status or problem)
+    finish_reasons: Counter = field(default_factory=Counter)
+    completed: int = 0
+    disconnected: int = 0
+    malformed_sent: int = 0
+    prompt_tokens: int = 0  # completed requests (usage) + disconnected ones (known token-id prompts)
+    completion_tokens: int = 0  # completed requests (usage)
+    received_by_disconnected: int = 0  # tokens the disconnected clients received before leaving
+    max_tokens_of_disconnected: int = 0
+    latencies: list = field(default_factory=list)
+
+
+def loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_choices(choices: list[dict], expected: int, problems: list[str]) -> None:
+    if sorted(c["index"] for c in choices) != list(range(expected)):
+        problems.append(f"choice indexes {[c['index'] for c in choices]} for {expected} choices")
+    for c in choices:
+        if c.get("finish_reason") not in ("stop", "length"):
+            problems.append(f"finish_reason {c.get('finish_reason')!r}")
+
+
+def check_usage(usage: dict | None, problems: list[str]) -> None:
+    if not usage or usage["total_tokens"] != usage["prompt_tokens"] + usage["completion_tokens"]:
+        problems.append(f"usage {usage}")
+
+
+async def whole(client: httpx.AsyncClient, path: str, body: dict, n: int, tally: Tally) -> None:
+    r = await client.post(path, json=body)
+    tally.statuses[r.status_code] += 1
+    if r.status_code != 200:
+        tally.unexpected.append((path, r.status_code))
+        return
+    data, problems = r.json(), []
+    check_choices(data["choices"], n, problems)
+    for c in data["choices"]:
+        text = c["message"]["content"] if "message" in c else c["text"]
+        if not isinstance(text, str):
+            problems.append("no text")
+        if body.get("logprobs") and c.get("logprobs") is None:
+            problems.append("logprobs missing")
+    check_usage(data.get("usage"), problems)
+    if problems:
+        tally.unexpected.append((path, problems))
+        return
+    tally.completed += 1
+    tally.finish_reasons.update(c["finish_reason"] for c in data["choices"])
+    tally.prompt_tokens += data["usage"]["prompt_tokens"]
+    tally.completion_tokens += data["usage"]["completion_tokens"]
+
+
+async def streamed(client: httpx.AsyncClient, path: str, body: dict, n: int, tally: Tally,
+                   leave_after: int | None, prompt_len: int) -> None:
+    """Stream one request; with leave_after, disconnect after that many chunks."""
+    finishes, usage, done, chunks, problems = {}, None, False, 0, []
+    async with client.stream("POST", path, json=body) as r:
+        tally.statuses[r.status_code] += 1
+        if r.status_code != 200:
+            tally.unexpected.append((path, r.status_code))
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                problems.append(chunk["error"])
+            for c in chunk.get("choices", []):
+                if c.get("finish_reason"):
+                    if c["index"] in finishes:
+                        problems.append(f"choice {c['index']} finished twice")
+                    finishes[c["index"]] = c["finish_reason"]
+            usage = chunk.get("usage") or usage
+            chunks += 1
+            if leave_after is not None and chunks >= leave_after:
+                tally.disconnected += 1
+                tally.prompt_tokens += prompt_len
+                tally.received_by_disconnected += chunks
+                tally.max_tokens_of_disconnected += body["max_tokens"]
+                return  # leaving the block closes the connection mid-stream
+    check_choices([{"index": i, "finish_reason": f} for i, f in finishes.items()], n, problems)
+    check_usage(usage, problems)
+    if not done:
+        problems.append("no [DONE]")
+    if problems:
+        tally.unexpected.append((path, problems))
+        return
+    tally.completed += 1
+    tally.finish_reasons.update(finishes.values())
+    tally.prompt_tokens += usage["prompt_tokens"]
+    tally.completion_tokens += usage["completion_tokens"]
+
+
+async def one_request(client: httpx.AsyncClient, rng: random.Random, tally: Tally, max_tokens: int) -> None:
+    if rng.random() < 0.05:
+        tally.malformed_sent += 1
+        path = rng.choice(["/v1/chat/completions", "/v1/completions"])
+        r = await client.post(path, content=rng.choice(MALFORMED), headers={"content-type": "application/json"})
+        tally.statuses[r.status_code] += 1
+        if r.status_code != 400:
+            tally.unexpected.append(("malformed", r.status_code))
+        return
+    stream = rng.random() < 0.5
+    if stream and rng.random() < 0.10:
+        # Disconnects: a token-id prompt (its length is known) that cannot end before the client leaves.
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(4, 40))]
+        body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        await streamed(client, "/v1/completions", body, 1, tally, rng.randrange(1, max_tokens // 2), len(prompt))
+        return
+    n = 2 if rng.random() < 0.2 else 1
+    body = {"max_tokens": rng.randrange(max_tokens // 4, max_tokens + 1), "n": n,
+            "temperature": rng.choice([0, 0.7, 1.0]), "seed": rng.randrange(1 << 30)}
+    if rng.random() < 0.3:
+        body["stop"] = rng.sample(STOPS, rng.randrange(1, 3))
+    topic = rng.choice(TOPICS)
+    if rng.random() < 0.6:
+        path = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": f"Write two sentences about {topic}."}]
+        if rng.random() < 0.2:
+            body.update(logprobs=True, top_logprobs=2)
+    else:
+        path = "/v1/completions"
+        body["prompt"] = f"A short story about {topic}:"
+        if rng.random() < 0.2:
+            body["logprobs"] = 2
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+        await streamed(client, path, body, n, tally, None, 0)
+    else:
+        await whole(client, path, body, n, tally)
+
+
+async def client_loop(url: str, seed: int, deadline: float, tally: Tally, max_tokens: int) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            await one_request(client, rng, tally, max_tokens)
+            tally.latencies.append(time.monotonic() - t0)
+
+
+def scrape(url: str) -> dict:
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            samples[(s.name, labels)] = s.value
+    return samples
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_idle(url: str, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(url + "/stats").json()
+        if (stats["engine"]["running"] == stats["engine"]["waiting"] == 0 and stats["requests"]["in_flight"] == 0) \
+                or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    port = loopback_port()
+    cmd = [sys.executable, "-m", "tallow.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--model", args.model, "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(args.server_log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server did not start; see {args.server_log}")
+
+
+async def soak(url: str, args, tally: Tally, server: psutil.Process) -> dict:
+    start = time.monotonic()
+    deadline = start + args.duration
+    tasks = [asyncio.create_task(client_loop(url, args.seed + i, deadline, tally, args.max_tokens))
+             for i in range(args.clients)]
+    await asyncio.sleep(min(args.warmup, args.duration / 5))
+    rss_after_warmup = server.memory_info().rss
+    await asyncio.gather(*tasks)
+    return {"wall_s": time.monotonic() - start, "rss_after_warmup": rss_after_warmup}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of load (at most 3600)")
+    p.add_argument("--clients", type=int, default=64, help="concurrent clients (at most 256)")
+    p.add_argument("--model", default="default")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--warmup", type=float, default=30.0, help="seconds before the RSS baseline is taken")
+    p.add_argument("--max-rss-growth", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-log", default="soak_server.log")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args()
+    if not 0 < args.duration <= 3600 or not 0 < args.clients <= 256:
+        p.error("--duration must be in (0, 3600] and --clients in (0, 256]")
+
+    proc, url = start_server(args)
+    try:
+        server = psutil.Process(proc.pid)
+        free_at_start = httpx.get(url + "/stats").json()["engine"]["kv_blocks_free"]
+        before = scrape(url)
+        tally = Tally()
+        run = asyncio.run(soak(url, args, tally, server))
+        stats = wait_idle(url)
+        after = scrape(url)
+        rss_end = server.memory_info().rss
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+    def moved(name: str, **labels) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    generated = moved("vllm:generation_tokens_total")
+    extra_generated = generated - tally.completion_tokens
+    checks = {
+        "no unexpected statuses or responses": not tally.unexpected,
+        "KV pool back to its start": stats["engine"]["kv_blocks_free"] == free_at_start,
+        "RSS growth under the limit": rss_end <= run["rss_after_warmup"] * (1 + args.max_rss_growth),
+        "finished choices by reason": all(moved("vllm:request_success_total", finished_reason=r) == k
+                                          for r, k in tally.finish_reasons.items())
+        and sum(v for (name, _), v in after.items() if name == "vllm:request_success_total")
+        - sum(v for (name, _), v in before.items() if name == "vllm:request_success_total")
+        == sum(tally.finish_reasons.values()),
+        "aborted requests": moved("tallow:requests_aborted_total") == tally.disconnected,
+        "refused (malformed) requests": moved("tallow:requests_rejected_total", reason="invalid")
+        == tally.malformed_sent,
+        "prompt tokens": moved("vllm:prompt_tokens_total") == tally.prompt_tokens,
+        "generated tokens": tally.received_by_disconnected <= extra_generated <= tally.max_tokens_of_disconnected,
+    }
+    requests = sum(tally.statuses.values())
+    results = {
+        "duration_s": args.duration, "clients": args.clients, "wall_s": run["wall_s"], "requests": requests,
+        "statuses": dict(tally.statuses), "completed": tally.completed, "disconnected": tally.disconnected,
+        "malformed_sent": tally.malformed_sent, "finish_reasons": dict(tally.finish_reasons),
+        "prompt_tokens": tally.prompt_tokens, "completion_tokens": tally.completion_tokens,
+        "generated_tokens_metric": generated, "generated_by_disconnected": extra_generated,
+        "kv_blocks_free_start": free_at_start, "kv_blocks_free_end": stats["engine"]["kv_blocks_free"],
+        "rss_after_warmup_mb": run["rss_after_warmup"] / 2**20, "rss_end_mb": rss_end / 2**20,
+        "rss_growth": rss_end / run["rss_after_warmup"] - 1,
+        "request_latency_p50_s": sorted(tally.latencies)[len(tally.latencies) // 2] if tally.latencies else None,
+        "output_tokens_per_s": generated / run["wall_s"], "unexpected": tally.unexpected[:20],
+        "checks": checks,
+    }
+    print(table([{"check": k, "ok": "yes" if v else "NO"} for k, v in checks.items()], ["check", "ok"]))
+    print(table([{k: results[k] for k in ("requests", "completed", "disconnected", "malformed_sent",
+                                         "completion_tokens", "output_tokens_per_s", "rss_growth")}],
+                ["requests", "completed", "disconnected", "malformed_sent", "completion_tokens",
+                 "output_tokens_per_s", "rss_growth"]))
+    print(write_json(args.out, results))
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
