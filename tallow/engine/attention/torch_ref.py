@@ -33,8 +33,7 @@ class _StepPlan:
     decode: bool  # one query token per sequence and no padding rows
     # decode-only batches: one gather over all sequences
     blocks: torch.Tensor | None = None  # [B * blocks covering max_seq_len], row-major
-    context_len: int = 0  # B == 1: the context, no mask needed
-    mask: torch.Tensor | None = None  # B > 1: [B, 1, 1, blocks * block_size], True where attended
+    context_len: int = 0  # B == 1: the context
     # mixed batches: one SDPA call per sequence
     seqs: list[_SeqPlan] | None = None
 
@@ -51,11 +50,7 @@ def _make_plan(meta: AttentionMetadata, num_tokens: int) -> _StepPlan:
         num_blocks = -(-meta.max_seq_len // bs)
         blocks = meta.block_tables[:, :num_blocks].flatten()
         plan = _StepPlan(meta, slots, rows, decode=True, blocks=blocks)
-        if meta.num_seqs == 1:
-            plan.context_len = meta.seq_lens_cpu[0]
-        else:
-            pos = torch.arange(num_blocks * bs, device=blocks.device)
-            plan.mask = (pos < meta.seq_lens.unsqueeze(1))[:, None, None, :]
+        plan.context_len = meta.seq_lens_cpu[0]
         return plan
     seqs = []
     start = 0
@@ -71,8 +66,21 @@ def _make_plan(meta: AttentionMetadata, num_tokens: int) -> _StepPlan:
     return _StepPlan(meta, slots, rows, decode=False, seqs=seqs)
 
 
+def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token of one sequence: q [H, D] over its context k, v [ctx, kv_heads, D].
+
+    The query heads sharing a KV head become that head's query rows, so GQA needs no repeat
+    of K/V. Every decode row, in any batch, goes through this one call.
+    """
+    H, D = q.shape
+    kv_heads = k.shape[1]
+    out = F.scaled_dot_product_attention(q.view(kv_heads, H // kv_heads, D), k.transpose(0, 1),
+                                         v.transpose(0, 1), scale=scale)
+    return out.reshape(H, D)
+
+
 class TorchAttentionBackend:
-    """Paged attention with torch ops: a vectorized decode path, a per-sequence loop otherwise."""
+    """Paged attention with torch ops: one gather per decode step, one SDPA call per sequence."""
 
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None
@@ -92,24 +100,31 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _decode(q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
-        # One query per sequence: the query heads sharing a KV head become that head's "query
-        # rows", so GQA needs no repeat of K/V and the whole batch is one SDPA call.
+        # One gather for the whole batch, then each sequence attends over exactly its own
+        # context with the same call a lone sequence makes: a row's result never depends on
+        # what it is batched with (a padded, masked batch call would change the summation
+        # order and so the low bits, which greedy decoding can amplify).
         B, H, D = q.shape
         kv_heads = k_cache.shape[2]
         k = k_cache.index_select(0, plan.blocks).view(B, -1, kv_heads, D)
         v = v_cache.index_select(0, plan.blocks).view(B, -1, kv_heads, D)
-        if plan.mask is None:
-            k, v = k[:, : plan.context_len], v[:, : plan.context_len]
-        out = F.scaled_dot_product_attention(
-            q.view(B, kv_heads, H // kv_heads, D), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=plan.mask, scale=scale)
-        return out.view(B, H, D)
+        if B == 1:
+            return _attend_decode(q[0], k[0, : plan.context_len], v[0, : plan.context_len], scale).view(1, H, D)
+        out = torch.empty_like(q)
+        for b, ctx in enumerate(plan.meta.seq_lens_cpu):
+            out[b] = _attend_decode(q[b], k[b, :ctx], v[b, :ctx], scale)
+        return out
 
     @staticmethod
     def _mixed(q, k, v, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
         out = torch.zeros_like(q)
         kv_heads, D = k_cache.shape[2], k_cache.shape[3]
         for s in plan.seqs:
+            if s.end - s.start == 1 and s.block_table is not None:  # a decode row in a mixed batch
+                ks = k_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
+                vs = v_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
+                out[s.start] = _attend_decode(q[s.start], ks, vs, scale)
+                continue
             if s.block_table is None:  # the whole context is in this batch
                 ks, vs = k[s.start:s.end], v[s.start:s.end]
             else:
