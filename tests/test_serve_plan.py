@@ -38,7 +38,7 @@ REJECTIONS = [
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]}, "messages[0].content[0]"),
     (CHAT, {"messages": USER, "temperature": "hot"}, "temperature"),
     (CHAT, {"messages": USER, "temperature": 2.5}, "temperature"),
     (CHAT, {"messages": USER, "temperature": -0.1}, "temperature"),
