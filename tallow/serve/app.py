@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tallow.config import EngineConfig, ServerConfig
@@ -23,7 +23,7 @@ from tallow.serve.executor import CompletionAborted, CompletionRun
 from tallow.serve.gate import GateState, RequestGate
 from tallow.serve.instrument import InstrumentedEngine, MeteredExecutor
 from tallow.serve.metrics import ServerMetrics
-from tallow.serve.security import api_key_matches, exposure_warning
+from tallow.serve.security import exposure_warning
 from tallow.serve.shutdown import ABORT_GRACE_S, DrainingServer
 from tallow.serve.plan import Rejection
 from tallow.serve.protocols.anthropic import AnthropicMessages, anthropic_response
@@ -97,13 +97,6 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
             raise TallowError("the model is still loading", status=503, type="service_unavailable")
         return engine
 
-    def check_api_key(request: Request) -> None:
-        key = server_config.api_key
-        if key is None:
-            return
-        if not api_key_matches(request.headers, key):
-            raise TallowError("invalid or missing API key", status=401, type="authentication_error")
-
     @app.exception_handler(TallowError)
     async def tallow_error(request: Request, e: TallowError) -> JSONResponse:
         return JSONResponse(Rejection.from_error(e).body, e.status)
@@ -119,11 +112,11 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         ready = engine is not None and engine.ready
         return JSONResponse({"status": "ok" if ready else "loading"}, 200 if ready else 503)
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [model_card(serving_engine())]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         card = model_card(serving_engine())
         if model_id != card["id"]:
@@ -143,11 +136,11 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         counters["in_flight"] = app.state.admission.in_flight
         return {"engine": await asyncio.to_thread(engine.stats), "requests": counters}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await complete(request, OpenAIChat)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await complete(request, OpenAICompletions)
 
@@ -167,8 +160,7 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
 
     async def anthropic(request: Request, handle: Callable[[], Awaitable[Response]]) -> Response:
         """Anthropic's routes: every failure in Anthropic's error shape, pings on idle streams."""
-        try:
-            check_api_key(request)
+        try:  # the API key and the body cap were checked by the RequestGate middleware
             return anthropic_response(await handle())
         except TallowError as e:
             return anthropic_error(e.status, e.message)
@@ -176,18 +168,18 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
     responses_store = ResponsesStore(server_config.responses_ttl_s, server_config.responses_max_bytes)
     responses_protocol = OpenAIResponses.with_store(responses_store)
 
-    @app.post("/v1/responses", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         return await complete(request, responses_protocol)
 
-    @app.get("/v1/responses/{response_id}", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict:
         stored = responses_store.get(response_id)
         if stored is None:
             raise TallowError(f"Response with id '{response_id}' not found.", status=404, param="response_id")
         return stored.response
 
-    @app.delete("/v1/responses/{response_id}", dependencies=[Depends(check_api_key)])
+    @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
         if not responses_store.delete(response_id):
             raise TallowError(f"Response with id '{response_id}' not found.", status=404, param="response_id")
@@ -201,11 +193,7 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         engine = serving_engine()
         state, counters = app.state, app.state.counters
         counters["total"] += 1
-        raw = await request.body()
-        if len(raw) > server_config.max_body_bytes:
-            counters["rejected"] += 1
-            return error_response(413, f"the request body exceeds {server_config.max_body_bytes} bytes",
-                                  "invalid_request_error")
+        raw = await request.body()  # under the body cap: the RequestGate enforced it
         plan = await asyncio.to_thread(protocol_cls.plan_request, raw, engine, server_config)
         mark_phase("plan")
         if isinstance(plan, Rejection):
