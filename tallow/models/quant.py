@@ -2,9 +2,10 @@
 
 Decoding reads every weight once per step, so on the CPU a small batch runs at memory
 bandwidth over weight bytes: 4-bit weights read 6x fewer bytes than float32. torch's packed
-kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) are vectorised for
-bfloat16 activations only (with float32 activations they are 3-15x slower than a float32
-GEMV), so these layers round activations to bfloat16 inside and return float32.
+int4 kernel (`_weight_int4pack_mm_for_cpu`) is vectorised for bfloat16 activations only
+(with float32 activations it is 3-15x slower than a float32 GEMV), so Int4Linear rounds
+activations to bfloat16 inside; Int8Linear quantizes them to int8 for an integer GEMM. Both
+return float32.
 
 Past a few rows (prefill, large decode batches) the work is compute-bound and a dense
 bfloat16 GEMM (avx512_bf16) can beat the packed kernels: a layer built with `dense_min_rows`
@@ -31,7 +32,7 @@ from torch import nn
 SCHEMES = ("int4", "int8", "bf16", "none")
 GROUP_SIZE = 32
 INT4_OUT_MULTIPLE = 16  # the int4 packing works on blocks of 16 output channels
-INT8_IN_MULTIPLE = 16  # the int8 kernel reads the input in blocks of 16 (other widths give wrong results)
+INT8_IN_MULTIPLE = 16  # as int8pack_mm needed; torch._int_mm takes any width, tests pin the fallback
 # None: always the packed kernel, so results do not depend on the batch (see the docstring).
 DENSE_MIN_ROWS: int | None = None
 
@@ -69,28 +70,44 @@ class _QuantizedLinear(nn.Module):
 
 
 class Int8Linear(_QuantizedLinear):
-    """int8 weights with one symmetric scale per output channel (torch._weight_int8pack_mm)."""
+    """int8 weights with one symmetric float32 scale per output channel.
+
+    The activations are quantized too, per row and in two int8 parts, x ~ s * (hi + lo / 254)
+    with s = max|x| / 127: about 15 bits of the row's range, as precise as bfloat16
+    activations (the LM head's logits agree as closely with the float32 ones), but the
+    product is one int8 GEMM of 2M rows (torch._int_mm, AVX512-VNNI) whose int32 sums are
+    exact: a row's result cannot depend on the batch, and many rows cost little more than
+    one (int8pack_mm with bfloat16 activations takes ~10x longer for 32 rows than for one).
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 dtype: torch.dtype = torch.bfloat16, dense_min_rows: int | None = DENSE_MIN_ROWS):
+                 dense_min_rows: int | None = DENSE_MIN_ROWS):
         super().__init__(weight, bias, dense_min_rows)
         if not int8_fits(weight):
             raise ValueError(f"Int8Linear needs in_features divisible by {INT8_IN_MULTIPLE}, got {self.in_features}")
         w = weight.detach()
         row_max = torch.maximum(w.amax(dim=1), -w.amin(dim=1)).float()
-        scales = (row_max / 127).clamp_min(torch.finfo(torch.float32).tiny).to(dtype)
-        inv_scales = 1 / scales.float()[:, None]
+        scales = (row_max / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        inv_scales = 1 / scales[:, None]
         qweight = torch.empty(w.shape, dtype=torch.int8)
         for rows in _row_chunks(*w.shape):
             qweight[rows] = (w[rows].float() * inv_scales[rows]).round_().clamp_(-127, 127)
-        self.register_buffer("qweight", qweight)
+        # [in, out]: the GEMM reads the weight faster in this layout than as a transposed view.
+        self.register_buffer("qweight_t", qweight.T.contiguous())
         self.register_buffer("scales", scales)
 
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x.to(self.scales.dtype), self.qweight, self.scales)
+        x = x.float()
+        step = x.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny) / 127
+        x = x / step
+        hi = x.round()
+        lo = x.sub_(hi).mul_(254).round_()
+        acc = torch._int_mm(torch.cat((hi, lo)).to(torch.int8), self.qweight_t)
+        m = hi.shape[0]
+        return acc[m:].float().div_(254).add_(acc[:m]).mul_(step).mul_(self.scales)
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
+        return self.qweight_t.T.float() * self.scales[:, None]
 
 
 class Int4Linear(_QuantizedLinear):
