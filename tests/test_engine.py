@@ -41,8 +41,18 @@ def loaded():
     return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
 
 
+@pytest.fixture(scope="module")
+def dense_loaded():
+    """Float32 weights, never quantized: recompute preemption and prefix-cache hits change how a
+    token's K/V is computed (a prefill chunk instead of a decode step); in float32 that leaves
+    greedy outputs unchanged, while the int4 path's bfloat16 activations can flip near-ties."""
+    from tallow.models.loader import load_model
+
+    return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
+
+
 def make_core(loaded, **overrides) -> EngineCore:
-    cfg = dataclasses.replace(EngineConfig(model="default", device="cpu", quantization="none"), **overrides)
+    cfg = dataclasses.replace(EngineConfig(model="default", device="cpu"), **overrides)
     return EngineCore(cfg, loaded=loaded)
 
 
@@ -70,11 +80,13 @@ def test_batching_invariance(core):
     assert core.kv.num_free_blocks == free0
 
 
-def test_preemption_keeps_outputs(loaded, core):
-    ids = [core.tokenizer.encode(p) for p in PROMPTS]
+def test_preemption_keeps_outputs(dense_loaded):
+    dense = make_core(dense_loaded, quantization="none")
+    ids = [dense.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    reference = [s.output_ids for s in run_all(core, ids, params)]
-    small = make_core(loaded, num_kv_blocks=24, block_size=4, enable_prefix_caching=False)
+    reference = [s.output_ids for s in run_all(dense, ids, params)]
+    small = make_core(dense_loaded, quantization="none", num_kv_blocks=24, block_size=4,
+                      enable_prefix_caching=False)
     free0 = small.kv.num_free_blocks
     got = [s.output_ids for s in run_all(small, ids, params)]
     assert small.scheduler.num_preemptions_total > 0, "the pool was meant to be too small: no preemption happened"
@@ -82,7 +94,8 @@ def test_preemption_keeps_outputs(loaded, core):
     assert small.kv.num_free_blocks == free0
 
 
-def test_prefix_cache_hit_and_same_output(loaded, core):
+def test_prefix_cache_hit_and_same_output(dense_loaded):
+    core = make_core(dense_loaded, quantization="none")
     tok = core.tokenizer
     system = " ".join(f"Rule {i}: answer briefly and politely." for i in range(60))
     prefix = tok.encode(system)[:300]
@@ -94,7 +107,7 @@ def test_prefix_cache_hit_and_same_output(loaded, core):
     seq_b = run_all(core, [b], params)[0]
     assert seq_b.num_cached_tokens >= 300 - core.config.block_size
     assert seq_b.num_cached_tokens % core.config.block_size == 0
-    nocache = make_core(loaded, enable_prefix_caching=False)
+    nocache = make_core(dense_loaded, quantization="none", enable_prefix_caching=False)
     ref = run_all(nocache, [b], params)[0]
     assert ref.num_cached_tokens == 0
     assert seq_b.output_ids == ref.output_ids
@@ -145,7 +158,7 @@ def test_abort_frees_blocks(core):
 
 def test_llm_generate_stop_strings_and_chat(loaded):
     llm = LLM.__new__(LLM)
-    llm.config = EngineConfig(model="default", device="cpu", quantization="none")
+    llm.config = EngineConfig(model="default", device="cpu")
     llm.engine = EngineCore(llm.config, loaded=loaded)
     llm.tokenizer = llm.engine.tokenizer
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
