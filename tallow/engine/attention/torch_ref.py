@@ -26,16 +26,43 @@ class _SeqPlan:
 
 
 @dataclass
+class _DecodeGroup:
+    """Decode rows whose contexts span the same number of blocks: one gather, one SDPA call."""
+
+    rows: torch.Tensor | None  # their query rows in the flat batch; None: all rows, in order
+    blocks: torch.Tensor  # [G * num_blocks] their block tables, row-major
+    mask: torch.Tensor  # [G, 1, 1, num_blocks * block_size] float: 0 within the context, -inf past it
+
+
+@dataclass
 class _StepPlan:
     meta: AttentionMetadata
     slots: torch.Tensor  # cache slots to write
     rows: torch.Tensor | None  # rows of k/v that go to `slots`; None: all rows
-    decode: bool  # one query token per sequence and no padding rows
-    # decode-only batches: one gather over all sequences
-    blocks: torch.Tensor | None = None  # [B * blocks covering max_seq_len], row-major
-    context_len: int = 0  # B == 1: the context
-    # mixed batches: one SDPA call per sequence
-    seqs: list[_SeqPlan] | None = None
+    decode_groups: list[_DecodeGroup]  # rows with one query token and a cached prefix
+    seqs: list[_SeqPlan]  # the other sequences (prefill chunks): one SDPA call each
+
+
+def _decode_groups(meta: AttentionMetadata, rows: list[int], seqs: list[int], num_tokens: int
+                   ) -> list[_DecodeGroup]:
+    """Group decode rows (query row rows[i] of sequence seqs[i]) by their number of blocks."""
+    bs = meta.block_size
+    by_blocks: dict[int, list[int]] = {}
+    for i, b in enumerate(seqs):
+        by_blocks.setdefault(-(-meta.seq_lens_cpu[b] // bs), []).append(i)
+    groups = []
+    dev = meta.block_tables.device
+    for num_blocks, members in by_blocks.items():
+        index = torch.tensor([seqs[i] for i in members], device=dev)
+        blocks = meta.block_tables.index_select(0, index)[:, :num_blocks].flatten()
+        pos = torch.arange(num_blocks * bs, device=dev)
+        lens = meta.seq_lens.index_select(0, index).unsqueeze(1)
+        mask = torch.zeros(len(members), 1, 1, num_blocks * bs, device=dev)
+        mask.masked_fill_((pos >= lens)[:, None, None, :], float("-inf"))
+        group_rows = [rows[i] for i in members]
+        whole = group_rows == list(range(num_tokens))
+        groups.append(_DecodeGroup(None if whole else torch.tensor(group_rows, device=dev), blocks, mask))
+    return groups
 
 
 def _make_plan(meta: AttentionMetadata, num_tokens: int) -> _StepPlan:
@@ -46,41 +73,34 @@ def _make_plan(meta: AttentionMetadata, num_tokens: int) -> _StepPlan:
         rows = valid.nonzero().squeeze(1)
         slots = meta.slot_mapping[rows]
     bs = meta.block_size
-    if meta.is_decode_only and num_tokens == meta.num_seqs:
-        num_blocks = -(-meta.max_seq_len // bs)
-        blocks = meta.block_tables[:, :num_blocks].flatten()
-        plan = _StepPlan(meta, slots, rows, decode=True, blocks=blocks)
-        plan.context_len = meta.seq_lens_cpu[0]
-        return plan
-    seqs = []
+    decode_rows, decode_seqs, seqs = [], [], []
     start = 0
     for b, (q_len, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        table = mask = None
-        if ctx > q_len:
-            table = meta.block_tables[b, : -(-ctx // bs)]
-            dev = table.device
-            mask = (torch.arange(ctx, device=dev)[None, :]
-                    <= torch.arange(ctx - q_len, ctx, device=dev)[:, None])
-        seqs.append(_SeqPlan(start, start + q_len, ctx, table, mask))
+        if q_len == 1 and ctx > 1:
+            decode_rows.append(start)
+            decode_seqs.append(b)
+        else:
+            table = mask = None
+            if ctx > q_len:
+                table = meta.block_tables[b, : -(-ctx // bs)]
+                dev = table.device
+                mask = (torch.arange(ctx, device=dev)[None, :]
+                        <= torch.arange(ctx - q_len, ctx, device=dev)[:, None])
+            seqs.append(_SeqPlan(start, start + q_len, ctx, table, mask))
         start += q_len
-    return _StepPlan(meta, slots, rows, decode=False, seqs=seqs)
-
-
-def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token of one sequence: q [H, D] over its context k, v [ctx, kv_heads, D].
-
-    The query heads sharing a KV head become that head's query rows, so GQA needs no repeat
-    of K/V. Every decode row, in any batch, goes through this one call.
-    """
-    H, D = q.shape
-    kv_heads = k.shape[1]
-    out = F.scaled_dot_product_attention(q.view(kv_heads, H // kv_heads, D), k.transpose(0, 1),
-                                         v.transpose(0, 1), scale=scale)
-    return out.reshape(H, D)
+    return _StepPlan(meta, slots, rows, _decode_groups(meta, decode_rows, decode_seqs, num_tokens), seqs)
 
 
 class TorchAttentionBackend:
-    """Paged attention with torch ops: one gather per decode step, one SDPA call per sequence."""
+    """Paged attention with torch ops: decode rows in a few batched calls, prefill chunks one by one.
+
+    A decode row's result does not depend on what it is batched with: its context is padded
+    to whole blocks and masked past its length, and it is batched only with rows of the same
+    number of blocks, so every row goes through the same per-row arithmetic (batched matmuls
+    and a softmax whose reductions run within a row) whatever its neighbours. A batch padded
+    to its longest context would change a row's summation, and so its low bits, which greedy
+    decoding can amplify.
+    """
 
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None
@@ -94,44 +114,47 @@ class TorchAttentionBackend:
         k_new, v_new = (k, v) if plan.rows is None else (k[plan.rows], v[plan.rows])
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, k_new)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, v_new)
-        if plan.decode:
-            return self._decode(q, k_cache, v_cache, plan, scale)
-        return self._mixed(q, k, v, k_cache, v_cache, plan, scale)
-
-    @staticmethod
-    def _decode(q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
-        # One gather for the whole batch, then each sequence attends over exactly its own
-        # context with the same call a lone sequence makes: a row's result never depends on
-        # what it is batched with (a padded, masked batch call would change the summation
-        # order and so the low bits, which greedy decoding can amplify).
-        B, H, D = q.shape
-        kv_heads = k_cache.shape[2]
-        k = k_cache.index_select(0, plan.blocks).view(B, -1, kv_heads, D)
-        v = v_cache.index_select(0, plan.blocks).view(B, -1, kv_heads, D)
-        if B == 1:
-            return _attend_decode(q[0], k[0, : plan.context_len], v[0, : plan.context_len], scale).view(1, H, D)
-        out = torch.empty_like(q)
-        for b, ctx in enumerate(plan.meta.seq_lens_cpu):
-            out[b] = _attend_decode(q[b], k[b, :ctx], v[b, :ctx], scale)
-        return out
-
-    @staticmethod
-    def _mixed(q, k, v, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
+        if not plan.seqs and len(plan.decode_groups) == 1 and plan.decode_groups[0].rows is None:
+            return _attend_decode(q, k_cache, v_cache, plan.decode_groups[0], scale)
         out = torch.zeros_like(q)
-        kv_heads, D = k_cache.shape[2], k_cache.shape[3]
+        for group in plan.decode_groups:
+            out.index_copy_(0, group.rows, _attend_decode(q.index_select(0, group.rows), k_cache, v_cache,
+                                                         group, scale))
         for s in plan.seqs:
-            if s.end - s.start == 1 and s.block_table is not None:  # a decode row in a mixed batch
-                ks = k_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
-                vs = v_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
-                out[s.start] = _attend_decode(q[s.start], ks, vs, scale)
-                continue
-            if s.block_table is None:  # the whole context is in this batch
-                ks, vs = k[s.start:s.end], v[s.start:s.end]
-            else:
-                ks = k_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
-                vs = v_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
-            out[s.start:s.end] = F.scaled_dot_product_attention(
-                q[s.start:s.end].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=True,
-            ).transpose(0, 1)
+            out[s.start:s.end] = _attend_prefill(q[s.start:s.end], k[s.start:s.end], v[s.start:s.end],
+                                                 k_cache, v_cache, s, scale)
         return out
+
+
+def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
+                   scale: float) -> torch.Tensor:
+    """q [G, H, D]: one query token per row, over the contexts of the group's G rows.
+
+    The query heads sharing a KV head become that head's query rows, so GQA needs no repeat
+    of K/V. Plain matmuls and a softmax, not SDPA: the CPU flash kernel's result for one row
+    changes with the batch size when it runs on several threads. K is copied to
+    [G, kv_heads, ctx, D] so that the matmul sees the same layout for any G (a view would
+    give one row a transposed operand, and another kernel, where a batch gets a copy).
+    """
+    G, H, D = q.shape
+    kv_heads = k_cache.shape[2]
+    k = k_cache.index_select(0, group.blocks).view(G, -1, kv_heads, D).transpose(1, 2).contiguous()
+    v = v_cache.index_select(0, group.blocks).view(G, -1, kv_heads, D).transpose(1, 2)
+    scores = torch.matmul(q.view(G, kv_heads, H // kv_heads, D), k.transpose(2, 3))
+    probs = scores.mul_(scale).add_(group.mask).softmax(dim=-1)
+    return torch.matmul(probs, v).view(G, H, D)
+
+
+def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, s: _SeqPlan, scale: float) -> torch.Tensor:
+    """The query tokens of one sequence's chunk, causally over its context."""
+    if s.block_table is None:  # the whole context is in this batch
+        ks, vs = k, v
+    else:
+        kv_heads, D = k_cache.shape[2], k_cache.shape[3]
+        ks = k_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
+        vs = v_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+        attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=True,
+    ).transpose(0, 1)

@@ -1,0 +1,107 @@
+"""The torch attention backend against plain float64 attention, and a decode row's result
+bit for bit the same whatever it is batched with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.engine.attention.torch_ref import TorchAttentionBackend
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention
+NUM_BLOCKS = 128
+SCALE = HEAD_DIM ** -0.5
+
+
+class PagedKV:
+    """A filled KV cache with shuffled block tables; each sequence's queries and K/V are fixed,
+    so the same sequence can be put into different batches."""
+
+    def __init__(self, context_lens: list[int], seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+        self.k_cache, self.v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+        self.tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in context_lens]
+        self.q = [torch.randn(n, HEADS, HEAD_DIM, generator=g) for n in context_lens]
+
+    def kv(self, seq: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = torch.tensor([self.tables[seq][p // BLOCK] * BLOCK + p % BLOCK for p in positions])
+        flat = (-1, KV_HEADS, HEAD_DIM)
+        return self.k_cache.view(flat)[slots], self.v_cache.view(flat)[slots]
+
+    def batch(self, chunks: list[tuple[int, int, int]]):
+        """(seq, context length after the step, query length) per sequence -> backend inputs."""
+        qs, ks, vs, slots, tables = [], [], [], [], []
+        for seq, ctx, q_len in chunks:
+            positions = range(ctx - q_len, ctx)
+            k, v = self.kv(seq, positions)
+            qs.append(self.q[seq][ctx - q_len: ctx])
+            ks.append(k)
+            vs.append(v)
+            slots += [self.tables[seq][p // BLOCK] * BLOCK + p % BLOCK for p in positions]
+            tables.append(self.tables[seq][: -(-ctx // BLOCK)])
+        width = max(map(len, tables))
+        query_lens = [q_len for _, _, q_len in chunks]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            seq_lens=torch.tensor([ctx for _, ctx, _ in chunks], dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            max_query_len=max(query_lens), max_seq_len=max(ctx for _, ctx, _ in chunks),
+            query_lens_cpu=query_lens, seq_lens_cpu=[ctx for _, ctx, _ in chunks], block_size=BLOCK)
+        return torch.cat(qs), torch.cat(ks), torch.cat(vs), meta
+
+    def attend(self, chunks: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """The backend's output rows of each sequence."""
+        q, k, v, meta = self.batch(chunks)
+        out = TorchAttentionBackend().forward(q, k, v, self.k_cache, self.v_cache, meta, SCALE)
+        return list(out.split(meta.query_lens_cpu))
+
+    def reference(self, seq: int, ctx: int, q_len: int) -> torch.Tensor:
+        """Causal attention in float64 over the sequence's first ctx tokens, KV heads repeated."""
+        k, v = (x.double().repeat_interleave(HEADS // KV_HEADS, dim=1) for x in self.kv(seq, range(ctx)))
+        q = self.q[seq][ctx - q_len: ctx].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+        causal = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        return torch.einsum("hqk,khd->qhd", probs, v).float()
+
+
+CONTEXTS = [37, 16, 1, 130, 48, 5, 100]
+
+
+def test_matches_float64_attention():
+    kv = PagedKV(CONTEXTS)
+    # Decode rows of several block counts, a prefill chunk over a cached prefix, a whole prompt.
+    chunks = [(0, 37, 1), (1, 16, 1), (3, 130, 1), (4, 48, 20), (5, 5, 5), (6, 100, 1)]
+    for (seq, ctx, q_len), out in zip(chunks, kv.attend(chunks)):
+        torch.testing.assert_close(out, kv.reference(seq, ctx, q_len), atol=1e-5, rtol=1e-5)
+    # A decode-only batch, and a lone sequence.
+    decode = [(seq, n, 1) for seq, n in enumerate(CONTEXTS) if n > 1]
+    for (seq, ctx, q_len), out in zip(decode, kv.attend(decode)):
+        torch.testing.assert_close(out, kv.reference(seq, ctx, q_len), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.attend([(3, 130, 1)])[0], kv.reference(3, 130, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_row_does_not_depend_on_its_batch(threads):
+    kv = PagedKV(CONTEXTS + [40, 45, 33, 700])
+    decode = [(seq, n, 1) for seq, n in enumerate(CONTEXTS + [40, 45, 33, 700]) if n > 1]
+    batches = [
+        decode,  # every block count, three rows of 3 blocks
+        decode[::-1],
+        [(0, 37, 1), (8, 45, 1)],  # same block count, other neighbours
+        [(4, 48, 7), (0, 37, 1), (5, 5, 5), (3, 130, 1)],  # mixed with prefill chunks
+    ]
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)  # threads split the work differently for different batches
+    try:
+        alone = {seq: kv.attend([(seq, ctx, 1)])[0] for seq, ctx, _ in decode}
+        for batch in batches:
+            for (seq, _, q_len), out in zip(batch, kv.attend(batch)):
+                if q_len == 1:
+                    assert torch.equal(out, alone[seq]), (seq, batch)
+    finally:
+        torch.set_num_threads(old_threads)
