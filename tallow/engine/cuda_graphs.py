@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from tallow.engine.attention.metadata import AttentionMetadata
@@ -40,16 +41,19 @@ class DecodeGraphs:
             host = torch.zeros(shape, dtype=dtype, pin_memory=True)
             return host, torch.zeros(shape, dtype=dtype, device=device)
 
-        self.h_ids, self.d_ids = pair((mb,), torch.int64)
-        self.h_pos, self.d_pos = pair((mb,), torch.int64)
-        self.h_slots, self.d_slots = pair((mb,), torch.int64)
+        # ids, positions and slots share one buffer: one copy for the three.
+        self.h_long, self.d_long = pair((3, mb), torch.int64)
         self.h_lens, self.d_lens = pair((mb,), torch.int32)
         self.h_tables, self.d_tables = pair((mb, self.max_blocks), torch.int32)
+        self.d_ids, self.d_pos, self.d_slots = self.d_long
         self.d_qsl = torch.arange(mb + 1, dtype=torch.int32, device=device)
-        # numpy views of the pinned staging buffers: cheap element writes from Python
-        self.n_ids, self.n_pos, self.n_slots = self.h_ids.numpy(), self.h_pos.numpy(), self.h_slots.numpy()
-        self.n_lens, self.n_tables = self.h_lens.numpy(), self.h_tables.numpy()
+        # numpy views of the pinned staging buffers: cheap writes from Python
+        self.n_long, self.n_lens, self.n_tables = self.h_long.numpy(), self.h_lens.numpy(), self.h_tables.numpy()
+        # What each staged block-table row holds: (sequence, blocks written). A running
+        # sequence only appends blocks, so a row is topped up rather than rewritten.
+        self._rows: list[tuple[object, int]] = [(None, 0)] * mb
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_replays = 0
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -90,34 +94,43 @@ class DecodeGraphs:
                 return bs
         return None
 
+    def forget_tables(self) -> None:
+        """Rewrite every staged block-table row at the next replay: call after any step that
+        may have given a sequence new blocks outside decode (prefill, recompute)."""
+        self._rows = [(None, 0)] * self.max_batch
+
     def run(self, scheduled) -> torch.Tensor:
         """Logits [n, vocab] for a decode-only step of n = len(scheduled) sequences."""
         n = len(scheduled)
         bs = self.padded_size(n)
         bsz = self.block_size
-        ids, pos, slots, lens, tables = self.n_ids, self.n_pos, self.n_slots, self.n_lens, self.n_tables
-        width = 0
-        for i, s in enumerate(scheduled):
-            seq, p = s.seq, s.start
-            table = seq.block_table
-            ids[i] = seq.token_ids[p]
-            pos[i] = p
-            slots[i] = table[p // bsz] * bsz + p % bsz
-            lens[i] = p + 1
-            nb = p // bsz + 1
-            tables[i, :nb] = table[:nb]
-            width = max(width, nb)
+        seqs = [s.seq for s in scheduled]
+        starts = [s.start for s in scheduled]
+        pos = np.array(starts, dtype=np.int64)
+        ids, positions, slots = self.n_long
+        ids[:n] = [q.token_ids[p] for q, p in zip(seqs, starts)]
+        positions[:n] = pos
+        slots[:n] = np.array([q.block_table[p // bsz] for q, p in zip(seqs, starts)], dtype=np.int64) * bsz + pos % bsz
+        self.n_lens[:n] = pos + 1
         if bs > n:
             ids[n:bs] = 0
-            pos[n:bs] = 0
+            positions[n:bs] = 0
             slots[n:bs] = -1
-            lens[n:bs] = 1
-        # Copy only the block-table columns in use; stale columns beyond a row's length are never read.
-        self.d_ids[:bs].copy_(self.h_ids[:bs], non_blocking=True)
-        self.d_pos[:bs].copy_(self.h_pos[:bs], non_blocking=True)
-        self.d_slots[:bs].copy_(self.h_slots[:bs], non_blocking=True)
+            self.n_lens[n:bs] = 1
+        tables, rows = self.n_tables, self._rows
+        for i, (q, p) in enumerate(zip(seqs, starts)):
+            nb = p // bsz + 1
+            held_seq, held = rows[i]
+            # The last block held may have been reallocated (a recompute whose prefix was cached).
+            start = max(held - 1, 0) if held_seq is q else 0
+            if start < nb:
+                tables[i, start:nb] = q.block_table[start:nb]
+                rows[i] = (q, nb)
+        # Contiguous ranges only (a strided copy would go through a pageable temporary).
+        self.d_long.copy_(self.h_long, non_blocking=True)
         self.d_lens[:bs].copy_(self.h_lens[:bs], non_blocking=True)
-        self.d_tables[:n, :width].copy_(self.h_tables[:n, :width], non_blocking=True)
+        self.d_tables[:n].copy_(self.h_tables[:n], non_blocking=True)
         g, logits = self.graphs[bs]
         g.replay()
+        self.num_replays += 1
         return logits[:n]

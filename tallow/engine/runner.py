@@ -1,7 +1,13 @@
 """ModelRunner: one scheduled step -> flat batch tensors -> forward -> sampled tokens.
 
-The runner owns the KV cache tensors and the sampler. It knows nothing of requests
-beyond what a ScheduledSeq says: which tokens of which sequence to compute now.
+The runner owns the KV cache tensors, the attention backend and the sampler. It knows
+nothing of requests beyond what a ScheduledSeq says: which tokens of which sequence to
+compute now.
+
+On CUDA the model attends through TritonAttentionBackend, batch inputs go to the device
+through pinned staging buffers with non-blocking copies, decode-only steps replay CUDA
+graphs (unless enforce_eager) and each step synchronises with the host once, when the
+sampled tokens come back. Elsewhere the torch reference backend runs eagerly.
 """
 
 from __future__ import annotations
@@ -44,27 +50,95 @@ def available_host_memory() -> int:
     return 8 * 1024**3
 
 
+def set_attention_backend(model: torch.nn.Module, backend) -> None:
+    """Point every attention layer of the model at backend."""
+    from tallow.models.llama import LlamaAttention
+
+    for module in model.modules():
+        if isinstance(module, LlamaAttention):
+            module.backend = backend
+
+
+class PinnedStaging:
+    """Host arrays -> device tensors with one non-blocking copy per dtype, through grow-only
+    pinned buffers. A buffer is rewritten only after its previous copy has finished (an
+    event), so a step that returns without a sync cannot race the next one."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._host: dict[torch.dtype, torch.Tensor] = {}
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def to_device(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
+        n = sum(a.size for a in arrays)
+        buf = self._host.get(dtype)
+        self._done.synchronize()
+        if buf is None or buf.numel() < n:
+            buf = self._host[dtype] = torch.empty(max(n, 2 * (0 if buf is None else buf.numel()), 4096),
+                                                  dtype=dtype, pin_memory=True)
+        host = buf.numpy()
+        offset = 0
+        for a in arrays:
+            host[offset: offset + a.size] = a.ravel()
+            offset += a.size
+        flat = buf[:n].to(self.device, non_blocking=True)
+        out, offset = [], 0
+        for a in arrays:
+            out.append(flat[offset: offset + a.size].view(a.shape))
+            offset += a.size
+        return out
+
+    def copies_issued(self) -> None:
+        self._done.record()
+
+
 class ModelRunner:
+    """max_num_seqs bounds the decode batch (the Triton split-K workspace); max_model_len
+    (default: the model's context) the width of the CUDA graphs' block tables."""
+
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, block_size: int,
-                 num_blocks: int, device: torch.device, dtype: torch.dtype):
+                 num_blocks: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, enforce_eager: bool = False,
+                 cuda_graph_max_batch: int = 256):
         self.model = model
         self.cfg = model_config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
         self.dtype = dtype
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
         shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model_config.num_hidden_layers)
         ]
         self.sampler = Sampler(model_config.vocab_size, device)
-        self._pin = device.type == "cuda"
+        self.staging = None
+        self.graphs = None
+        if device.type == "cuda":
+            from tallow.engine.attention.triton_backend import TritonAttentionBackend
+
+            set_attention_backend(model, TritonAttentionBackend(
+                model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim,
+                max_num_seqs=max(max_num_seqs, cuda_graph_max_batch), device=device))
+            self.staging = PinnedStaging(device)
+            if not enforce_eager:
+                self.capture_graphs(min(cuda_graph_max_batch, max_num_seqs))
+
+    def capture_graphs(self, max_batch: int) -> None:
+        from tallow.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch=max_batch,
+                                   max_model_len=self.max_model_len, block_size=self.block_size,
+                                   device=self.device)
+        self.graphs.capture()
 
     # ---- batch preparation ------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat input ids, positions, attention metadata and the rows whose logits are sampled."""
         bs = self.block_size
+        num_seqs = len(out.scheduled)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -72,7 +146,6 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logits_idx: list[int] = []
-        max_blocks = 0
         for s in out.scheduled:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
@@ -84,65 +157,65 @@ class ModelRunner:
             else:
                 ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
-                for p in range(start, end):
-                    slots.append(table[p // bs] * bs + p % bs)
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             query_lens.append(n)
-            if end == seq.num_tokens:
+            if s.samples:
                 logits_idx.append(qsl[-1] - 1)
-            nb = (end + bs - 1) // bs
-            if nb > max_blocks:
-                max_blocks = nb
-        tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
+        max_blocks = (max(seq_lens) + bs - 1) // bs
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
         for i, s in enumerate(out.scheduled):
             nb = (seq_lens[i] + bs - 1) // bs
             tables[i, :nb] = s.seq.block_table[:nb]
 
-        dev = self.device
-        to = dict(device=dev, non_blocking=True) if dev.type != "cpu" else None
-
-        def t(data, dtype):
-            x = torch.tensor(data, dtype=dtype)
-            if to is None:
-                return x
-            return x.pin_memory().to(**to) if self._pin else x.to(**to)
-
+        longs = [np.array(x, dtype=np.int64) for x in (ids, positions, slots, logits_idx)]
+        ints = [np.array(qsl, dtype=np.int32), np.array(seq_lens, dtype=np.int32), tables]
+        if self.staging is None:
+            longs, ints = [torch.from_numpy(a) for a in longs], [torch.from_numpy(a) for a in ints]
+        else:
+            longs = self.staging.to_device(longs, torch.int64)
+            ints = self.staging.to_device(ints, torch.int32)
+            self.staging.copies_issued()
+        input_ids, positions_t, slots_t, logits_idx_t = longs
+        qsl_t, seq_lens_t, tables_t = ints
         meta = AttentionMetadata(
-            slot_mapping=t(slots, torch.int64),
-            query_start_loc=t(qsl, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            block_tables=(torch.from_numpy(tables) if to is None else torch.from_numpy(tables).to(**to)),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
+            slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=seq_lens_t, block_tables=tables_t,
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=bs,
         )
-        return t(ids, torch.int64), t(positions, torch.int64), meta, t(logits_idx, torch.int64)
+        return input_ids, positions_t, meta, logits_idx_t
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepResult:
-        input_ids, positions, meta, logits_idx = self.prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = [s.seq for s in out.scheduled if s.samples]
-        if not rows:
-            return StepResult([], None, None)
-        if hidden.shape[0] != len(rows):
-            hidden = hidden.index_select(0, logits_idx)
-        logits = self.model.compute_logits(hidden)
+        graphs = self.graphs
+        if graphs is not None and out.is_decode_only and len(rows) <= graphs.max_batch:
+            logits = graphs.run(out.scheduled)
+        else:
+            if graphs is not None:
+                graphs.forget_tables()
+            input_ids, positions, meta, logits_idx = self.prepare(out)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if not rows:
+                return StepResult([], None, None)
+            if hidden.shape[0] != len(rows):
+                hidden = hidden.index_select(0, logits_idx)
+            logits = self.model.compute_logits(hidden)
         sampled = self.sampler(logits, rows)
         return self._to_host(sampled)
 
-    @staticmethod
-    def _to_host(sampled) -> StepResult:
+    def _to_host(self, sampled) -> StepResult:
         tensors = [sampled.token_ids]
         if sampled.logprobs is not None:
             tensors.append(sampled.logprobs.to(torch.float64))
         if sampled.top_ids is not None:
             tensors += [sampled.top_ids, sampled.top_logprobs.to(torch.float64)]
-        host = [x.cpu() for x in tensors]  # one sync for the whole step
+        # Non-blocking copies into pinned host memory, then the step's one sync.
+        host = [x.to("cpu", non_blocking=True) for x in tensors]
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         token_ids = host[0].tolist()
         logprobs = host[1].tolist() if sampled.logprobs is not None else None
         top = None

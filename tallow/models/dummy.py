@@ -60,3 +60,10 @@ def init_random_(model: nn.Module, seed: int = 0) -> None:
             p.fill_(1.0)
         else:
             p.zero_()
+
+
+def hf_config_dict(preset: str) -> dict:
+    """The preset as transformers config kwargs: AutoConfig.for_model(**hf_config_dict(preset))."""
+    if preset not in PRESETS:
+        raise ModelLoadError(f"unknown dummy preset {preset!r}; presets: {', '.join(PRESETS)}")
+    return dict(PRESETS[preset])

@@ -4,6 +4,11 @@ One forward pass runs a flat batch of T tokens from many sequences (prefill chun
 decode tokens mixed); attention reads and writes the paged KV cache through an
 AttentionBackend. Linear layers are plain nn.Linear attributes with fused q/k/v and
 gate/up weights, so a quantizer can swap them after loading.
+
+The residual stream travels beside the hidden states (vLLM's layout), so that each
+residual add and the RMSNorm after it are one call of tallow.ops.fused_add_rms_norm. On
+CUDA those calls and the rotary embedding are Triton kernels (fewer launches, one pass
+over memory), as is SwiGLU's silu(gate) * up; on the CPU they are the same torch ops as a plain Llama, in the same order.
 """
 
 from __future__ import annotations
@@ -11,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tallow.engine.attention.base import AttentionBackend
 from tallow.engine.attention.metadata import AttentionMetadata
 from tallow.models.config import ModelConfig
 from tallow.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from tallow.ops import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
@@ -36,17 +41,22 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """rope: (positions, cos_sin_cache) on CUDA, (cos, sin) of RotaryEmbedding elsewhere."""
         T, H = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
         # q and k are adjacent in qkv: rotate them together as H + num_kv_heads heads.
         qk = qkv[:, : self.qk_dim].view(T, -1, self.head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
-        qk = apply_rope(qk, cos, sin)
+        if x.is_cuda:
+            q, k = apply_rotary(qk[:, :H], qk[:, H:], *rope)
+        else:
+            qk = apply_rope(qk, *rope)
+            q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, self.qk_dim:].view(T, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(qk[:, :H], qk[:, H:], v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.view(T, -1))
 
 
@@ -59,8 +69,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -71,10 +80,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (mlp output, residual before it); the first layer gets residual None."""
+        norm = self.input_layernorm
+        if residual is None:
+            x, residual = rms_norm(h, norm.weight, norm.eps), h
+        else:
+            x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.self_attn(x, rope, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -92,10 +110,14 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, h.dtype)
+        if h.is_cuda:  # the Triton kernel reads the float32 table
+            rope = (positions, self.rotary_emb.cos_sin_cache)
+        else:
+            rope = self.rotary_emb(positions, h.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, kv_cache, meta)
+        return fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
 
 # Checkpoint projections that live in one fused Linear here: name -> (fused name, shard index).
@@ -170,6 +192,24 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights named as in a transformers checkpoint (views, no copies): the inverse of
+        load_weights, e.g. to run transformers on the same (random) weights."""
+        cfg = self.config
+        shards = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]),
+                  "gate_up_proj": (("gate_proj", "up_proj"), [cfg.intermediate_size, cfg.intermediate_size])}
+        out = {}
+        for name, w in self.state_dict().items():
+            module, _, kind = name.rpartition(".")
+            parent, _, leaf = module.rpartition(".")
+            if leaf in shards:
+                names, sizes = shards[leaf]
+                for part, tensor in zip(names, w.split(sizes)):
+                    out[f"{parent}.{part}.{kind}"] = tensor
+            else:
+                out[name] = w
+        return out
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

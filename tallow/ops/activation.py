@@ -1,0 +1,21 @@
+"""SwiGLU's gate: silu(gate) * up over the two halves of the fused gate_up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * d] = (gate, up) -> silu(gate) * up, [T, d], in x's dtype."""
+    if x.is_cuda:
+        from tallow.ops.triton_activation import triton_silu_and_mul
+
+        return triton_silu_and_mul(x)
+    return torch_silu_and_mul(x)
+
+
+def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul in plain torch ops (any device): two kernels and a temporary."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
