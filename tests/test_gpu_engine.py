@@ -1,0 +1,291 @@
+"""The engine's CUDA path (Triton attention and ops, pinned inputs, CUDA graphs) against the
+torch path on the CPU. Marked gpu; skipped without CUDA.
+
+The last test compares the default model (SmolLM2-135M, real weights) on the GPU in bf16
+with greedy tokens computed on the CPU in float32 and kept in tests/data/gpu_default_greedy.json.
+Regenerate that file on the CPU with `python tests/test_gpu_engine.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tallow.config import EngineConfig
+from tallow.engine.attention.torch_ref import TorchAttentionBackend
+from tallow.engine.core import EngineCore
+from tallow.engine.sampling import SamplingParams
+from tallow.models.config import ModelConfig
+from tallow.models.dummy import PRESETS, init_random_
+from tallow.models.llama import LlamaForCausalLM
+from tallow.models.loader import LoadedModel, TokenizerSource
+
+sys.path.insert(0, os.path.dirname(__file__))
+from model_utils import PagedBatches  # noqa: E402
+
+REFERENCE = os.path.join(os.path.dirname(__file__), "data", "gpu_default_greedy.json")
+# A divergence from the float32 CPU tokens is a near-tie when the CPU's logit for its own
+# token beat the GPU's choice by less than this (bf16 moves these logits by ~0.1).
+NEAR_TIE = 0.5
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [gpu, needs_cuda]
+
+
+def tiny_config(preset: str, layers: int = 2, **changes) -> ModelConfig:
+    """A published architecture (head sizes, GQA, rope, qk-norm) cut to a few layers."""
+    return ModelConfig.from_hf_dict(dict(PRESETS[preset], num_hidden_layers=layers, **changes))
+
+
+def random_model(config: ModelConfig, device, dtype, seed: int = 0) -> LlamaForCausalLM:
+    """init_random_ with unit-scale embeddings (the residual stream of a trained model) and,
+    untied, an LM head at 0.2 whose logits (std ~6) make exact greedy ties unlikely."""
+    model = LlamaForCausalLM.empty(config, device=torch.device(device), dtype=dtype)
+    init_random_(model, seed)
+    g = torch.Generator(device).manual_seed(seed + 1)
+    model.model.embed_tokens.weight.data.normal_(0.0, 1.0, generator=g)
+    if not config.tie_word_embeddings:
+        model.lm_head.weight.data.normal_(0.0, 0.2, generator=g)
+    return model.eval().requires_grad_(False)
+
+
+def tokenizer_dir(path) -> str:
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return str(path)
+
+
+def make_core(model: LlamaForCausalLM, tok_dir: str, **overrides) -> EngineCore:
+    loaded = LoadedModel(model.config, model, TokenizerSource("hf", tok_dir), {}, "tiny")
+    config = dataclasses.replace(EngineConfig(model="tiny", device="cuda", dtype=str(model.lm_head.weight.dtype)
+                                              .removeprefix("torch."), num_kv_blocks=512, max_num_seqs=16),
+                                 **overrides)
+    return EngineCore(config, loaded=loaded)
+
+
+def generate(core: EngineCore, prompts: list[list[int]], params: SamplingParams):
+    seqs = [core.make_sequences(p, params)[0] for p in prompts]
+    for s in seqs:
+        core.add(s)
+    logprobs = {s.seq_id: [] for s in seqs}
+    while core.has_work():
+        for seq, out in core.step():
+            if out.top_logprobs:
+                logprobs[seq.seq_id] += out.top_logprobs
+    return [list(s.output_ids) for s in seqs], [logprobs[s.seq_id] for s in seqs]
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+# ---- the Triton path against the torch reference ---------------------------------------------------
+
+
+def run_batches(model, paged: PagedBatches, device, steps) -> list[torch.Tensor]:
+    """Logits (float32, CPU) of every token of every step."""
+    out = []
+    for chunks in steps:
+        ids, pos, meta = paged.step(chunks)
+        meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in
+                                            ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+        hidden = model(ids.to(device), pos.to(device), paged.kv_caches, meta)
+        out.append(model.compute_logits(hidden).float().cpu())
+    return out
+
+
+def paged_on(config, device, dtype) -> PagedBatches:
+    paged = PagedBatches(config, num_blocks=160, block_size=16, dtype=dtype)
+    paged.kv_caches = [(k.to(device), v.to(device)) for k, v in paged.kv_caches]
+    return paged
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "llama-3.2-1b"])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_triton_path_logits_match_torch_reference(preset, dtype, tolerance):
+    """Chunked prefill with a cached prefix, mixed prefill+decode steps and long decodes
+    (split-K) on CUDA in dtype, against the same weights in float32 on the CPU."""
+    from tallow.engine.runner import set_attention_backend
+    from tallow.engine.attention.triton_backend import TritonAttentionBackend
+
+    config = tiny_config(preset)
+    model = random_model(config, "cuda", dtype)
+    set_attention_backend(model, TritonAttentionBackend(
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim, max_num_seqs=8, device="cuda"))
+    ref = random_model(config, "cpu", torch.float32)
+    ref.load_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()})
+    set_attention_backend(ref, TorchAttentionBackend())
+
+    a, b, c = random_prompts(config.vocab_size, [700, 45, 130], seed=1)
+    steps = [[("a", a[:300])], [("a", a[300:699]), ("b", b[:40])], [("a", a[699:]), ("b", b[40:]), ("c", c[:100])]]
+    steps += [[("a", [i]), ("b", [i + 1]), ("c", [i + 2])] for i in range(3, 9)]
+    got = run_batches(model, paged_on(config, "cuda", dtype), "cuda", steps)
+    want = run_batches(ref, paged_on(config, "cpu", torch.float32), "cpu", steps)
+    for step, (x, y) in enumerate(zip(got, want)):
+        err = ((x - y).norm() / y.norm()).item()
+        assert err < tolerance, f"step {step}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_torch(dtype):
+    from tallow.ops import silu_and_mul
+    from tallow.ops.activation import torch_silu_and_mul
+
+    x = (torch.randn(37, 2 * 1500, device="cuda") * 3).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding step of the gate may differ
+    torch.testing.assert_close(silu_and_mul(x), torch_silu_and_mul(x), atol=tol, rtol=tol)
+    assert silu_and_mul(x[:0]).shape == (0, 1500)
+
+
+# ---- engine-level behaviour ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TinyEngines:
+    """Two engines over one float32 model: with CUDA graphs, and eager."""
+
+    model: LlamaForCausalLM
+    tokenizer_dir: str
+    graphs: EngineCore
+    eager: EngineCore
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model = random_model(tiny_config("qwen3-0.6b", tie_word_embeddings=False), "cuda", torch.float32, seed=3)
+    tok = tokenizer_dir(tmp_path_factory.mktemp("tok"))
+    eager = make_core(model, tok)
+    eager.runner.graphs = None
+    return TinyEngines(model, tok, make_core(model, tok), eager)
+
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+
+def test_batching_invariance_greedy(tiny):
+    core = tiny.graphs
+    prompts = random_prompts(core.model_config.vocab_size, [5, 37, 64, 90, 17, 140], seed=2)
+    together, _ = generate(core, prompts, PARAMS)
+    alone = [generate(core, [p], PARAMS)[0][0] for p in prompts]
+    assert together == alone
+    assert len({tuple(t) for t in together}) == len(prompts)  # the prompts really differ
+
+
+def test_cuda_graph_replay_equals_eager(tiny):
+    graphs, eager = tiny.graphs, tiny.eager
+    prompts = random_prompts(graphs.model_config.vocab_size, [9, 33, 70], seed=4)
+    replays = graphs.runner.graphs.num_replays
+    tokens_g, logprobs_g = generate(graphs, prompts, PARAMS)
+    assert graphs.runner.graphs.num_replays - replays >= PARAMS.max_tokens - 1
+    tokens_e, logprobs_e = generate(eager, prompts, PARAMS)
+    assert tokens_g == tokens_e
+    for rows_g, rows_e in zip(logprobs_g, logprobs_e):
+        for top_g, top_e in zip(rows_g, rows_e):
+            assert [i for i, _ in top_g] == [i for i, _ in top_e]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(top_g, top_e)) < 1e-4
+
+
+def test_graph_batch_sizes_between_rungs(tiny):
+    """5 sequences replay the batch-8 graph: 3 padding rows must not disturb the real ones."""
+    graphs, eager = tiny.graphs, tiny.eager
+    prompts = random_prompts(graphs.model_config.vocab_size, [12, 3, 50, 28, 7], seed=5)
+    params = dataclasses.replace(PARAMS, logprobs=None)
+    assert generate(graphs, prompts, params)[0] == generate(eager, prompts, params)[0]
+
+
+def test_preemption_and_recompute_under_graphs(tiny):
+    """A KV pool too small for the batch: sequences are preempted and recomputed (their
+    block tables change) between graph replays; the tokens stay those of the eager engine."""
+    small = make_core(tiny.model, tiny.tokenizer_dir, num_kv_blocks=20)
+    prompts = random_prompts(small.model_config.vocab_size, [50, 41, 66, 35, 58, 47], seed=6)
+    params = dataclasses.replace(PARAMS, logprobs=None, max_tokens=40)
+    tokens = generate(small, prompts, params)[0]
+    assert small.scheduler.num_preemptions_total > 0
+    assert small.runner.graphs.num_replays > 0
+    assert tokens == generate(tiny.eager, prompts, params)[0]
+
+
+# ---- the default model: GPU bf16 against CPU float32 ---------------------------------------------
+
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "Who wrote Pride and Prejudice?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?",
+    "Give me a tip for learning to code.",
+]
+NUM_TOKENS = 32
+
+
+def default_core(device: str, dtype: str) -> EngineCore:
+    return EngineCore(EngineConfig(model="default", device=device, dtype=dtype, quantization="none",
+                                   max_num_seqs=8, max_model_len=256, enable_prefix_caching=False))
+
+
+def greedy_with_top(core: EngineCore, prompts: list[list[int]]):
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+    tokens, tops = generate(core, prompts, params)
+    return tokens, [[[[i, lp] for i, lp in step] for step in rows] for rows in tops]
+
+
+def write_reference() -> None:
+    """The CPU float32 greedy tokens and their top-5 logprobs for PROMPTS (chat-formatted)."""
+    core = default_core("cpu", "float32")
+    from tallow.chat_template import ChatTemplate
+
+    tok = core.tokenizer
+    template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+    prompts = [tok.encode(template.render([{"role": "user", "content": p}], add_generation_prompt=True),
+                          add_special_tokens=False) for p in PROMPTS]
+    tokens, tops = greedy_with_top(core, prompts)
+    with open(REFERENCE, "w") as f:
+        json.dump({"model": "default", "device": "cpu", "dtype": "float32", "prompts": PROMPTS,
+                   "prompt_ids": prompts, "tokens": tokens, "top_logprobs": tops}, f)
+
+
+def first_divergence(want: list[int], got: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(want, got)) if x != y), None)
+
+
+def test_default_model_gpu_matches_cpu_float32():
+    pytest.importorskip("gguf")
+    from tallow.errors import ModelLoadError
+
+    with open(REFERENCE) as f:
+        ref = json.load(f)
+    try:
+        core = default_core("cuda", "bfloat16")
+    except ModelLoadError as e:
+        pytest.skip(e.message)
+    tokens, tops = greedy_with_top(core, ref["prompt_ids"])
+    report = []
+    for p, (want, got, want_top, got_top) in enumerate(zip(ref["tokens"], tokens, ref["top_logprobs"], tops)):
+        i = first_divergence(want, got)
+        if i is None:
+            report.append(f"prompt {p}: all {NUM_TOKENS} tokens match")
+            continue
+        cpu_lp = dict(map(tuple, want_top[i]))
+        gpu_lp = dict(got_top[i])
+        assert got[i] in cpu_lp, f"prompt {p} step {i}: GPU token {got[i]} not in the CPU's top 5 {want_top[i]}"
+        gap = cpu_lp[want[i]] - cpu_lp[got[i]]
+        report.append(f"prompt {p}: diverges at token {i}: CPU {want[i]} vs GPU {got[i]}, CPU logit gap "
+                      f"{gap:.3f}, GPU gap {gpu_lp[got[i]] - gpu_lp.get(want[i], float('-inf')):.3f}")
+        assert gap < NEAR_TIE, report[-1]
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    write_reference()
