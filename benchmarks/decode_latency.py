@@ -1,5 +1,11 @@
 """Decode latency: B sequences with a P-token prompt, N new tokens: prefill ms and decode tok/s.
 
+On CUDA each row also gives the roofline of a decode step (weights read once plus the K/V
+contexts over --peak-gbps, or its FLOPs over --peak-tflops) as ceiling_tok_s and its share, and graph_ms: the GPU
+time of one replay of the step's CUDA graph alone, so step_ms - graph_ms is the host's
+share of a step (scheduling, input staging, sampling, output processing).
+--transformers times transformers generate on the same weights in the same run.
+
     python benchmarks/decode_latency.py --model default --prompt-len 100 --new-tokens 128
     python benchmarks/decode_latency.py --model default --batch 1 8 32 --transformers
     python benchmarks/decode_latency.py --model dummy:llama-3-8b --prompt-len 512 --new-tokens 128 --transformers
@@ -17,6 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.offline_throughput import decode_roofline_s, make_core  # noqa: E402
 
 
 def sync(device) -> None:
@@ -47,8 +54,27 @@ def run_tallow(core, prompts, new_tokens: int) -> tuple[float, float]:
     return t_first - t0, produced_after_first / (t1 - t_first)
 
 
+def graph_replay_ms(core, batch: int) -> float | None:
+    """GPU time of one replay of the decode graph that serves `batch` sequences."""
+    import torch
+
+    graphs = core.runner.graphs
+    if graphs is None or batch > graphs.max_batch:
+        return None
+    graph = graphs.graphs[graphs.padded_size(batch)][0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 50
+
+
 def run_transformers(source: str, loaded, prompts, new_tokens: int, device, dtype) -> tuple[float, float]:
-    """transformers generate on the same weights (GGUF) or the same architecture (dummy)."""
+    """transformers generate on the same weights (GGUF: its own dequantization; dummy: tallow's
+    random weights copied in)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -66,6 +92,7 @@ def run_transformers(source: str, loaded, prompts, new_tokens: int, device, dtyp
             cfg = AutoConfig.for_model(**hf_config_dict(source.split(":", 1)[1]))
             with torch.device(device):
                 model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+            model.load_state_dict(loaded.model.hf_state_dict())
         model.eval()
         run_transformers._model = model
     ids = torch.tensor(prompts, device=device)
@@ -94,20 +121,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--transformers", action="store_true", help="also time transformers generate in this run")
+    ap.add_argument("--peak-gbps", type=float, default=4150.0)
+    ap.add_argument("--peak-tflops", type=float, default=740.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     import torch
 
-    from tallow.config import EngineConfig
-    from tallow.engine.core import EngineCore
-
     t0 = time.perf_counter()
-    core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                   quantization=args.quantization, enforce_eager=args.enforce_eager,
-                                   max_num_seqs=max(256, max(args.batch)),
-                                   max_model_len=args.prompt_len + args.new_tokens + 16,
-                                   enable_prefix_caching=False))
+    core = make_core(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                     enforce_eager=args.enforce_eager, max_num_seqs=max(256, max(args.batch)),
+                     max_model_len=args.prompt_len + args.new_tokens + 16, enable_prefix_caching=False)
+    if args.enforce_eager:
+        core.runner.graphs = None
     load_s = time.perf_counter() - t0
     rng = random.Random(0)
     vocab = min(core.model_config.vocab_size, 10000)
@@ -123,7 +149,15 @@ def main() -> None:
         row = {"engine": "tallow", "model": args.model, "device": str(core.device), "quant": core.quantization,
                "batch": b, "prompt": args.prompt_len, "new": args.new_tokens,
                "ttft_ms": 1000 * statistics.median(ttfts), "decode_tok_s": statistics.median(rates),
-               "per_seq_tok_s": statistics.median(rates) / b}
+               "per_seq_tok_s": statistics.median(rates) / b,
+               "step_ms": 1000 * b / statistics.median(rates)}
+        if core.device.type == "cuda":
+            ctx = b * (args.prompt_len + args.new_tokens // 2)
+            ceiling_s = decode_roofline_s(core.runner.model, core.model_config, b, ctx,
+                                          torch.empty((), dtype=core.dtype).element_size(), args.peak_tflops,
+                                          args.peak_gbps)[0]
+            row.update(ceiling_tok_s=b / ceiling_s, of_ceiling=row["decode_tok_s"] * ceiling_s / b,
+                       graph_ms=graph_replay_ms(core, b))
         rows.append(row)
         print(table([row], list(row)), flush=True)
         if args.transformers:
@@ -134,11 +168,16 @@ def main() -> None:
                 ttfts.append(ttft)
                 rates.append(rate)
             hrow = dict(row, engine="transformers", quant="none", ttft_ms=1000 * statistics.median(ttfts),
-                        decode_tok_s=statistics.median(rates), per_seq_tok_s=statistics.median(rates) / b)
+                        decode_tok_s=statistics.median(rates), per_seq_tok_s=statistics.median(rates) / b,
+                        step_ms=1000 * b / statistics.median(rates), graph_ms=None,
+                        tallow_speedup=row["decode_tok_s"] / statistics.median(rates))
+            if "of_ceiling" in row:
+                hrow["of_ceiling"] = hrow["decode_tok_s"] / row["ceiling_tok_s"]
             rows.append(hrow)
             print(table([hrow], list(hrow)), flush=True)
     print()
-    print(table(rows, list(rows[0])))
+    cols = list(dict.fromkeys(c for r in rows for c in r))
+    print(table(rows, cols))
     write_json(args.out, {"benchmark": "decode_latency", "load_s": load_s, "results": rows})
 
 
