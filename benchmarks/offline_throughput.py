@@ -52,23 +52,26 @@ def make_core(**config):
 
 class TimedGraph:
     """A CUDA graph whose replays are bracketed by events: the GPU time of the graph alone
-    (the input copies before it and the host's work are outside)."""
+    (the input copies before it and the host's work are outside). Events come from a pool
+    made beforehand, so timing adds only two records to a step."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, events: list):
         self.graph = graph
-        self.events = []
+        self.pool = events
+        self.timed = []
 
     def replay(self) -> None:
-        import torch
-
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if not self.pool:
+            self.graph.replay()
+            return
+        start, end = self.pool.pop(), self.pool.pop()
         start.record()
         self.graph.replay()
         end.record()
-        self.events.append((start, end))
+        self.timed.append((start, end))
 
     def median_ms(self) -> float | None:
-        return statistics.median(s.elapsed_time(e) for s, e in self.events) if self.events else None
+        return statistics.median(s.elapsed_time(e) for s, e in self.timed) if self.timed else None
 
 
 def weight_bytes_and_params(model) -> tuple[int, int]:
@@ -110,6 +113,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=740.0)
     ap.add_argument("--peak-gbps", type=float, default=4150.0)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print the N functions with the most host time over the run (cProfile)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -155,13 +160,30 @@ def main() -> None:
             del core.scheduler.schedule
         return seqs, [(dt, *s) for dt, s in zip(times, steps)]
 
-    run([([1, 2, 3, 4], SamplingParams(max_tokens=4))])  # warm-up
+    # Warm-up on prompts of the same lengths (other tokens: no prefix-cache hits later), so that
+    # Triton has compiled the specialisations that the prefill and mixed steps' shapes select
+    # (otherwise the timed run pays seconds of JIT).
+    warm = random.Random(args.seed + 1)
+    run([([warm.randint(0, vocab - 1) for _ in p], SamplingParams(max_tokens=4, ignore_eos=True))
+         for p in prompts[:32]])
     graphs = core.runner.graphs
     if graphs is not None:
-        graphs.graphs = {bs: (TimedGraph(g), logits) for bs, (g, logits) in graphs.graphs.items()}
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(8192)]
+        graphs.graphs = {bs: (TimedGraph(g, events), logits) for bs, (g, logits) in graphs.graphs.items()}
+    profile = None
+    if args.profile:
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
     t0 = time.perf_counter()
     seqs, steps = run(list(zip(prompts, params)))
     dt = time.perf_counter() - t0
+    if profile is not None:
+        import pstats
+
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
     n_out = sum(s.num_output_tokens for s in seqs)
     n_in = sum(len(p) for p in prompts)
     decode = [s for s in steps if s[1]]
