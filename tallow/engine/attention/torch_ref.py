@@ -31,6 +31,7 @@ class _DecodeGroup:
 
     rows: torch.Tensor | None  # their query rows in the flat batch; None: all rows, in order
     blocks: torch.Tensor  # [G * num_blocks] their block tables, row-major
+    first_block: int | None  # blocks[0] when the blocks are consecutive (a lone sequence, often)
     mask: torch.Tensor  # [G, 1, 1, num_blocks * block_size] float: 0 within the context, -inf past it
 
 
@@ -55,13 +56,16 @@ def _decode_groups(meta: AttentionMetadata, rows: list[int], seqs: list[int], nu
     for num_blocks, members in by_blocks.items():
         index = torch.tensor([seqs[i] for i in members], device=dev)
         blocks = meta.block_tables.index_select(0, index)[:, :num_blocks].flatten()
+        first = int(blocks[0])
+        consecutive = bool((blocks == torch.arange(first, first + blocks.numel(), device=dev)).all())
         pos = torch.arange(num_blocks * bs, device=dev)
         lens = meta.seq_lens.index_select(0, index).unsqueeze(1)
         mask = torch.zeros(len(members), 1, 1, num_blocks * bs, device=dev)
         mask.masked_fill_((pos >= lens)[:, None, None, :], float("-inf"))
         group_rows = [rows[i] for i in members]
         whole = group_rows == list(range(num_tokens))
-        groups.append(_DecodeGroup(None if whole else torch.tensor(group_rows, device=dev), blocks, mask))
+        groups.append(_DecodeGroup(None if whole else torch.tensor(group_rows, device=dev), blocks,
+                                   first if consecutive else None, mask))
     return groups
 
 
@@ -131,18 +135,23 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """q [G, H, D]: one query token per row, over the contexts of the group's G rows.
 
     The query heads sharing a KV head become that head's query rows, so GQA needs no repeat
-    of K/V. Plain matmuls and a softmax, not SDPA: the CPU flash kernel's result for one row
-    changes with the batch size when it runs on several threads. K is copied to
-    [G, kv_heads, ctx, D] so that the matmul sees the same layout for any G (a view would
-    give one row a transposed operand, and another kernel, where a batch gets a copy).
+    of K/V. Plain batched matmuls and a softmax, not SDPA: the CPU flash kernel's result for
+    one row changes with the batch size when it runs on several threads. One bmm per KV
+    head reads that head's K/V in place in the gathered [G, ctx, kv_heads, D] blocks (a
+    strided operand, the same layout for any G), where a matmul over all heads would first
+    copy them.
     """
     G, H, D = q.shape
     kv_heads = k_cache.shape[2]
-    k = k_cache.index_select(0, group.blocks).view(G, -1, kv_heads, D).transpose(1, 2).contiguous()
-    v = v_cache.index_select(0, group.blocks).view(G, -1, kv_heads, D).transpose(1, 2)
-    scores = torch.matmul(q.view(G, kv_heads, H // kv_heads, D), k.transpose(2, 3))
+    if group.first_block is None:
+        k, v = k_cache.index_select(0, group.blocks), v_cache.index_select(0, group.blocks)
+    else:  # the blocks are consecutive in the cache: read them where they are
+        k, v = (c.narrow(0, group.first_block, group.blocks.numel()) for c in (k_cache, v_cache))
+    k, v = k.view(G, -1, kv_heads, D), v.view(G, -1, kv_heads, D)
+    q = q.view(G, kv_heads, H // kv_heads, D)
+    scores = torch.stack([torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) for h in range(kv_heads)], dim=1)
     probs = scores.mul_(scale).add_(group.mask).softmax(dim=-1)
-    return torch.matmul(probs, v).view(G, H, D)
+    return torch.cat([torch.bmm(probs[:, h], v[:, :, h]) for h in range(kv_heads)], dim=1).view(G, H, D)
 
 
 def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
