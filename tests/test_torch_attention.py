@@ -106,17 +106,3 @@ def test_decode_row_does_not_depend_on_its_batch(threads):
     finally:
         torch.set_num_threads(old_threads)
 
-
-def test_consecutive_blocks_are_read_in_place_with_the_same_result():
-    kv = PagedKV(CONTEXTS)
-    batches = [[(3, 130, 1)], [(3, 130, 1), (6, 100, 1)]]
-    before = [kv.attend(batch)[0] for batch in batches]
-    # Move sequence 3's blocks to a run of consecutive free blocks.
-    used = {b for table in kv.tables for b in table}
-    n = len(kv.tables[3])
-    start = next(s for s in range(NUM_BLOCKS - n) if used.isdisjoint(range(s, s + n)))
-    for cache in (kv.k_cache, kv.v_cache):
-        cache[start: start + n] = cache[kv.tables[3]]
-    kv.tables[3] = list(range(start, start + n))
-    for batch, ref in zip(batches, before):
-        assert torch.equal(kv.attend(batch)[0], ref)

@@ -27,11 +27,14 @@ class _SeqPlan:
 
 @dataclass
 class _DecodeGroup:
-    """Decode rows whose contexts span the same number of blocks: one gather, one SDPA call."""
+    """Decode rows whose contexts span the same number of blocks: one gather of K and of V,
+    two batched matmuls."""
 
     rows: torch.Tensor | None  # their query rows in the flat batch; None: all rows, in order
-    blocks: torch.Tensor  # [G * num_blocks] their block tables, row-major
-    first_block: int | None  # blocks[0] when the blocks are consecutive (a lone sequence, often)
+    # [G * kv_heads * num_blocks * block_size]: the rows of cache.view(-1, head_dim) that hold
+    # their contexts, head-major ([G, kv_heads, ctx] order), so one gather lays K or V out for
+    # batched matmuls over (row, KV head).
+    cache_rows: torch.Tensor
     mask: torch.Tensor  # [G, 1, 1, num_blocks * block_size] float: 0 within the context, -inf past it
 
 
@@ -44,8 +47,8 @@ class _StepPlan:
     seqs: list[_SeqPlan]  # the other sequences (prefill chunks): one SDPA call each
 
 
-def _decode_groups(meta: AttentionMetadata, rows: list[int], seqs: list[int], num_tokens: int
-                   ) -> list[_DecodeGroup]:
+def _decode_groups(meta: AttentionMetadata, rows: list[int], seqs: list[int], num_tokens: int,
+                   kv_heads: int) -> list[_DecodeGroup]:
     """Group decode rows (query row rows[i] of sequence seqs[i]) by their number of blocks."""
     bs = meta.block_size
     by_blocks: dict[int, list[int]] = {}
@@ -55,21 +58,21 @@ def _decode_groups(meta: AttentionMetadata, rows: list[int], seqs: list[int], nu
     dev = meta.block_tables.device
     for num_blocks, members in by_blocks.items():
         index = torch.tensor([seqs[i] for i in members], device=dev)
-        blocks = meta.block_tables.index_select(0, index)[:, :num_blocks].flatten()
-        first = int(blocks[0])
-        consecutive = bool((blocks == torch.arange(first, first + blocks.numel(), device=dev)).all())
+        blocks = meta.block_tables.index_select(0, index)[:, None, :num_blocks, None].long()
+        offsets = torch.arange(bs, device=dev)[None, None, None, :]
+        heads = torch.arange(kv_heads, device=dev)[None, :, None, None]
+        cache_rows = ((blocks * bs + offsets) * kv_heads + heads).flatten()
         pos = torch.arange(num_blocks * bs, device=dev)
         lens = meta.seq_lens.index_select(0, index).unsqueeze(1)
         mask = torch.zeros(len(members), 1, 1, num_blocks * bs, device=dev)
         mask.masked_fill_((pos >= lens)[:, None, None, :], float("-inf"))
         group_rows = [rows[i] for i in members]
         whole = group_rows == list(range(num_tokens))
-        groups.append(_DecodeGroup(None if whole else torch.tensor(group_rows, device=dev), blocks,
-                                   first if consecutive else None, mask))
+        groups.append(_DecodeGroup(None if whole else torch.tensor(group_rows, device=dev), cache_rows, mask))
     return groups
 
 
-def _make_plan(meta: AttentionMetadata, num_tokens: int) -> _StepPlan:
+def _make_plan(meta: AttentionMetadata, num_tokens: int, kv_heads: int) -> _StepPlan:
     valid = meta.slot_mapping >= 0  # one host sync per step, not per layer
     if bool(valid.all()):
         slots, rows = meta.slot_mapping, None
@@ -92,7 +95,8 @@ def _make_plan(meta: AttentionMetadata, num_tokens: int) -> _StepPlan:
                         <= torch.arange(ctx - q_len, ctx, device=dev)[:, None])
             seqs.append(_SeqPlan(start, start + q_len, ctx, table, mask))
         start += q_len
-    return _StepPlan(meta, slots, rows, _decode_groups(meta, decode_rows, decode_seqs, num_tokens), seqs)
+    groups = _decode_groups(meta, decode_rows, decode_seqs, num_tokens, kv_heads)
+    return _StepPlan(meta, slots, rows, groups, seqs)
 
 
 class TorchAttentionBackend:
@@ -113,7 +117,7 @@ class TorchAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         plan = self._plan
         if plan is None or plan.meta is not meta:
-            plan = self._plan = _make_plan(meta, q.shape[0])
+            plan = self._plan = _make_plan(meta, q.shape[0], k_cache.shape[2])
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_new, v_new = (k, v) if plan.rows is None else (k[plan.rows], v[plan.rows])
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, k_new)
@@ -136,22 +140,17 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     The query heads sharing a KV head become that head's query rows, so GQA needs no repeat
     of K/V. Plain batched matmuls and a softmax, not SDPA: the CPU flash kernel's result for
-    one row changes with the batch size when it runs on several threads. One bmm per KV
-    head reads that head's K/V in place in the gathered [G, ctx, kv_heads, D] blocks (a
-    strided operand, the same layout for any G), where a matmul over all heads would first
-    copy them.
+    one row changes with the batch size when it runs on several threads. The gathered K/V
+    are contiguous [G, kv_heads, ctx, D] for any G, so the matmuls see one layout (and one
+    kernel) whatever the batch.
     """
     G, H, D = q.shape
     kv_heads = k_cache.shape[2]
-    if group.first_block is None:
-        k, v = k_cache.index_select(0, group.blocks), v_cache.index_select(0, group.blocks)
-    else:  # the blocks are consecutive in the cache: read them where they are
-        k, v = (c.narrow(0, group.first_block, group.blocks.numel()) for c in (k_cache, v_cache))
-    k, v = k.view(G, -1, kv_heads, D), v.view(G, -1, kv_heads, D)
-    q = q.view(G, kv_heads, H // kv_heads, D)
-    scores = torch.stack([torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) for h in range(kv_heads)], dim=1)
+    k = k_cache.view(-1, D).index_select(0, group.cache_rows).view(G, kv_heads, -1, D)
+    v = v_cache.view(-1, D).index_select(0, group.cache_rows).view(G, kv_heads, -1, D)
+    scores = torch.matmul(q.view(G, kv_heads, H // kv_heads, D), k.transpose(2, 3))
     probs = scores.mul_(scale).add_(group.mask).softmax(dim=-1)
-    return torch.cat([torch.bmm(probs[:, h], v[:, :, h]) for h in range(kv_heads)], dim=1).view(G, H, D)
+    return torch.matmul(probs, v).view(G, H, D)
 
 
 def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
