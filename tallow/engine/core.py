@@ -92,7 +92,9 @@ class EngineCore:
 
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
         self.runner = ModelRunner(loaded.model, cfg, block_size=config.block_size, num_blocks=num_blocks,
-                                  device=self.device, dtype=self.dtype)
+                                  device=self.device, dtype=self.dtype, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, enforce_eager=config.enforce_eager,
+                                  cuda_graph_max_batch=config.cuda_graph_max_batch)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.load_seconds = time.monotonic() - t0
