@@ -90,7 +90,7 @@ def test_decode_row_does_not_depend_on_its_batch(threads):
     kv = PagedKV(CONTEXTS + [40, 45, 33, 700])
     decode = [(seq, n, 1) for seq, n in enumerate(CONTEXTS + [40, 45, 33, 700]) if n > 1]
     batches = [
-        decode,  # every block count, three rows of 3 blocks
+        decode,  # every block count, five rows of 3 blocks
         decode[::-1],
         [(0, 37, 1), (8, 45, 1)],  # same block count, other neighbours
         [(4, 48, 7), (0, 37, 1), (5, 5, 5), (3, 130, 1)],  # mixed with prefill chunks
