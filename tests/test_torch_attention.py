@@ -106,3 +106,22 @@ def test_decode_row_does_not_depend_on_its_batch(threads):
     finally:
         torch.set_num_threads(old_threads)
 
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lone_row_on_consecutive_blocks_reads_them_in_place_with_the_same_result(threads):
+    kv = PagedKV(CONTEXTS)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        before = kv.attend([(3, 130, 1)])[0]
+        # Move sequence 3's blocks to a run of consecutive free blocks.
+        used = {b for table in kv.tables for b in table}
+        n = len(kv.tables[3])
+        start = next(s for s in range(NUM_BLOCKS - n) if used.isdisjoint(range(s, s + n)))
+        for cache in (kv.k_cache, kv.v_cache):
+            cache[start: start + n] = cache[kv.tables[3]]
+        kv.tables[3] = list(range(start, start + n))
+        assert torch.equal(kv.attend([(3, 130, 1)])[0], before)
+    finally:
+        torch.set_num_threads(old_threads)

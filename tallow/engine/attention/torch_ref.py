@@ -35,6 +35,7 @@ class _DecodeGroup:
     # their contexts, head-major ([G, kv_heads, ctx] order), so one gather lays K or V out for
     # batched matmuls over (row, KV head).
     cache_rows: torch.Tensor
+    first_block: int | None  # a lone row whose blocks are consecutive: K/V read in place from here
     mask: torch.Tensor  # [G, 1, 1, num_blocks * block_size] float: 0 within the context, -inf past it
 
 
@@ -62,13 +63,19 @@ def _decode_groups(meta: AttentionMetadata, rows: list[int], seqs: list[int], nu
         offsets = torch.arange(bs, device=dev)[None, None, None, :]
         heads = torch.arange(kv_heads, device=dev)[None, :, None, None]
         cache_rows = ((blocks * bs + offsets) * kv_heads + heads).flatten()
+        first = None
+        if len(members) == 1:
+            table = blocks.flatten()
+            if bool((table == torch.arange(num_blocks, device=dev) + table[0]).all()):
+                first = int(table[0])
         pos = torch.arange(num_blocks * bs, device=dev)
         lens = meta.seq_lens.index_select(0, index).unsqueeze(1)
         mask = torch.zeros(len(members), 1, 1, num_blocks * bs, device=dev)
         mask.masked_fill_((pos >= lens)[:, None, None, :], float("-inf"))
         group_rows = [rows[i] for i in members]
         whole = group_rows == list(range(num_tokens))
-        groups.append(_DecodeGroup(None if whole else torch.tensor(group_rows, device=dev), cache_rows, mask))
+        groups.append(_DecodeGroup(None if whole else torch.tensor(group_rows, device=dev), cache_rows, first,
+                                   mask))
     return groups
 
 
@@ -146,8 +153,13 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """
     G, H, D = q.shape
     kv_heads = k_cache.shape[2]
-    k = k_cache.view(-1, D).index_select(0, group.cache_rows).view(G, kv_heads, -1, D)
-    v = v_cache.view(-1, D).index_select(0, group.cache_rows).view(G, kv_heads, -1, D)
+    if group.first_block is None:
+        k = k_cache.view(-1, D).index_select(0, group.cache_rows).view(G, kv_heads, -1, D)
+        v = v_cache.view(-1, D).index_select(0, group.cache_rows).view(G, kv_heads, -1, D)
+    else:  # strided views of the cache, the same values (and results) as the gather
+        num_blocks = group.mask.shape[-1] // k_cache.shape[1]
+        k, v = (c.narrow(0, group.first_block, num_blocks).view(1, -1, kv_heads, D).transpose(1, 2)
+                for c in (k_cache, v_cache))
     scores = torch.matmul(q.view(G, kv_heads, H // kv_heads, D), k.transpose(2, 3))
     probs = scores.mul_(scale).add_(group.mask).softmax(dim=-1)
     return torch.matmul(probs, v).view(G, H, D)
