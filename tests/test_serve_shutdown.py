@@ -54,7 +54,10 @@ class StreamReader(threading.Thread):
 @pytest.fixture
 def serve(tmp_path):
     script = tmp_path / "reply.json"
-    script.write_text(json.dumps([{"reply": "One, two, three, four, five, six, seven, eight, nine, ten."}]))
+    # Paced at >= 5 ms a step, so the 4000-token request cannot finish within the timeout
+    # however fast the machine (it ran to the end once on a fast CI runner).
+    script.write_text(json.dumps({"step_delay_s": 0.005,
+                                  "replies": [{"reply": "One, two, three, four, five, six, seven, eight, nine, ten."}]}))
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(

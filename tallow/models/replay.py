@@ -8,6 +8,7 @@ The file holds the replies, optionally with a chat template that replaces the de
 (for testing what a template selects, such as the tool-call or reasoning parser):
 
     {"chat_template": "...",                                  (optional)
+     "step_delay_s": 0.01,     (optional: each forward sleeps this long, to pace a stream)
      "replies": [{"match": "weather", "reply": "<tool_call>...</tool_call>"},
                  {"reply": "I can only talk about the weather."}]}
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +59,10 @@ class ReplayModel(nn.Module):
     id of the token that follows it, for the last token of each sequence), compute_logits()
     -> a one-hot row per id."""
 
-    def __init__(self, config: ModelConfig, tokenizer: Tokenizer, replies: list[ScriptedReply]):
+    def __init__(self, config: ModelConfig, tokenizer: Tokenizer, replies: list[ScriptedReply],
+                 step_delay_s: float = 0.0):
         super().__init__()
+        self.step_delay_s = step_delay_s
         self.config = config
         self.tokenizer = tokenizer
         self.replies = replies
@@ -66,6 +70,8 @@ class ReplayModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         cache = kv_caches[0][0]  # [num_blocks, block_size, 1, _DIGITS]
         block_size = cache.shape[1]
         cache = cache.view(-1, _DIGITS)
@@ -141,11 +147,14 @@ def load_replay(path: str, *, dtype: torch.dtype, device: torch.device | str) ->
         metadata["tokenizer.chat_template"] = script["chat_template"]
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
     assert tokenizer.vocab_size <= 256 ** _DIGITS
+    delay = script.get("step_delay_s", 0.0) if isinstance(script, dict) else 0.0
+    if not isinstance(delay, (int, float)) or isinstance(delay, bool) or not 0 <= delay <= 10:
+        raise ModelLoadError(f"{path}: step_delay_s must be a number of seconds between 0 and 10")
     replies = [ScriptedReply(e.get("match") or None, tuple(tokenizer.encode(e["reply"]))) for e in entries]
     config = ModelConfig(architecture="llama", vocab_size=tokenizer.vocab_size, hidden_size=1,
                          intermediate_size=1, num_hidden_layers=1, num_attention_heads=1,
                          num_key_value_heads=1, head_dim=_DIGITS, max_position_embeddings=_MAX_POSITIONS,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=[tokenizer.eos_token_id])
-    model = ReplayModel(config, tokenizer, replies).to(device).eval().requires_grad_(False)
+    model = ReplayModel(config, tokenizer, replies, float(delay)).to(device).eval().requires_grad_(False)
     name = f"replay:{os.path.basename(path)}"
     return LoadedModel(config, model, TokenizerSource("gguf", gguf_path, metadata), {}, name)
