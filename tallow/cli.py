@@ -81,7 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.verbose and t_first:
         rate = (n - 1) / (t1 - t_first) if n > 1 else 0.0
         print(f"[{len(ids)} prompt tokens, {n} generated, first token {1000 * (t_first - t0):.0f} ms, "
-              f"{rate:.1f} tok/s decode, finish {seq.finish_reason}]", file=sys.stderr)
+              f"{rate:.1f} tok/s decode, finish {'stop' if stopper.stopped else seq.finish_reason}]", file=sys.stderr)
     return 0
 
 
@@ -133,8 +133,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
     s.add_argument("--max-body-bytes", type=int, default=sd.max_body_bytes,
                    help="larger request bodies are refused with 413")
-    s.add_argument("--tool-call-parser", default=None)
-    s.add_argument("--reasoning-parser", default=None)
+    from tallow.serve.reasoning import REASONING_PARSERS
+    from tallow.serve.tool_parsers import TOOL_PARSERS
+
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="tool-call markup to parse (default: the one the chat template implies)")
+    s.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="reasoning markup to split out (default: the one the chat template implies)")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
 
