@@ -35,8 +35,8 @@ def make_core(**config):
     from tallow.models.loader import TokenizerSource, load_model
 
     config = EngineConfig(**config)
-    if not config.model.startswith("dummy:"):
-        return EngineCore(config)
+    if not config.model.startswith("dummy:") or config.tensor_parallel_size > 1:
+        return EngineCore(config)  # tensor parallel: each rank loads its shard (a dummy needs the default wheel)
     device = resolve_device(config.device)
     loaded = load_model(config.model, dtype=resolve_dtype(config.dtype, device), device=device, seed=config.seed)
     if loaded.tokenizer_source.path is None:
@@ -87,10 +87,12 @@ def weight_bytes_and_params(model) -> tuple[int, int]:
 def decode_roofline_s(model, cfg, batch: int, context_tokens: int, kv_dtype_bytes: int,
                       peak_tflops: float, peak_gbps: float) -> tuple[float, float, float]:
     """(ceiling seconds, FLOPs, bytes) of one decode step of `batch` sequences whose contexts
-    hold context_tokens tokens in all."""
+    hold context_tokens tokens in all, on one device: with tensor parallelism, rank 0's shard
+    (its weights, its KV heads, its attention heads)."""
     wbytes, wparams = weight_bytes_and_params(model)
-    kv = cfg.kv_bytes_per_token(kv_dtype_bytes) * context_tokens
-    flops = 2 * wparams * batch + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context_tokens
+    shard = model.shard
+    kv = cfg.kv_bytes_per_token(kv_dtype_bytes) * context_tokens * shard.num_kv_heads // cfg.num_key_value_heads
+    flops = 2 * wparams * batch + 4 * cfg.num_hidden_layers * shard.num_heads * cfg.head_dim * context_tokens
     nbytes = wbytes + kv
     return max(flops / (peak_tflops * 1e12), nbytes / (peak_gbps * 1e9)), flops, nbytes
 
@@ -110,6 +112,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="one process per rank (NCCL on CUDA, gloo on CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=740.0)
     ap.add_argument("--peak-gbps", type=float, default=4150.0)
@@ -125,7 +128,8 @@ def main() -> None:
     t0 = time.perf_counter()
     core = make_core(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed)
+                     max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed,
+                     tensor_parallel_size=args.tensor_parallel_size)
     if args.enforce_eager:
         core.runner.graphs = None
     load_s = time.perf_counter() - t0
@@ -195,7 +199,8 @@ def main() -> None:
     ceiling_s, flops, nbytes = decode_roofline_s(core.runner.model, core.model_config, peak, int(ctx), kv_bytes,
                                                  args.peak_tflops, args.peak_gbps)
     row = {
-        "model": args.model, "device": str(core.device), "graphs": core.runner.graphs is not None,
+        "model": args.model, "device": str(core.device), "tp": args.tensor_parallel_size,
+        "graphs": core.runner.graphs is not None,
         "seqs": args.num_seqs, "input_tokens": n_in, "output_tokens": n_out, "seconds": dt,
         "output_tok_s": n_out / dt, "total_tok_s": (n_in + n_out) / dt, "steps": len(steps),
         "decode_steps": len(decode), "decode_s": sum(s[0] for s in decode),
@@ -209,6 +214,7 @@ def main() -> None:
         row["graph_of_roofline"] = row["roofline_ms"] / row["peak_graph_ms"]
     print(table([row], list(row)))
     write_json(args.out, {"benchmark": "offline_throughput", "results": [row]})
+    core.shutdown()
 
 
 if __name__ == "__main__":

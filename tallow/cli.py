@@ -24,7 +24,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="shard the model over N processes (one per GPU on CUDA, NCCL; gloo on the CPU)")
     p.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -42,10 +43,18 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tallow.engine.core import EngineCore
+
+    core = EngineCore(engine_config_from(args))
+    try:
+        return _generate(core, args)
+    finally:
+        core.shutdown()
+
+
+def _generate(core, args: argparse.Namespace) -> int:
     from tallow.engine.sampling import SamplingParams
     from tallow.serve.sink import Detokenizer, StopMatcher
 
-    core = EngineCore(engine_config_from(args))
     tok = core.tokenizer
     if args.chat:
         from tallow.chat_template import ChatTemplate

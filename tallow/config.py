@@ -48,7 +48,10 @@ class EngineConfig:
     # Where converted weights are cached (GGUF dequantization is slow on first load).
     cache_dir: str = field(default_factory=_default_cache_dir)
 
+    # Tensor parallelism: one process per rank (gloo on the CPU, NCCL on CUDA). The timeout
+    # bounds each collective of a step, and how long rank 0 waits for the workers to load.
     tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0
 
 
 @dataclass

@@ -65,18 +65,57 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class EngineCore:
-    """Owns the model runner, the KV cache manager and the scheduler; step() advances all."""
+    """Owns the model runner, the KV cache manager and the scheduler; step() advances all.
+
+    With config.tensor_parallel_size > 1 it also starts the worker processes of the other
+    ranks and holds rank 0's shard of the model; call shutdown() to stop them."""
 
     def __init__(self, config: EngineConfig, loaded=None):
-        from tallow.models.loader import load_model
-
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         t0 = time.monotonic()
+        self.workers = self._start_workers(loaded) if config.tensor_parallel_size != 1 else None
+        try:
+            self._build(loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.load_seconds = time.monotonic() - t0
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, quantization %s, tensor parallel %d, %.2fs",
+                 self.model_name, self.device, str(self.dtype).removeprefix("torch."), self.runner.num_blocks,
+                 config.block_size, self.quantization, config.tensor_parallel_size, self.load_seconds)
+
+    def _start_workers(self, loaded):
+        """Check that the model splits in tensor_parallel_size shards, then start the other ranks."""
+        from tallow.distributed.sharding import validate_tensor_parallel
+        from tallow.distributed.workers import TensorParallelWorkers
+        from tallow.models.loader import read_model_config
+
+        size, source = self.config.tensor_parallel_size, self.config.model
+        if loaded is not None or source.startswith("replay:"):
+            what = "a preloaded model" if loaded is not None else "the replay: test fixture"
+            raise TallowError(f"tensor_parallel_size {size}: {what} cannot be sharded (each rank loads its "
+                              "own shard from the model source)", param="tensor_parallel_size")
+        validate_tensor_parallel(read_model_config(source), size)
+        if self.device.type == "cuda":
+            available = torch.cuda.device_count() - (self.device.index or 0)
+            if size > available:
+                raise TallowError(f"tensor_parallel_size {size} needs {size} GPUs from {self.device} on, but "
+                                  f"{available} are visible", param="tensor_parallel_size")
+        return TensorParallelWorkers(self.config, self.device)
+
+    def _build(self, loaded) -> None:
+        """Load the model (rank 0's shard with tensor parallelism), size the KV cache, and
+        build the runner, the KV cache manager and the scheduler."""
+        from tallow.models.loader import load_model
+
+        config = self.config
+        parallel = None if self.workers is None else self.workers.parallel
         if loaded is None:
-            loaded = load_model(config.model, dtype=self.dtype, device=self.device, cache_dir=config.cache_dir)
+            loaded = load_model(config.model, dtype=self.dtype, device=self.device, cache_dir=config.cache_dir,
+                                seed=config.seed, parallel=parallel)
         self.loaded = loaded
         self.model_config = loaded.config
         self.model_name = loaded.name
@@ -94,22 +133,36 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, cfg, block_size=config.block_size, num_blocks=num_blocks,
                                   device=self.device, dtype=self.dtype, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, enforce_eager=config.enforce_eager,
-                                  cuda_graph_max_batch=config.cuda_graph_max_batch)
+                                  cuda_graph_max_batch=config.cuda_graph_max_batch, parallel=parallel)
+        if self.workers is not None:
+            self.workers.wait_ready(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
-        self.load_seconds = time.monotonic() - t0
         self.num_steps = 0
         self.num_generated_tokens = 0
         # seq_id -> (monotonic time, first position, tokens) of each prefill chunk, kept only for
         # sequences submitted with trace_prefill (request traces); empty otherwise.
         self.prefill_log: dict[int, list[tuple[float, int, int]]] = {}
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, quantization %s, %.2fs",
-                 self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
-                 config.block_size, self.quantization, self.load_seconds)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop and join the tensor-parallel workers, if any (idempotent). graceful: no step is
+        in flight, so the workers can be told to stop; otherwise they are killed."""
+        if self.workers is not None:
+            self.workers.shutdown(graceful)
+            self.workers = None
 
     def _num_blocks_from_budget(self) -> int:
         cfg, c = self.model_config, self.config
         per_block = kv_bytes_per_block(cfg, c.block_size, self.dtype)
+        if self.workers is not None:
+            # Each rank caches its own KV heads (some replicated when there are fewer than
+            # ranks); on the CPU every rank's cache is in the same host memory.
+            from tallow.distributed.sharding import ShardLayout
+
+            size = c.tensor_parallel_size
+            per_block = per_block // cfg.num_key_value_heads * ShardLayout.of(cfg, 0, size).num_kv_heads
+            if self.device.type == "cpu":
+                per_block *= size
         if c.kv_cache_memory_bytes is not None:
             budget = c.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -324,6 +377,7 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 10)
+        await asyncio.to_thread(self.core.shutdown, not self._thread.is_alive())
 
     # ---- the engine thread ------------------------------------------------------------
     def _deliver(self, batch: list[tuple[Sequence, TokenOutput]]) -> None:

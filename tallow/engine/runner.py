@@ -8,20 +8,31 @@ On CUDA the model attends through TritonAttentionBackend, batch inputs go to the
 through pinned staging buffers with non-blocking copies, decode-only steps replay CUDA
 graphs (unless enforce_eager) and each step synchronises with the host once, when the
 sampled tokens come back. Elsewhere the torch reference backend runs eagerly.
+
+With tensor parallelism the runner of rank 0 broadcasts each step's host arrays to the
+workers (tallow/distributed/step_channel.py) before its own forward; every rank runs
+execute() on the same inputs, and rank 0 alone gets the gathered logits and samples. Steps
+run eagerly then: no CUDA graphs yet.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from tallow.distributed.sharding import ShardLayout
+from tallow.distributed.step_channel import StepChannel, StepInputs
 from tallow.engine.attention.metadata import AttentionMetadata
 from tallow.engine.sampler import Sampler
 from tallow.engine.scheduler import SchedulerOutput
 from tallow.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from tallow.distributed.group import ParallelContext
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +117,13 @@ class PinnedStaging:
 
 class ModelRunner:
     """max_num_seqs bounds the decode batch (the Triton split-K workspace); max_model_len
-    (default: the model's context) the width of the CUDA graphs' block tables."""
+    (default: the model's context) the width of the CUDA graphs' block tables. With parallel,
+    the model is this rank's shard and the KV cache holds this rank's KV heads."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, block_size: int,
                  num_blocks: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256,
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 cuda_graph_max_batch: int = 256):
+                 cuda_graph_max_batch: int = 256, parallel: ParallelContext | None = None):
         self.model = model
         self.cfg = model_config
         self.block_size = block_size
@@ -119,7 +131,11 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len or model_config.max_position_embeddings
-        shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+        shard = ShardLayout.of(model_config) if parallel is None else ShardLayout.of(
+            model_config, parallel.rank, parallel.world_size)
+        # Rank 0 of a tensor-parallel group sends each step's inputs to the others.
+        self.step_channel = StepChannel(parallel.control_group) if parallel is not None and parallel.is_first else None
+        shape = (num_blocks, block_size, shard.num_kv_heads, model_config.head_dim)
         self.kv_caches = [(zeroed_cache(shape, dtype, device), zeroed_cache(shape, dtype, device))
                           for _ in range(model_config.num_hidden_layers)]
         self.sampler = Sampler(model_config.vocab_size, device)
@@ -129,10 +145,10 @@ class ModelRunner:
             from tallow.engine.attention.triton_backend import TritonAttentionBackend
 
             set_attention_backend(model, TritonAttentionBackend(
-                model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim,
+                shard.num_heads, shard.num_kv_heads, model_config.head_dim,
                 max_num_seqs=max(max_num_seqs, cuda_graph_max_batch), device=device))
             self.staging = PinnedStaging(device)
-            if not enforce_eager:
+            if not enforce_eager and parallel is None:
                 self.capture_graphs(min(cuda_graph_max_batch, max_num_seqs))
 
     def capture_graphs(self, max_batch: int) -> None:
@@ -144,8 +160,8 @@ class ModelRunner:
         self.graphs.capture()
 
     # ---- batch preparation ------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat input ids, positions, attention metadata and the rows whose logits are sampled."""
+    def host_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The step's flat batch as host arrays."""
         bs = self.block_size
         num_seqs = len(out.scheduled)
         ids: list[int] = []
@@ -153,7 +169,6 @@ class ModelRunner:
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        query_lens: list[int] = []
         logits_idx: list[int] = []
         for s in out.scheduled:
             seq, start, n = s.seq, s.start, s.num_new_tokens
@@ -169,7 +184,6 @@ class ModelRunner:
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
-            query_lens.append(n)
             if s.samples:
                 logits_idx.append(qsl[-1] - 1)
         max_blocks = (max(seq_lens) + bs - 1) // bs
@@ -179,7 +193,15 @@ class ModelRunner:
             tables[i, :nb] = s.seq.block_table[:nb]
 
         longs = [np.array(x, dtype=np.int64) for x in (ids, positions, slots, logits_idx)]
-        ints = [np.array(qsl, dtype=np.int32), np.array(seq_lens, dtype=np.int32), tables]
+        return StepInputs(*longs, np.array(qsl, dtype=np.int32), np.array(seq_lens, dtype=np.int32), tables)
+
+    def device_inputs(self, inputs: StepInputs
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flat input ids, positions, attention metadata and the rows whose logits are sampled."""
+        longs = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices]
+        ints = [inputs.query_start_loc, inputs.seq_lens, inputs.block_tables]
+        query_lens = np.diff(inputs.query_start_loc).tolist()
+        seq_lens = inputs.seq_lens.tolist()
         if self.staging is None:
             longs, ints = [torch.from_numpy(a) for a in longs], [torch.from_numpy(a) for a in ints]
         else:
@@ -191,29 +213,42 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=seq_lens_t, block_tables=tables_t,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=bs,
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=self.block_size,
         )
         return input_ids, positions_t, meta, logits_idx_t
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepResult:
-        rows = [s.seq for s in out.scheduled if s.samples]
+        logits = self.logits(out)
+        if logits is None:
+            return StepResult([], None, None)
+        return self._to_host(self.sampler(logits, [s.seq for s in out.scheduled if s.samples]))
+
+    def logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """The float32 logits [rows, vocab] of the step's sampling rows (scheduler order), after
+        its forward; None when no row samples."""
         graphs = self.graphs
-        if graphs is not None and out.is_decode_only and len(rows) <= graphs.max_batch:
-            logits = graphs.run(out.scheduled)
-        else:
-            if graphs is not None:
-                graphs.forget_tables()
-            input_ids, positions, meta, logits_idx = self.prepare(out)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            if not rows:
-                return StepResult([], None, None)
-            if hidden.shape[0] != len(rows):
-                hidden = hidden.index_select(0, logits_idx)
-            logits = self.model.compute_logits(hidden)
-        sampled = self.sampler(logits, rows)
-        return self._to_host(sampled)
+        if graphs is not None and out.is_decode_only and sum(s.samples for s in out.scheduled) <= graphs.max_batch:
+            return graphs.run(out.scheduled)
+        if graphs is not None:
+            graphs.forget_tables()
+        inputs = self.host_inputs(out)
+        if self.step_channel is not None:
+            self.step_channel.send(inputs)
+        return self.execute(inputs)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Forward one step's batch; the logits of its sampling rows (None when there are
+        none, and on tensor-parallel ranks other than 0, which send their slices to rank 0)."""
+        input_ids, positions, meta, logits_idx = self.device_inputs(inputs)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not len(logits_idx):
+            return None
+        if hidden.shape[0] != len(logits_idx):
+            hidden = hidden.index_select(0, logits_idx)
+        return self.model.compute_logits(hidden)
 
     def _to_host(self, sampled) -> StepResult:
         tensors = [sampled.token_ids]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -54,12 +56,32 @@ def init_random_(model: nn.Module, seed: int = 0) -> None:
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if p.dim() > 1:
-            p.normal_(0.0, 0.02, generator=generator)
-        elif name.endswith("norm.weight"):
-            p.fill_(1.0)
-        else:
-            p.zero_()
+        _init_(name, p, generator)
+
+
+@torch.no_grad()
+def random_checkpoint(config: ModelConfig, seed: int, device: torch.device,
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights init_random_ gives the whole model, made one tensor at a time and named as
+    in a checkpoint: a tensor-parallel shard loads its slices of them (load_weights), so every
+    rank holds exactly its part of the model one process would make."""
+    from tallow.models.llama import LlamaForCausalLM
+
+    whole = LlamaForCausalLM.empty(config, device=torch.device("meta"), dtype=dtype)  # names and shapes only
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, p in whole.named_parameters():
+        w = torch.empty(p.shape, dtype=dtype, device=device)
+        _init_(name, w, generator)
+        yield from whole.checkpoint_parts(name, w).items()
+
+
+def _init_(name: str, p: torch.Tensor, generator: torch.Generator) -> None:
+    if p.dim() > 1:
+        p.normal_(0.0, 0.02, generator=generator)
+    elif name.endswith("norm.weight"):
+        p.fill_(1.0)
+    else:
+        p.zero_()
 
 
 def hf_config_dict(preset: str) -> dict:

@@ -21,8 +21,10 @@ def is_hf_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
 
 
-def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, Any], Iterable[tuple[str, torch.Tensor]]]:
-    """(config, generation defaults, weights) of a transformers model folder."""
+def load_hf_folder(path: str, slices: bool = False
+                   ) -> tuple[ModelConfig, dict[str, Any], Iterable[tuple[str, torch.Tensor]]]:
+    """(config, generation defaults, weights) of a transformers model folder; with slices, the
+    weights are safetensors slices (see iter_safetensors)."""
     try:
         config = ModelConfig.from_hf_dict(_read_json(os.path.join(path, "config.json")))
     except (KeyError, ValueError) as e:
@@ -32,17 +34,19 @@ def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, Any], Iterable[tup
     defaults = {k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None}
     if isinstance(defaults.get("eos_token_id"), int):
         defaults["eos_token_id"] = [defaults["eos_token_id"]]
-    return config, defaults, iter_safetensors(_weight_files(path))
+    return config, defaults, iter_safetensors(_weight_files(path), slices)
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the files, one at a time, on the CPU."""
+def iter_safetensors(files: list[str], slices: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files, one at a time, on the CPU. With slices, safe_open slices
+    instead: indexing one reads only that part of the file (a tensor-parallel shard's), and
+    only until the next item is asked for."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name) if slices else f.get_tensor(name)
 
 
 def _weight_files(path: str) -> list[str]:

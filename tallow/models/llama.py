@@ -9,32 +9,46 @@ The residual stream travels beside the hidden states (vLLM's layout), so that ea
 residual add and the RMSNorm after it are one call of tallow.ops.fused_add_rms_norm. On
 CUDA those calls and the rotary embedding are Triton kernels (fewer launches, one pass
 over memory), as is SwiGLU's silu(gate) * up; on the CPU they are the same torch ops as a plain Llama, in the same order.
+
+With tensor parallelism (a ParallelContext), each rank holds a Megatron shard
+(tallow/distributed/sharding.py): column-parallel fused qkv and gate/up, row-parallel o_proj
+and down_proj each followed by one all-reduce, a vocab-parallel embedding (ids outside the
+rank's rows masked, then an all-reduce) and LM head (rank 0 gathers the logits). Without one
+the model is whole and runs no collective.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tallow.engine.attention.base import AttentionBackend
 from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.distributed.sharding import ShardLayout
 from tallow.models.config import ModelConfig
 from tallow.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from tallow.ops import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
 
+if TYPE_CHECKING:
+    from tallow.distributed.group import ParallelContext
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: ShardLayout,
+                 parallel: ParallelContext | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.qk_dim = config.q_dim + config.kv_dim
+        q_dim, kv_dim = shard.num_heads * config.head_dim, shard.num_kv_heads * config.head_dim
+        self.qk_dim = q_dim + kv_dim
         self.scale = config.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_dim + 2 * config.kv_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.q_dim, config.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_dim + 2 * kv_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=False)  # row-parallel: no bias to add once
+        self.parallel = parallel
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -57,28 +71,32 @@ class LlamaAttention(nn.Module):
             q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, self.qk_dim:].view(T, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.view(T, -1))
+        out = self.o_proj(out.view(T, -1))
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: ShardLayout, parallel: ParallelContext | None = None):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * shard.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False)
+        self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: ShardLayout,
+                 parallel: ParallelContext | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend)
+        self.self_attn = LlamaAttention(config, backend, shard, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, shard, parallel)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -96,20 +114,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: ShardLayout,
+                 parallel: ParallelContext | None = None):
         super().__init__()
         # Zeros, not nn.Embedding's random init: weights are loaded, and normal_ on the meta
         # device (LlamaForCausalLM.empty) would import torch._dynamo, which takes seconds.
-        self.embed_tokens = nn.Embedding.from_pretrained(torch.zeros(config.vocab_size, config.hidden_size),
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.zeros(shard.vocab_per_rank, config.hidden_size),
                                                          freeze=False)
+        self.vocab_start, self.parallel = shard.vocab_start, parallel
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, shard, parallel)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         if h.is_cuda:  # the Triton kernel reads the float32 table
             rope = (positions, self.rotary_emb.cos_sin_cache)
         else:
@@ -119,32 +140,54 @@ class LlamaModel(nn.Module):
             h, residual = layer(h, residual, rope, kv_cache, meta)
         return fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel is None:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: each rank looks up the ids in its rows; the sum has every row once.
+        ids = input_ids - self.vocab_start
+        outside = (ids < 0) | (ids >= self.embed_tokens.num_embeddings)
+        h = self.embed_tokens(ids.masked_fill_(outside, 0)).masked_fill_(outside.unsqueeze(1), 0.0)
+        return self.parallel.all_reduce(h)
+
 
 # Checkpoint projections that live in one fused Linear here: name -> (fused name, shard index).
 _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# Checkpoint weights that tensor parallelism splits: module name -> (dim, ShardLayout.span kind).
+_SPLIT = {
+    "q_proj": (0, "q"), "k_proj": (0, "kv"), "v_proj": (0, "kv"), "o_proj": (1, "q"),
+    "gate_proj": (0, "mlp"), "up_proj": (0, "mlp"), "down_proj": (1, "mlp"),
+    "embed_tokens": (0, "vocab"), "lm_head": (0, "vocab"),
+}
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None):
+    """The whole model, or with `parallel` the shard of its rank (weights sliced by load_weights)."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None,
+                 parallel: ParallelContext | None = None):
         super().__init__()
         if attn_backend is None:
             from tallow.engine.attention.torch_ref import TorchAttentionBackend
 
             attn_backend = TorchAttentionBackend()
         self.config = config
-        self.model = LlamaModel(config, attn_backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.parallel = parallel
+        self.shard = ShardLayout.of(config) if parallel is None else ShardLayout.of(config, parallel.rank,
+                                                                                    parallel.world_size)
+        self.model = LlamaModel(config, attn_backend, self.shard, parallel)
+        self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_per_rank, bias=False)
         self.tie_weights()
 
     @classmethod
     def empty(cls, config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
-              attn_backend: AttentionBackend | None = None) -> "LlamaForCausalLM":
+              attn_backend: AttentionBackend | None = None,
+              parallel: ParallelContext | None = None) -> "LlamaForCausalLM":
         """The model with uninitialized weights allocated directly on device in dtype (no
         initialization pass, no CPU copy): fill it with load_weights or an in-place init."""
-        model = cls._skeleton(config, dtype, attn_backend)
+        model = cls._skeleton(config, dtype, attn_backend, parallel)
         model.to_empty(device=device)
         model._finish(device)
         return model
@@ -158,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             state_dict = dict(state_dict, **{"lm_head.weight": state_dict["model.embed_tokens.weight"]})
         device = state_dict["model.embed_tokens.weight"].device
-        model = cls._skeleton(config, torch.get_default_dtype(), attn_backend)
+        model = cls._skeleton(config, torch.get_default_dtype(), attn_backend, None)
         try:
             model.load_state_dict(state_dict, assign=True)
         except RuntimeError as e:
@@ -167,12 +210,13 @@ class LlamaForCausalLM(nn.Module):
         return model
 
     @classmethod
-    def _skeleton(cls, config: ModelConfig, dtype: torch.dtype, attn_backend: AttentionBackend | None):
+    def _skeleton(cls, config: ModelConfig, dtype: torch.dtype, attn_backend: AttentionBackend | None,
+                  parallel: ParallelContext | None):
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device("meta"):
-                return cls(config, attn_backend)
+                return cls(config, attn_backend, parallel)
         finally:
             torch.set_default_dtype(old_dtype)
 
@@ -190,35 +234,56 @@ class LlamaForCausalLM(nn.Module):
         (k_cache, v_cache) pair per layer."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [N, vocab]; with tensor parallelism on rank 0 only (the others send
+        their vocabulary slices to it and get None)."""
+        logits = self.lm_head(hidden).float()
+        if self.parallel is None:
+            return logits
+        return self.parallel.gather_columns(logits, self.config.vocab_size)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights named as in a transformers checkpoint (views, no copies): the inverse of
         load_weights, e.g. to run transformers on the same (random) weights."""
-        cfg = self.config
-        shards = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]),
-                  "gate_up_proj": (("gate_proj", "up_proj"), [cfg.intermediate_size, cfg.intermediate_size])}
         out = {}
         for name, w in self.state_dict().items():
-            module, _, kind = name.rpartition(".")
-            parent, _, leaf = module.rpartition(".")
-            if leaf in shards:
-                names, sizes = shards[leaf]
-                for part, tensor in zip(names, w.split(sizes)):
-                    out[f"{parent}.{part}.{kind}"] = tensor
-            else:
-                out[name] = w
+            out.update(self.checkpoint_parts(name, w))
         return out
+
+    def checkpoint_parts(self, name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A tensor of this model (named as in state_dict()) under its checkpoint name: fused
+        q/k/v and gate/up weights split into their parts (views)."""
+        module, _, kind = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf not in self._fused_sizes():
+            return {name: w}
+        parts = [part for part, (fused, _) in _FUSED.items() if fused == leaf]
+        return {f"{parent}.{part}.{kind}": t for part, t in zip(parts, w.split(self._fused_sizes()[leaf]))}
+
+    def _fused_sizes(self) -> dict[str, list[int]]:
+        """Rows of each part of the fused weights, in this rank's shard."""
+        sh = self.shard
+        q, kv = sh.num_heads * sh.head_dim, sh.num_kv_heads * sh.head_dim
+        return {"qkv_proj": [q, kv, kv], "gate_up_proj": [sh.intermediate_size] * 2}
+
+    def _own_slice(self, leaf: str, w) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor. w is a tensor or a safetensors slice
+        (safe_open().get_slice()), which reads only the slice from the file."""
+        split = _SPLIT.get(leaf) if self.parallel is not None else None
+        if split is None:
+            return w if isinstance(w, torch.Tensor) else w[:]
+        dim, kind = split
+        start, length = self.shard.span(kind)
+        return w[(slice(None),) * dim + (slice(start, start + length),)]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights named as in a transformers checkpoint (model.layers.0.self_attn.q_proj.weight,
-        ...) into this model, fusing q/k/v and gate/up. Raises ValueError on an unknown name, a
-        shape mismatch or a parameter left unloaded."""
+        ...) into this model, fusing q/k/v and gate/up; a shard copies only its slice of each
+        (the weights may be safetensors slices). Raises ValueError on an unknown name, a shape
+        mismatch or a parameter left unloaded."""
         cfg = self.config
-        shards = {"qkv_proj": [cfg.q_dim, cfg.kv_dim, cfg.kv_dim],
-                  "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
+        shards = self._fused_sizes()
         params = dict(self.named_parameters())
         missing = {(name, shard) for name in params
                    for shard in range(len(shards.get(name.split(".")[-2], [None])))}
@@ -237,6 +302,10 @@ class LlamaForCausalLM(nn.Module):
             if leaf in _FUSED:
                 sizes = shards[fused]
                 target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+            w = self._own_slice(leaf, w)
+            if leaf in ("embed_tokens", "lm_head") and w.shape[0] < target.shape[0]:  # vocabulary padding
+                target[w.shape[0]:].zero_()
+                target = target[: w.shape[0]]
             if target.shape != w.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(target.shape)}")
             target.copy_(w)

