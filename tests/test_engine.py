@@ -212,3 +212,36 @@ def test_async_engine_concurrent_and_cancel(loaded):
     assert all(r[1].finish_reason == "length" and r[1].num_prompt_tokens == len(x) for r, x in zip(results, ids))
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert core.kv.num_free_blocks == free0
+
+
+def test_async_engine_builds_its_core_in_the_engine_thread(loaded):
+    """A builder function runs in the engine thread (torch's OpenMP pool then belongs to the
+    thread that steps the model); its error reaches the caller and no thread is left behind."""
+    import threading
+
+    built_in = []
+
+    def build():
+        built_in.append(threading.current_thread().name)
+        return make_core(loaded)
+
+    engine = AsyncEngine(build)
+    assert built_in == ["tallow-engine"] and engine.core.tokenizer is engine.tokenizer
+
+    async def one():
+        ids = engine.tokenizer.encode(PROMPTS[0])
+        toks = [t async for out in engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=4,
+                                                                            ignore_eos=True)) for t in out.token_ids]
+        await engine.shutdown()
+        return toks
+
+    assert len(asyncio.run(one())) == 4
+    assert not engine._thread.is_alive()
+
+    def broken():
+        raise ValueError("no model here")
+
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="no model here"):
+        AsyncEngine(broken)
+    assert threading.active_count() == before

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -314,26 +315,50 @@ class RequestStream:
 class AsyncEngine:
     """Runs EngineCore.step() in its own thread; requests talk to it through queues."""
 
-    def __init__(self, core: EngineCore):
-        self.core = core
-        self.tokenizer = core.tokenizer
-        self.model_config = core.model_config
-        self.max_model_len = core.max_model_len
-        self.model_name = core.model_name
-        self.max_num_seqs = core.config.max_num_seqs
+    def __init__(self, core: EngineCore | Callable[[], EngineCore]):
+        """core: an EngineCore, or a function that builds one. A function runs in the engine
+        thread itself, so the model is loaded (and its first torch ops run) in the thread that
+        steps it: torch's OpenMP intra-op pool belongs to the thread that first uses it, and a
+        CPU engine stepped from another thread than the one that built it ran ~2x slower
+        (benchmarks/server_tax.py). Returns once the core is built; its error is raised here."""
         self._chat_template = None
         self._streams: dict[int, RequestStream] = {}
         self._commands: deque = deque()
         self._wake = threading.Event()
         self._stop = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name="tallow-engine", daemon=True)
+        built = threading.Event()
+        failure: list[BaseException] = []
+        build = core if callable(core) else (lambda: core)
+
+        def run() -> None:
+            try:
+                self.core = build()
+            except BaseException as e:  # handed to the constructor's caller
+                failure.append(e)
+                return
+            finally:
+                built.set()
+            self._run()
+
+        self._thread = threading.Thread(target=run, name="tallow-engine", daemon=True)
         self._thread.start()
+        built.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
+        core = self.core
+        self.tokenizer = core.tokenizer
+        self.model_config = core.model_config
+        self.max_model_len = core.max_model_len
+        self.model_name = core.model_name
+        self.max_num_seqs = core.config.max_num_seqs
         self.ready = True
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        return cls(EngineCore(config))
+        """Build the EngineCore in the engine thread (see __init__)."""
+        return cls(lambda: EngineCore(config))
 
     @property
     def chat_template(self):
