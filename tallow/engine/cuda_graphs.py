@@ -38,7 +38,7 @@ class DecodeGraphs:
         mb = self.max_batch
 
         def pair(shape, dtype):
-            host = torch.zeros(shape, dtype=dtype, pin_memory=True)
+            host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
             return host, torch.zeros(shape, dtype=dtype, device=device)
 
         # ids, positions and slots share one buffer: one copy for the three.
