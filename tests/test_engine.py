@@ -212,6 +212,9 @@ def test_async_engine_concurrent_and_cancel(loaded):
     assert all(r[1].finish_reason == "length" and r[1].num_prompt_tokens == len(x) for r, x in zip(results, ids))
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert core.kv.num_free_blocks == free0
+    assert 0 < stats["kv_blocks_touched"] <= stats["kv_blocks_total"]
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in core.runner.kv_caches)
+    assert stats["kv_block_bytes"] * stats["kv_blocks_total"] == kv_bytes
 
 
 def test_async_engine_builds_its_core_in_the_engine_thread(loaded):

@@ -39,6 +39,23 @@ def test_pool_prefers_truly_free_blocks_then_evicts_least_recently_freed():
     pool.check_invariants()
 
 
+def test_blocks_touched_counts_the_distinct_blocks_ever_handed_out():
+    """The free list is FIFO from id order: a freed block waits behind the untouched ones,
+    so the touched blocks are always 0 .. blocks_touched - 1 (the CPU pool's resident part)."""
+    pool = BlockPool(6, BS)
+    seen = set()
+    held = []
+    for _ in range(3):  # hold 2, free them, again: 6 distinct blocks before any reuse
+        held = [pool.allocate(), pool.allocate()]
+        seen.update(held)
+        assert pool.blocks_touched == len(seen) and seen == set(range(len(seen)))
+        for b in held:
+            pool.release(b)
+    assert pool.blocks_touched == 6
+    pool.allocate()  # a reused block: nothing new is touched
+    assert pool.blocks_touched == 6
+
+
 def test_pool_revives_a_free_cached_block_and_keeps_the_first_of_duplicate_hashes():
     pool = BlockPool(3, BS)
     a, b = pool.allocate(), pool.allocate()

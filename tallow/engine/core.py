@@ -135,6 +135,8 @@ class EngineCore:
                                   device=self.device, dtype=self.dtype, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, enforce_eager=config.enforce_eager,
                                   cuda_graph_max_batch=config.cuda_graph_max_batch, parallel=parallel)
+        # One block of every layer's K and V in this process (rank 0's heads with tensor parallelism).
+        self.kv_block_bytes = sum(k[0].nbytes + v[0].nbytes for k, v in self.runner.kv_caches)
         if self.workers is not None:
             self.workers.wait_ready(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -267,6 +269,8 @@ class EngineCore:
             "waiting": self.scheduler.num_waiting,
             "kv_blocks_total": self.runner.num_blocks,
             "kv_blocks_free": kv.num_free_blocks,
+            "kv_blocks_touched": kv.pool.blocks_touched,
+            "kv_block_bytes": self.kv_block_bytes,
             "kv_cache_usage": kv.usage,
             "prefix_cache_queries": q,
             "prefix_cache_hits": kv.prefix_hits,

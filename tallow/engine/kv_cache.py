@@ -50,6 +50,10 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU, oldest first
         self._cached: dict[int, int] = {}  # hash -> block id
         self.num_evictions = 0
+        # Blocks ever handed out. The free list is FIFO and starts in id order, so these are
+        # blocks 0 .. blocks_touched - 1: on the CPU, where the cache's pages are mapped lazily
+        # (runner.zeroed_cache), the part of the pool that is resident.
+        self.blocks_touched = 0
 
     @property
     def num_free(self) -> int:
@@ -65,6 +69,8 @@ class BlockPool:
             self.block_hashes[block] = None
             self.num_evictions += 1
         self.ref_counts[block] = 1
+        if block >= self.blocks_touched:
+            self.blocks_touched = block + 1
         return block
 
     def touch(self, block: int) -> None:
