@@ -65,30 +65,38 @@ class Sampler:
         self.vocab_size = vocab_size
         # Where the logits come: seeded rows' generators are made there.
         self.device = torch.device(device)
+        self._last_plan: BatchPlan | None = None
 
     def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits [N, V] float32: row i belongs to seqs[i]."""
         processed = self.process_logits(logits, seqs)
-        params = [s.params for s in seqs]
+        plan = self._plan(seqs, processed)
 
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled_rows:
+        if plan.sampled_seqs is None:
             token_ids = processed.argmax(dim=-1)
-        elif len(sampled_rows) == len(seqs):
-            token_ids = self._sample(processed, seqs)
+        elif plan.sampled_index is None:
+            token_ids = self._sample(processed, plan.sampled_seqs, plan.sampling)
         else:
-            rows = _to_device(sampled_rows, torch.int64, processed.device)
-            chosen = self._sample(processed.index_select(0, rows), [seqs[i] for i in sampled_rows])
+            rows = plan.sampled_index
+            chosen = self._sample(processed.index_select(0, rows), plan.sampled_seqs, plan.sampling)
             token_ids = processed.argmax(dim=-1).index_copy(0, rows, chosen)
 
         logprobs = top_ids = top_logprobs = None
-        if any(p.logprobs is not None for p in params):
+        if plan.logprobs:
             all_logprobs = processed.log_softmax(dim=-1)
             logprobs = all_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            k = max(p.logprobs or 0 for p in params)
-            if k > 0:
-                top_logprobs, top_ids = all_logprobs.topk(k, dim=-1)
+            if plan.top_k_logprobs > 0:
+                top_logprobs, top_ids = all_logprobs.topk(plan.top_k_logprobs, dim=-1)
         return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)
+
+    def _plan(self, seqs: list[Sequence], logits: Tensor) -> "BatchPlan":
+        """The batch's BatchPlan: the last one while the batch holds the same sequences, in
+        the same order (steady-state decode), else a new one."""
+        plan = self._last_plan
+        if (plan is None or plan.seqs != seqs or plan.device != logits.device
+                or plan.dtype != logits.dtype):
+            plan = self._last_plan = BatchPlan(seqs, self.vocab_size, logits.device, logits.dtype)
+        return plan
 
     # ---- processors ----------------------------------------------------------------------
     def process_logits(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
@@ -97,57 +105,44 @@ class Sampler:
         Updates the penalty counts in seq.sampler_state as a side effect.
         """
         logits = logits[:, : self.vocab_size]
-        if not any(s.params.logit_bias or s.num_output_tokens < s.params.min_tokens
-                   or s.params.needs_penalties for s in seqs):
+        plan = self._plan(seqs, logits)
+        min_token_rows = [i for i in plan.min_token_rows if seqs[i].num_output_tokens < seqs[i].params.min_tokens]
+        if not (plan.has_logit_bias or min_token_rows or plan.penalty_rows):
             return logits
         processed = logits.clone()
-        self._apply_logit_bias(processed, seqs)
-        self._apply_min_tokens(processed, seqs)
-        penalty_rows = [i for i, s in enumerate(seqs) if s.params.needs_penalties]
-        if penalty_rows:
-            self._apply_penalties(processed, seqs, penalty_rows)
+        if plan.bias_index is not None:
+            processed.index_put_(plan.bias_index, plan.bias_values, accumulate=True)
+        self._apply_min_tokens(processed, seqs, min_token_rows)
+        if plan.penalty_rows:
+            self._apply_penalties(processed, seqs, plan)
         return processed
 
-    def _apply_logit_bias(self, logits: Tensor, seqs: list[Sequence]) -> None:
-        rows, cols, values = [], [], []
-        for i, s in enumerate(seqs):
-            for token, bias in (s.params.logit_bias or {}).items():
+    def _apply_min_tokens(self, logits: Tensor, seqs: list[Sequence], below: list[int]) -> None:
+        """Forbid stopping early: eos (even with ignore_eos) and stop_token_ids get -inf on the
+        rows `below` (those whose output is still shorter than min_tokens)."""
+        rows, cols = [], []
+        for i in below:
+            s = seqs[i]
+            for token in s.eos_token_ids | set(s.params.stop_token_ids):
                 if 0 <= token < self.vocab_size:
                     rows.append(i)
                     cols.append(token)
-                    values.append(bias)
-        if rows:
-            index = _to_device([rows, cols], torch.int64, logits.device)
-            logits.index_put_(tuple(index), _to_device(values, logits.dtype, logits.device), accumulate=True)
-
-    def _apply_min_tokens(self, logits: Tensor, seqs: list[Sequence]) -> None:
-        """Forbid stopping early: eos (even with ignore_eos) and stop_token_ids get -inf."""
-        rows, cols = [], []
-        for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens:
-                for token in s.eos_token_ids | set(s.params.stop_token_ids):
-                    if 0 <= token < self.vocab_size:
-                        rows.append(i)
-                        cols.append(token)
         if rows:
             index = _to_device([rows, cols], torch.int64, logits.device)
             logits.index_put_(tuple(index), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
 
-    def _apply_penalties(self, logits: Tensor, seqs: list[Sequence], rows: list[int]) -> None:
-        """Repetition (HF/vLLM), frequency and presence (OpenAI) penalties on the given rows."""
+    def _apply_penalties(self, logits: Tensor, seqs: list[Sequence], plan: "BatchPlan") -> None:
+        """Repetition (HF/vLLM), frequency and presence (OpenAI) penalties on the plan's rows."""
         device = logits.device
-        counts, prompt_mask = self._penalty_counts([seqs[i] for i in rows], device)
-        params = [seqs[i].params for i in rows]
-        index = _to_device(rows, torch.int64, device)
+        counts, prompt_mask = self._penalty_counts([seqs[i] for i in plan.penalty_rows], device)
+        index = plan.penalty_index
         x = logits.index_select(0, index)
         in_output = counts > 0
-        if any(p.repetition_penalty != 1.0 for p in params):
-            r = _to_device([p.repetition_penalty for p in params], x.dtype, device).unsqueeze(1)
+        if plan.repetition is not None:
+            r = plan.repetition
             x = torch.where(prompt_mask | in_output, torch.where(x > 0, x / r, x * r), x)
-        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-            frequency = _to_device([p.frequency_penalty for p in params], x.dtype, device).unsqueeze(1)
-            presence = _to_device([p.presence_penalty for p in params], x.dtype, device).unsqueeze(1)
-            x = x - frequency * counts - presence * in_output
+        if plan.frequency is not None:
+            x = x - plan.frequency * counts - plan.presence * in_output
         logits.index_copy_(0, index, x)
 
     def _penalty_counts(self, seqs: list[Sequence], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -180,13 +175,13 @@ class Sampler:
         return counts, prompt_mask
 
     # ---- sampling ------------------------------------------------------------------------
-    def _sample(self, processed: Tensor, seqs: list[Sequence]) -> Tensor:
+    def _sample(self, processed: Tensor, seqs: list[Sequence], sampling: "SamplingTensors") -> Tensor:
         """A token per row from softmax(sampling_logits): argmax(probs / q), q ~ Exp(1)."""
-        probs = sampling_logits(processed, [s.params for s in seqs]).softmax(dim=-1)
+        probs = sampling.apply(processed).softmax(dim=-1)
         # Exp(1) noise as -log(U): three times faster than exponential_ on the CPU.
         # U == 0 gives q = inf, which only gives that token no chance.
         noise = torch.empty_like(probs)
-        seeded = [j for j, s in enumerate(seqs) if s.params.seed is not None]
+        seeded = sampling.seeded
         if len(seeded) < len(seqs):
             noise.uniform_()
         for j in seeded:
@@ -205,18 +200,86 @@ def sampling_logits(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     Tokens outside a row's kept set get -inf. temperature 0 rows are left at temperature 1
     (they are sampled by argmax elsewhere).
     """
-    device = logits.device
-    temperature = [1.0 if p.greedy else p.temperature for p in params]
-    x = logits / _to_device(temperature, logits.dtype, device).unsqueeze(1)
-    if any(p.top_k > 0 for p in params):
-        top_k = _to_device([p.top_k for p in params], torch.int64, device)
-        x = apply_top_k(x, top_k, max(p.top_k for p in params))
-    if any(p.top_p < 1.0 for p in params):
-        top_p = _to_device([p.top_p for p in params], x.dtype, device)
-        x = apply_top_p(x, top_p, head=CPU_NUCLEUS_HEAD if device.type == "cpu" else None)
-    if any(p.min_p > 0.0 for p in params):
-        x = apply_min_p(x, _to_device([p.min_p for p in params], x.dtype, device))
-    return x
+    return SamplingTensors(params, logits.device, logits.dtype).apply(logits)
+
+
+class SamplingTensors:
+    """The per-row tensors of sampling_logits for a list of params (None: a stage no row needs),
+    and the rows with a seed."""
+
+    __slots__ = ("temperature", "top_k", "k_max", "top_p", "min_p", "seeded")
+
+    def __init__(self, params: list[SamplingParams], device: torch.device, dtype: torch.dtype):
+        self.temperature = _to_device([1.0 if p.greedy else p.temperature for p in params], dtype,
+                                      device).unsqueeze(1)
+        self.top_k = self.top_p = self.min_p = None
+        self.k_max = 0
+        if any(p.top_k > 0 for p in params):
+            self.top_k = _to_device([p.top_k for p in params], torch.int64, device)
+            self.k_max = max(p.top_k for p in params)
+        if any(p.top_p < 1.0 for p in params):
+            self.top_p = _to_device([p.top_p for p in params], dtype, device)
+        if any(p.min_p > 0.0 for p in params):
+            self.min_p = _to_device([p.min_p for p in params], dtype, device)
+        self.seeded = [j for j, p in enumerate(params) if p.seed is not None]
+
+    def apply(self, logits: Tensor) -> Tensor:
+        x = logits / self.temperature
+        if self.top_k is not None:
+            x = apply_top_k(x, self.top_k, self.k_max)
+        if self.top_p is not None:
+            x = apply_top_p(x, self.top_p, head=CPU_NUCLEUS_HEAD if x.device.type == "cpu" else None)
+        if self.min_p is not None:
+            x = apply_min_p(x, self.min_p)
+        return x
+
+
+class BatchPlan:
+    """What the sampler derives from the sampling params of a batch's sequences: which rows
+    sample, which need logprobs, logit_bias, min_tokens or penalties, and the per-row
+    tensors. Built when the batch's sequences change, reused while they do not (a
+    sequence's params never change), so a steady decode step builds no parameter tensors."""
+
+    def __init__(self, seqs: list[Sequence], vocab_size: int, device: torch.device, dtype: torch.dtype):
+        self.seqs = list(seqs)
+        self.device, self.dtype = device, dtype
+        params = [s.params for s in seqs]
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        self.sampled_seqs = self.sampled_index = self.sampling = None
+        if sampled_rows:
+            if len(sampled_rows) == len(seqs):
+                self.sampled_seqs = self.seqs
+            else:
+                self.sampled_index = _to_device(sampled_rows, torch.int64, device)
+                self.sampled_seqs = [seqs[i] for i in sampled_rows]
+            self.sampling = SamplingTensors([s.params for s in self.sampled_seqs], device, dtype)
+        self.logprobs = any(p.logprobs is not None for p in params)
+        self.top_k_logprobs = max((p.logprobs or 0 for p in params), default=0)
+
+        self.has_logit_bias = any(p.logit_bias for p in params)
+        rows, cols, values = [], [], []
+        for i, p in enumerate(params):
+            for token, bias in (p.logit_bias or {}).items():
+                if 0 <= token < vocab_size:
+                    rows.append(i)
+                    cols.append(token)
+                    values.append(bias)
+        self.bias_index = self.bias_values = None
+        if rows:
+            self.bias_index = tuple(_to_device([rows, cols], torch.int64, device))
+            self.bias_values = _to_device(values, dtype, device)
+        self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
+
+        self.penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
+        self.penalty_index = self.repetition = self.frequency = self.presence = None
+        if self.penalty_rows:
+            pp = [params[i] for i in self.penalty_rows]
+            self.penalty_index = _to_device(self.penalty_rows, torch.int64, device)
+            if any(p.repetition_penalty != 1.0 for p in pp):
+                self.repetition = _to_device([p.repetition_penalty for p in pp], dtype, device).unsqueeze(1)
+            if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in pp):
+                self.frequency = _to_device([p.frequency_penalty for p in pp], dtype, device).unsqueeze(1)
+                self.presence = _to_device([p.presence_penalty for p in pp], dtype, device).unsqueeze(1)
 
 
 def apply_top_k(x: Tensor, top_k: Tensor, k_max: int) -> Tensor:
