@@ -93,8 +93,9 @@ class Sequence:
     def check_stop(self) -> str | None:
         """After a token was appended: the finish reason, or None to go on."""
         p = self.params
-        n_out = self.num_output_tokens
-        tok = self.token_ids[-1]
+        tokens = self.token_ids
+        n_out = len(tokens) - self.num_prompt_tokens
+        tok = tokens[-1]
         if n_out >= p.min_tokens:
             if not p.ignore_eos and tok in self.eos_token_ids:
                 self.stop_token_id = tok
@@ -102,7 +103,11 @@ class Sequence:
             if tok in p.stop_token_ids:
                 self.stop_token_id = tok
                 return "stop"
-        if n_out >= self.max_output_tokens():
+        # max_output_tokens(), inline: this runs for every sequence at every step.
+        limit = p.max_tokens if p.max_tokens is not None else 1 << 62
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - self.num_prompt_tokens)
+        if n_out >= max(limit, 0):
             return "length"
         return None
 

@@ -31,7 +31,7 @@ class ScheduledSeq:
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+        self.samples = self.start + self.num_new_tokens == len(self.seq.token_ids)
 
 
 @dataclass(slots=True)
@@ -101,21 +101,27 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         # Running sequences, oldest first: one token each when decoding, a chunk when in prefill.
+        running, bs = self.running, self.kv.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
-            while not self.kv.allocate_slots(seq, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                row = ScheduledSeq(seq, seq.num_computed_tokens, n)
-                (decodes if n == 1 and row.samples else prefills).append(row)
-                budget -= n
-                i += 1
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed_tokens
+            n = min(len(seq.token_ids) - computed, budget, self.max_chunk)
+            # A decode token whose slot is in a block the sequence holds needs no allocation
+            # (allocate_slots would find nothing to do); anything else asks the KV cache.
+            if n != 1 or computed >= len(seq.block_table) * bs:
+                while not self.kv.allocate_slots(seq, n):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+                if preempted and preempted[-1] is seq:
+                    continue
+            row = ScheduledSeq(seq, seq.num_computed_tokens, n)
+            (decodes if n == 1 and row.samples else prefills).append(row)
+            budget -= n
+            i += 1
 
         # Waiting sequences in FIFO order, until one does not fit; none after a preemption
         # (a victim readmitted with a small chunk would only be preempted again).
@@ -154,13 +160,20 @@ class Scheduler:
         finished: list[Sequence] = []
         k = 0
         now = time.monotonic()
+        kv, bs = self.kv, self.kv.block_size
+        caching = kv.enable_prefix_caching
+        FINISHED = SequenceStatus.FINISHED
         for s in out.scheduled:
             seq = s.seq
-            if seq.is_finished:  # aborted while the step ran
+            if seq.status is FINISHED:  # aborted while the step ran
                 k += s.samples
                 continue
-            seq.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(seq)
+            n = s.num_new_tokens
+            seq.num_computed_tokens += n
+            # A decode token fills a block only at a block boundary; cache_full_blocks has
+            # registered every block that was full before.
+            if caching and (n != 1 or seq.num_computed_tokens % bs == 0):
+                kv.cache_full_blocks(seq)
             if not s.samples:
                 continue
             seq.append_token(sampled[k])
@@ -169,7 +182,7 @@ class Scheduler:
                 seq.first_token_time = now
             reason = seq.check_stop()
             # The next step computes the new token: it needs slots for the whole context.
-            if reason is None and seq.num_tokens > self.pool_tokens:
+            if reason is None and len(seq.token_ids) > self.pool_tokens:
                 reason = "length"
             if reason is not None:
                 self._finish(seq, reason)
