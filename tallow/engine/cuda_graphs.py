@@ -104,28 +104,43 @@ class DecodeGraphs:
         n = len(scheduled)
         bs = self.padded_size(n)
         bsz = self.block_size
-        seqs = [s.seq for s in scheduled]
-        starts = [s.start for s in scheduled]
-        pos = np.array(starts, dtype=np.int64)
+        tables, rows = self.n_tables, self._rows
+        token_ids, starts, slot_ids = [], [], []
+        # Rows whose sequence is staged up to the block of its new token: only that last block
+        # is written again (one fancy-index write for all of them), as in the general case.
+        last_rows, last_cols, last_blocks = [], [], []
+        for i, s in enumerate(scheduled):
+            q, p = s.seq, s.start
+            table = q.block_table
+            nb = p // bsz + 1
+            block = table[nb - 1]
+            token_ids.append(q.token_ids[p])
+            starts.append(p)
+            slot_ids.append(block * bsz + p % bsz)
+            held_seq, held = rows[i]
+            if held_seq is q and held == nb:
+                last_rows.append(i)
+                last_cols.append(nb - 1)
+                last_blocks.append(block)
+                continue
+            # The last block held may have been reallocated (a recompute whose prefix was cached).
+            start = max(held - 1, 0) if held_seq is q else 0
+            if start < nb:
+                tables[i, start:nb] = table[start:nb]
+                rows[i] = (q, nb)
+        if last_rows:
+            tables[last_rows, last_cols] = last_blocks
         ids, positions, slots = self.n_long
-        ids[:n] = [q.token_ids[p] for q, p in zip(seqs, starts)]
+        pos = np.array(starts, dtype=np.int64)
+        ids[:n] = token_ids
         positions[:n] = pos
-        slots[:n] = np.array([q.block_table[p // bsz] for q, p in zip(seqs, starts)], dtype=np.int64) * bsz + pos % bsz
+        slots[:n] = slot_ids
         self.n_lens[:n] = pos + 1
         if bs > n:
             ids[n:bs] = 0
             positions[n:bs] = 0
             slots[n:bs] = -1
             self.n_lens[n:bs] = 1
-        tables, rows = self.n_tables, self._rows
-        for i, (q, p) in enumerate(zip(seqs, starts)):
-            nb = p // bsz + 1
-            held_seq, held = rows[i]
-            # The last block held may have been reallocated (a recompute whose prefix was cached).
-            start = max(held - 1, 0) if held_seq is q else 0
-            if start < nb:
-                tables[i, start:nb] = q.block_table[start:nb]
-                rows[i] = (q, nb)
         # Contiguous ranges only (a strided copy would go through a pageable temporary).
         self.d_long.copy_(self.h_long, non_blocking=True)
         self.d_lens[:bs].copy_(self.h_lens[:bs], non_blocking=True)
