@@ -23,7 +23,7 @@ from tallow.errors import TallowError
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenOutput:
     """New tokens of one sequence since its previous output."""
 
@@ -230,21 +230,25 @@ class EngineCore:
         self.scheduler.update(out, res.token_ids)
         outputs = []
         i = 0
+        token_ids, logprobs, top = res.token_ids, res.logprobs, res.top
+        finished = SequenceStatus.FINISHED
         for s in out.scheduled:
             if not s.samples:
                 continue
             seq = s.seq
-            p = seq.params
-            lp = top = None
-            if p.logprobs is not None and res.logprobs is not None:
-                lp = [res.logprobs[i]]
-                if p.logprobs > 0 and res.top is not None:
-                    top = [res.top[i][: p.logprobs]]
-            outputs.append((seq, TokenOutput(
-                token_ids=[res.token_ids[i]], logprobs=lp, top_logprobs=top,
-                finish_reason=seq.finish_reason if seq.is_finished else None,
-                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                stop_token_id=seq.stop_token_id if seq.is_finished else None)))
+            lp = tp = None
+            if logprobs is not None:
+                k = seq.params.logprobs
+                if k is not None:
+                    lp = [logprobs[i]]
+                    if k > 0 and top is not None:
+                        tp = [top[i][:k]]
+            if seq.status is finished:
+                outputs.append((seq, TokenOutput([token_ids[i]], lp, tp, seq.finish_reason, seq.num_prompt_tokens,
+                                                 seq.num_cached_tokens, seq.stop_token_id)))
+            else:
+                outputs.append((seq, TokenOutput([token_ids[i]], lp, tp, None, seq.num_prompt_tokens,
+                                                 seq.num_cached_tokens)))
             i += 1
         self.num_generated_tokens += i
         return outputs

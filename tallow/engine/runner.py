@@ -37,13 +37,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class TopLogprobs:
+    """Row i: the list of (token id, logprob) pairs of the step's i-th sampling row, made when
+    asked for (most rows of a batch want no top logprobs)."""
+
+    __slots__ = ("ids", "logprobs")
+
+    def __init__(self, ids: list[list[int]], logprobs: list[list[float]]):
+        self.ids, self.logprobs = ids, logprobs
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> list[tuple[int, float]]:
+        return list(zip(self.ids[i], self.logprobs[i]))
+
+
 @dataclass
 class StepResult:
     """What one step sampled, one entry per sampling row (in scheduler order)."""
 
     token_ids: list[int]
     logprobs: list[float] | None
-    top: list[list[tuple[int, float]]] | None
+    top: TopLogprobs | None
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -264,6 +280,5 @@ class ModelRunner:
         logprobs = host[1].tolist() if sampled.logprobs is not None else None
         top = None
         if sampled.top_ids is not None:
-            ids, lps = host[-2].tolist(), host[-1].tolist()
-            top = [list(zip(i, lp)) for i, lp in zip(ids, lps)]
+            top = TopLogprobs(host[-2].tolist(), host[-1].tolist())
         return StepResult(token_ids, logprobs, top)
