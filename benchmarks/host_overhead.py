@@ -6,7 +6,8 @@
 A tiny random model whose forward is replaced by a stub (fixed random logits, no compute),
 so what a step costs is the engine's own work: schedule, the step's inputs (the CUDA-graph
 staging that decode steps take on a GPU, emulated on the CPU with a no-op graph, or the
-eager path's host_inputs), the sampler (parameter tensors and its ops on a small vocabulary),
+eager path's host_inputs), the sampler (parameter tensors and its ops on a small vocabulary;
+with --device cuda its kernels are launched and run on the GPU, as in serving),
 the transfer of the results, scheduler.update and the TokenOutputs. Sampling params are
 mixed: greedy, temperature 0.6 / top_p 0.95, and a few rows with penalties, logprobs and seeds.
 
@@ -31,7 +32,7 @@ from benchmarks.common import table, write_json  # noqa: E402
 PHASES = ["schedule", "prepare", "sample", "to_host", "update", "outputs"]
 
 
-def tiny_core(num_seqs: int, context: int, vocab: int, seed: int, graphs: bool):
+def tiny_core(num_seqs: int, context: int, vocab: int, seed: int, graphs: bool, device: str = "cpu"):
     """An EngineCore on a 1-layer random model with a stub forward (see the module doc)."""
     import json
     import tempfile
@@ -51,7 +52,8 @@ def tiny_core(num_seqs: int, context: int, vocab: int, seed: int, graphs: bool):
         model_type="llama", vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
         bos_token_id=1, eos_token_id=2))
-    model = LlamaForCausalLM.empty(cfg, device=torch.device("cpu"), dtype=torch.float32)
+    dev = torch.device(device)
+    model = LlamaForCausalLM.empty(cfg, device=dev, dtype=torch.float32)
     init_random_(model, seed)
     model.eval().requires_grad_(False)
     folder = tempfile.mkdtemp()
@@ -61,19 +63,19 @@ def tiny_core(num_seqs: int, context: int, vocab: int, seed: int, graphs: bool):
     loaded = LoadedModel(cfg, model, TokenizerSource("hf", folder), {}, "tiny")
     block_size = 16
     num_blocks = num_seqs * ((context + 1024) // block_size + 2)
-    config = EngineConfig(model="tiny", device="cpu", dtype="float32", quantization="none", seed=seed,
+    config = EngineConfig(model="tiny", device=device, dtype="float32", quantization="none", seed=seed,
                           max_num_seqs=num_seqs, max_num_batched_tokens=4096, max_model_len=4096,
-                          block_size=block_size, num_kv_blocks=num_blocks)
+                          block_size=block_size, num_kv_blocks=num_blocks, enforce_eager=True)
     core = EngineCore(config, loaded=loaded)
 
     gen = torch.Generator().manual_seed(seed)
-    table_logits = torch.randn(4 * num_seqs, vocab, generator=gen) * 3
+    table_logits = (torch.randn(4 * num_seqs, vocab, generator=gen) * 3).to(dev)
 
     class StubModel:
         """forward: zeros [T, hidden]; compute_logits: fixed random rows (no matmuls)."""
 
         def __call__(self, input_ids, positions, kv_caches, meta):
-            return torch.zeros(input_ids.shape[0], cfg.hidden_size)
+            return torch.zeros(input_ids.shape[0], cfg.hidden_size, device=dev)
 
         def compute_logits(self, hidden):
             return table_logits[: hidden.shape[0]]
@@ -86,7 +88,7 @@ def tiny_core(num_seqs: int, context: int, vocab: int, seed: int, graphs: bool):
                 pass
 
         g = DecodeGraphs(stub, core.runner.kv_caches, max_batch=num_seqs, max_model_len=config.max_model_len,
-                         block_size=block_size, device=torch.device("cpu"))
+                         block_size=block_size, device=dev)
         g.graphs = {bs: (NoOpGraph(), table_logits[:bs]) for bs in g.ladder}
         core.runner.graphs = g
     return core
@@ -107,7 +109,7 @@ def measure(args, graphs: bool) -> dict:
 
     from tallow.engine.sampling import SamplingParams
 
-    core = tiny_core(args.num_seqs, args.context, args.vocab, args.seed, graphs)
+    core = tiny_core(args.num_seqs, args.context, args.vocab, args.seed, graphs, args.device)
     rng = random.Random(args.seed)
     params = []
     for i in range(args.num_seqs):
@@ -180,13 +182,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--context", type=int, default=600, help="mean prompt tokens (+-50)")
-    ap.add_argument("--vocab", type=int, default=256, help="small: the sampler's ops cost little on the CPU")
+    ap.add_argument("--vocab", type=int, default=64, help="small: the sampler's ops cost little on the CPU")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--path", choices=["graphs", "eager", "both"], default="both",
                     help="graphs: the CUDA-graph decode path (emulated), eager: host_inputs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cuda: the sampler's ops are launched, not run, on the host")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
@@ -196,7 +199,7 @@ def main() -> None:
     results = [measure(args, g) for g in paths]
     cols = ["path", "steps", "context_tokens"] + [f"{k}_ms" for k in PHASES + ["total"]] + ["output_digest"]
     print(table(results, cols))
-    write_json(args.out, {"num_seqs": args.num_seqs, "context": args.context, "vocab": args.vocab,
+    write_json(args.out, {"num_seqs": args.num_seqs, "context": args.context, "vocab": args.vocab, "device": args.device,
                           "results": results})
 
 
