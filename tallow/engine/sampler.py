@@ -134,7 +134,7 @@ class Sampler:
     def _apply_penalties(self, logits: Tensor, seqs: list[Sequence], plan: "BatchPlan") -> None:
         """Repetition (HF/vLLM), frequency and presence (OpenAI) penalties on the plan's rows."""
         device = logits.device
-        counts, prompt_mask = self._penalty_counts([seqs[i] for i in plan.penalty_rows], device)
+        counts, prompt_mask = self._penalty_counts([seqs[i] for i in plan.penalty_rows], device, plan)
         index = plan.penalty_index
         x = logits.index_select(0, index)
         in_output = counts > 0
@@ -145,16 +145,39 @@ class Sampler:
             x = x - plan.frequency * counts - plan.presence * in_output
         logits.index_copy_(0, index, x)
 
-    def _penalty_counts(self, seqs: list[Sequence], device: torch.device) -> tuple[Tensor, Tensor]:
-        """[M, V] output token counts (int32) and prompt masks (bool), counting only new tokens."""
+    def _penalty_counts(self, seqs: list[Sequence], device: torch.device,
+                        plan: "BatchPlan | None" = None) -> tuple[Tensor, Tensor]:
+        """[M, V] output token counts (int32) and prompt masks (bool), counting only new tokens.
+
+        When every row's state is the one this plan's previous step made, the rows are
+        already the plan's batch tensors: they are updated in place instead of stacked."""
         vocab = self.vocab_size
         states: list[PenaltyState | None] = [s.sampler_state for s in seqs]
+        last = None if plan is None else plan.penalty_states
+        if last is not None and len(last) == len(states) and all(a is b for a, b in zip(states, last)):
+            counts, prompt_mask = plan.penalty_tensors
+            self._count_new_tokens(seqs, states, counts, prompt_mask, device)
+            for s, st in zip(seqs, states):
+                st.num_counted = s.num_output_tokens
+            return counts, prompt_mask
         fresh = [st is None for st in states]
         zero_counts = torch.zeros(vocab, dtype=torch.int32, device=device) if any(fresh) else None
         no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device) if any(fresh) else None
         counts = torch.stack([zero_counts if st is None else st.output_counts for st in states])
         prompt_mask = torch.stack([no_prompt if st is None else st.prompt_mask for st in states])
+        self._count_new_tokens(seqs, states, counts, prompt_mask, device)
+        new_states = []
+        for j, s in enumerate(seqs):
+            s.sampler_state = PenaltyState(counts[j], prompt_mask[j], s.num_output_tokens)
+            new_states.append(s.sampler_state)
+        if plan is not None:
+            plan.penalty_states, plan.penalty_tensors = new_states, (counts, prompt_mask)
+        return counts, prompt_mask
 
+    @staticmethod
+    def _count_new_tokens(seqs: list[Sequence], states: list[PenaltyState | None], counts: Tensor,
+                          prompt_mask: Tensor, device: torch.device) -> None:
+        """Add each row's output tokens not yet counted; mark the prompt of rows seen first."""
         count_rows, count_cols, prompt_rows, prompt_cols = [], [], [], []
         for j, (s, st) in enumerate(zip(seqs, states)):
             counted = 0 if st is None else st.num_counted
@@ -170,9 +193,6 @@ class Sampler:
         if prompt_rows:
             index = _to_device([prompt_rows, prompt_cols], torch.int64, device)
             prompt_mask.index_put_(tuple(index), torch.ones((), dtype=torch.bool, device=device))
-        for j, s in enumerate(seqs):
-            s.sampler_state = PenaltyState(counts[j], prompt_mask[j], s.num_output_tokens)
-        return counts, prompt_mask
 
     # ---- sampling ------------------------------------------------------------------------
     def _sample(self, processed: Tensor, seqs: list[Sequence], sampling: "SamplingTensors") -> Tensor:
@@ -272,6 +292,10 @@ class BatchPlan:
 
         self.penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         self.penalty_index = self.repetition = self.frequency = self.presence = None
+        # The PenaltyStates the last step made for the penalty rows, and the batch tensors
+        # [M, V] whose rows they are (Sampler._penalty_counts).
+        self.penalty_states: list[PenaltyState] | None = None
+        self.penalty_tensors: tuple[Tensor, Tensor] | None = None
         if self.penalty_rows:
             pp = [params[i] for i in self.penalty_rows]
             self.penalty_index = _to_device(self.penalty_rows, torch.int64, device)
