@@ -245,7 +245,8 @@ class ModelRunner:
         """The float32 logits [rows, vocab] of the step's sampling rows (scheduler order), after
         its forward; None when no row samples."""
         graphs = self.graphs
-        if graphs is not None and out.is_decode_only and sum(s.samples for s in out.scheduled) <= graphs.max_batch:
+        # A decode-only step samples every row.
+        if graphs is not None and out.is_decode_only and len(out.scheduled) <= graphs.max_batch:
             return graphs.run(out.scheduled)
         if graphs is not None:
             graphs.forget_tables()
@@ -267,11 +268,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _to_host(self, sampled) -> StepResult:
+        # Logprobs travel in their own dtype: tolist() widens each to the same Python float
+        # that a float64 copy would give.
         tensors = [sampled.token_ids]
         if sampled.logprobs is not None:
-            tensors.append(sampled.logprobs.to(torch.float64))
+            tensors.append(sampled.logprobs)
         if sampled.top_ids is not None:
-            tensors += [sampled.top_ids, sampled.top_logprobs.to(torch.float64)]
+            tensors += [sampled.top_ids, sampled.top_logprobs]
         # Non-blocking copies into pinned host memory, then the step's one sync.
         host = [x.to("cpu", non_blocking=True) for x in tensors]
         if self.device.type == "cuda":

@@ -39,10 +39,14 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # decode rows first, then prefill chunks
     preempted: list[Sequence]
     num_batched_tokens: int
+    # The leading rows that are decode rows (one token that samples); None: not counted.
+    num_decodes: int | None = None
 
     @property
     def is_decode_only(self) -> bool:
         """Every row is one token that samples (a step that CUDA graphs can replay)."""
+        if self.num_decodes is not None:
+            return 0 < self.num_decodes == len(self.scheduled)
         return bool(self.scheduled) and all(s.num_new_tokens == 1 and s.samples for s in self.scheduled)
 
 
@@ -149,8 +153,9 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(held_back))
 
+        num_decodes = len(decodes)
         decodes.extend(prefills)
-        return SchedulerOutput(decodes, preempted, self.max_num_batched_tokens - budget)
+        return SchedulerOutput(decodes, preempted, self.max_num_batched_tokens - budget, num_decodes)
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
         """Apply one step's results; sampled holds one token per sampling row, in order.
