@@ -198,3 +198,34 @@ def test_tool_calls_are_parsed_from_the_reply():
 
     plain = post(app, CHAT, {**body, "tools": None}).json()["choices"][0]
     assert (plain["message"]["content"], plain["finish_reason"]) == (reply, "stop")
+
+
+def test_one_tool_call_when_parallel_calls_are_off_on_every_protocol():
+    """parallel_tool_calls: false (Responses, chat) and disable_parallel_tool_use (Anthropic):
+    a reply with two calls gives the first one only."""
+    calls = [{"name": "get_weather", "arguments": {"city": "Paris"}},
+             {"name": "get_weather", "arguments": {"city": "Rome"}}]
+    reply = "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in calls)
+    app = build_app(FakeEngine(reply=reply), ServerConfig(tool_call_parser="hermes"))
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    chat_tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    for off in (None, False):
+        extra = {} if off is None else {"parallel_tool_calls": off}
+        chat = post(app, CHAT, {"messages": USER, "tools": chat_tools, "max_tokens": 200, "temperature": 0,
+                                **extra}).json()
+        got = [json.loads(c["function"]["arguments"]) for c in chat["choices"][0]["message"]["tool_calls"]]
+        assert got == [c["arguments"] for c in calls][:1 if off is False else 2]
+
+        responses = post(app, "/v1/responses", {"input": "weather?", "max_output_tokens": 200, "temperature": 0,
+                                                **extra, "tools": [
+            {"type": "function", "name": "get_weather", "parameters": params}]}).json()
+        got = [json.loads(o["arguments"]) for o in responses["output"] if o["type"] == "function_call"]
+        assert got == [c["arguments"] for c in calls][:1 if off is False else 2]
+
+        choice = {"type": "auto"} if off is None else {"type": "auto", "disable_parallel_tool_use": True}
+        message = post(app, "/v1/messages", {"model": "m", "max_tokens": 200, "temperature": 0, "tool_choice": choice,
+                                             "messages": USER, "tools": [
+                                                 {"name": "get_weather", "input_schema": params}]}).json()
+        got = [b["input"] for b in message["content"] if b["type"] == "tool_use"]
+        assert got == [c["arguments"] for c in calls][:1 if off is False else 2]
+        assert message["stop_reason"] == "tool_use"

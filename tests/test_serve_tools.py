@@ -128,6 +128,19 @@ def test_two_parallel_calls(client):
     assert whole.finish_reason == streamed["finish"] == "tool_calls"
 
 
+def test_parallel_tool_calls_false_ends_the_reply_after_the_first_call(client):
+    """parallel_tool_calls: false -> generation ends once the first call is parsed: one call,
+    finish_reason tool_calls, and fewer tokens than the scripted two-call reply."""
+    messages = ask("[two-calls] weather and time in Paris")
+    full = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, parallel_tool_calls=True)
+    whole, streamed = both(client, messages, tools=TOOLS, parallel_tool_calls=False)
+    first = scripted_call(REPLIES["[two-calls]"])[:1]
+    assert calls_of(whole) == streamed_calls(streamed) == first
+    assert whole.finish_reason == streamed["finish"] == "tool_calls"
+    one = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, parallel_tool_calls=False)
+    assert one.usage.completion_tokens < full.usage.completion_tokens
+
+
 def test_content_before_a_call_streams_first(client):
     whole, streamed = both(client, ask("[content-first] forecast?"), tools=TOOLS)
     text = REPLIES["[content-first]"].split("<tool_call>")[0].strip()

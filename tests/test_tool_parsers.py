@@ -196,6 +196,23 @@ def test_deltas_rebuild_the_calls(vocab, parser, text, content, calls):
         assert json.loads(call.arguments) == calls[k][1]
 
 
+@pytest.mark.parametrize("parser,text,content,calls", [c for c in CASES if len(c[3]) > 1])
+def test_max_calls_closes_the_router_after_the_first_call(vocab, parser, text, content, calls):
+    """parallel_tool_calls: false: the router keeps the first call, closes (as soon as the
+    format lets it decide: llama3_json's calls are only final at the end), and drops the rest."""
+    router = _router(parser, Detokenizer(vocab.token_bytes, vocab.tokenizer.special_token_ids), max_calls=1)
+    ids = vocab.encode(text)
+    for n, i in enumerate(ids, 1):
+        router.push(i)
+        if router.closed:
+            break
+    if parser in ("hermes", "qwen3_coder"):  # closing tags: closed before the second call's tokens
+        assert router.closed and n < len(ids)
+    router.flush()
+    assert router.closed and [(c.name, json.loads(c.arguments)) for c in router.tool_calls()] == calls[:1]
+    assert router.push(ids[-1]) == "" and router.flush() == "" and len(router.tool_calls()) == 1
+
+
 def test_hermes_streams_each_call_as_it_completes(vocab):
     text = CASES[1][1]
     router = _router("hermes", Detokenizer(vocab.token_bytes, vocab.tokenizer.special_token_ids))

@@ -148,13 +148,13 @@ class CompletionRun:
                     top = out.top_logprobs[k] if out.top_logprobs else []
                     pending.append(TokenLogprob(token_id, out.logprobs[k], top))
                 events += sink.push(token_id)
-                if sink.stopped:
+                if sink.done:
                     break
             if events:
                 queue.put_nowait(ChoiceUpdate(index, events, pending))
                 all_logprobs += pending
                 pending = []
-            if sink.stopped:
+            if sink.done:
                 stream.abort()
                 break
             if out.finish_reason is not None:
@@ -173,7 +173,8 @@ class CompletionRun:
         if plan.tool_parser is not None:
             reasoning = REASONING_PARSERS.get(plan.reasoning_parser or "none") if plan.split_reasoning else None
             router = make_tool_router(tokenizer, plan.tool_parser, tools=plan.tools, reasoning=reasoning,
-                                      prompt_text=plan.prompt_text, skip_special_tokens=params.skip_special_tokens)
+                                      prompt_text=plan.prompt_text, skip_special_tokens=params.skip_special_tokens,
+                                      max_calls=plan.max_tool_calls)
         else:
             router = PlainRouter(Detokenizer(tokenizer.token_bytes, tokenizer.special_token_ids,
                                              params.skip_special_tokens))

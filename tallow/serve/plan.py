@@ -60,6 +60,9 @@ class RequestPlan:
     # Chat with tools: the parser that turns the model's tool-call markup into tool calls.
     tool_parser: str | None = None
     tools: list[dict[str, Any]] | None = None
+    # parallel_tool_calls: false (Anthropic: disable_parallel_tool_use): generation ends at the
+    # end of the first tool call.
+    max_tool_calls: int | None = None
 
     def params_for(self, prompt_index: int) -> SamplingParams:
         return replace(self.params, max_tokens=self.max_tokens[prompt_index])

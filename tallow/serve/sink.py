@@ -290,8 +290,8 @@ class CompletionSink:
 
     Chat uses a tool-aware router, the stop matcher and a thinking splitter; text
     completions use a PlainRouter, a disabled splitter and collect_tool_calls=False.
-    Once `stopped` (a stop string matched), the caller should end generation; tokens
-    pushed after that are ignored.
+    Once `done` (a stop string matched, or the last tool call allowed was parsed), the caller
+    should end generation; tokens pushed after that are ignored.
     """
 
     def __init__(self, router: TokenRouter, stopper: StopMatcher, thinking: ThinkingSplitter,
@@ -306,10 +306,17 @@ class CompletionSink:
 
     @property
     def stopped(self) -> bool:
+        """A stop string matched."""
         return self._stopper.stopped
 
+    @property
+    def done(self) -> bool:
+        """Generation should end: a stop string matched, or the router took the last tool call
+        it may (parallel_tool_calls: false)."""
+        return self._stopper.stopped or getattr(self._router, "closed", False)
+
     def push(self, token_id: int) -> list[Event]:
-        if self._stopper.stopped:
+        if self.done:
             return []
         events: list[Event] = []
         text = self._router.push(token_id)

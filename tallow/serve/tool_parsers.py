@@ -453,8 +453,11 @@ class ToolCallRouter:
     """A TokenRouter (see tallow.serve.sink) that turns tool-call markup into ToolCalls."""
 
     def __init__(self, detokenizer: Detokenizer, parser: ToolParser,
-                 reasoning: ReasoningFormat | None = None, start_in_reasoning: bool = False):
+                 reasoning: ReasoningFormat | None = None, start_in_reasoning: bool = False,
+                 max_calls: int | None = None):
         self._detokenizer = detokenizer
+        self._max_calls = max_calls
+        self.closed = False  # max_calls reached: all later text is dropped; generation should end
         self._parser = parser
         self._reasoning = reasoning
         self._in_reasoning = reasoning is not None and start_in_reasoning
@@ -487,9 +490,14 @@ class ToolCallRouter:
     # ---- the state machine ----------------------------------------------------------------
 
     def _advance(self, text: str, final: bool) -> str:
+        if self.closed:
+            return ""
         self._buffer += text
         out: list[str] = []
         while True:
+            if self.closed:
+                self._buffer = ""
+                return "".join(out)
             if self._in_reasoning:
                 done = self._pass_reasoning(out, final)
             elif self._in_markup:
@@ -524,6 +532,9 @@ class ToolCallRouter:
         else:
             for name, args in parsed.calls:
                 self._add_call(name, args)
+                if self._max_calls is not None and len(self._calls) >= self._max_calls:
+                    self.closed = True
+                    break
             self._after_call = True
         return False
 
@@ -591,13 +602,14 @@ class ToolCallRouter:
 
 def make_tool_router(tokenizer, parser_name: str, *, tools: list[dict[str, Any]] | None = None,
                      reasoning: ReasoningFormat | None = None, prompt_text: str = "",
-                     skip_special_tokens: bool = True) -> ToolCallRouter:
+                     skip_special_tokens: bool = True, max_calls: int | None = None) -> ToolCallRouter:
     """A ToolCallRouter for a request.
 
     tokenizer: a tallow Tokenizer. The parser's marker tags stay visible even when special
     tokens are skipped (Mistral's [TOOL_CALLS] and Llama 3's <|python_tag|> are special
     tokens). reasoning: the format the sink's thinking splitter splits on (None when it does
-    not split); prompt_text tells whether the reply starts inside a reasoning block.
+    not split); prompt_text tells whether the reply starts inside a reasoning block. max_calls:
+    the router closes after that many calls (parallel_tool_calls: false).
     """
     if parser_name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool-call parser {parser_name!r}; known: {', '.join(TOOL_PARSERS)}")
@@ -606,4 +618,4 @@ def make_tool_router(tokenizer, parser_name: str, *, tools: list[dict[str, Any]]
     detokenizer = Detokenizer(tokenizer.token_bytes, tokenizer.special_token_ids - markers,
                               skip_special_tokens)
     start_in_reasoning = reasoning is not None and prompt_opens_reasoning(prompt_text, reasoning)
-    return ToolCallRouter(detokenizer, parser, reasoning, start_in_reasoning)
+    return ToolCallRouter(detokenizer, parser, reasoning, start_in_reasoning, max_calls)

@@ -148,7 +148,8 @@ class AnthropicMessages(StreamProtocol):
             sampling, [engine.tokenizer.encode(prompt.text)], vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len, config=config, max_tokens=req.max_tokens, logprobs=None,
             prompt_param="messages", prompt_text=prompt.text, split_reasoning=True,
-            reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools)
+            reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
+            max_tool_calls=1 if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use else None)
 
     @staticmethod
     def count_tokens(raw: bytes, engine, config: ServerConfig) -> dict | Rejection:

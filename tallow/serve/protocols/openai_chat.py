@@ -41,7 +41,8 @@ class OpenAIChat(StreamProtocol):
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages",
             prompt_text=prompt.text, split_reasoning=True, reasoning_parser=prompt.reasoning_parser,
-            tool_parser=prompt.tool_parser, tools=prompt.tools)
+            tool_parser=prompt.tool_parser, tools=prompt.tools,
+            max_tool_calls=1 if req.parallel_tool_calls is False else None)
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:

@@ -129,7 +129,8 @@ class OpenAIResponses(StreamProtocol):
             sampling, [engine.tokenizer.encode(prompt.text)], vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len, config=config, max_tokens=req.max_output_tokens, logprobs=None,
             prompt_param="input", prompt_text=prompt.text, split_reasoning=True,
-            reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools)
+            reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
+            max_tool_calls=1 if req.parallel_tool_calls is False else None)
         if isinstance(plan, Rejection):
             return plan
         return ResponsesPlan(**vars(plan), request=req, conversation=conversation)
