@@ -228,6 +228,8 @@ class EngineCore:
             return [(seq, self._final(seq)) for seq in failed]
         self.num_steps += 1
         self.scheduler.update(out, res.token_ids)
+        if not self.scheduler.running:  # nothing runs on: the sampler's cached batch plan is stale
+            self.runner.sampler.release()
         outputs = []
         i = 0
         token_ids, logprobs, top = res.token_ids, res.logprobs, res.top

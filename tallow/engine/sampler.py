@@ -89,6 +89,10 @@ class Sampler:
                 top_logprobs, top_ids = all_logprobs.topk(plan.top_k_logprobs, dim=-1)
         return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)
 
+    def release(self) -> None:
+        """Drop the last batch plan and what it holds (its sequences, penalty tensors)."""
+        self._last_plan = None
+
     def _plan(self, seqs: list[Sequence], logits: Tensor) -> "BatchPlan":
         """The batch's BatchPlan: the last one while the batch holds the same sequences, in
         the same order (steady-state decode), else a new one."""
