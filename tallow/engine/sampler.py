@@ -1,7 +1,8 @@
 """Sampler: the logits of every sampling row -> next token ids, with logprobs.
 
 One call per engine step, vectorized over the batch: per-row parameters become tensors
-once per call, and a stage runs only when some row needs it. The chain, in vLLM's order:
+(a BatchPlan) when the batch's sequences change, and are reused by the steady decode steps
+in between; a stage runs only when some row needs it. The chain, in vLLM's order:
 
     processed = logits
         + logit_bias[t]                                     logit_bias
