@@ -245,6 +245,10 @@ class ModelRunner:
         """The float32 logits [rows, vocab] of the step's sampling rows (scheduler order), after
         its forward; None when no row samples."""
         graphs = self.graphs
+        if graphs is not None and out.preempted:
+            # A preempted sequence can come back in a later decode-only step (its prompt all
+            # but one token cached) in the same staged row, with other block ids: restage all.
+            graphs.forget_tables()
         # A decode-only step samples every row.
         if graphs is not None and out.is_decode_only and len(out.scheduled) <= graphs.max_batch:
             return graphs.run(out.scheduled)
