@@ -83,7 +83,7 @@ def run_transformers(source: str, loaded, prompts, new_tokens: int, device, dtyp
         if source.endswith(".gguf") or source == "default":
             from tallow.models.loader import resolve_source
 
-            path = resolve_source(source).path
+            path = resolve_source(source).location
             model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                          dtype=dtype).to(device)
         else:

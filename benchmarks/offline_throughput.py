@@ -196,8 +196,11 @@ def main() -> None:
     step_s = statistics.median(s[0] for s in at_peak)
     ctx = statistics.median(s[3] for s in at_peak)
     kv_bytes = torch.empty((), dtype=core.dtype).element_size()
-    ceiling_s, flops, nbytes = decode_roofline_s(core.runner.model, core.model_config, peak, int(ctx), kv_bytes,
-                                                 args.peak_tflops, args.peak_gbps)
+    if core.quantization == "none":
+        ceiling_s, flops, nbytes = decode_roofline_s(core.runner.model, core.model_config, peak, int(ctx), kv_bytes,
+                                                     args.peak_tflops, args.peak_gbps)
+    else:  # quantized CPU weights: no roofline (the ceilings are the GPU's)
+        ceiling_s = flops = nbytes = float("nan")
     row = {
         "model": args.model, "device": str(core.device), "tp": args.tensor_parallel_size,
         "graphs": core.runner.graphs is not None,
