@@ -140,6 +140,17 @@ def test_n_samples_share_prompt_blocks(core):
     assert all(s.num_cached_tokens >= full_blocks for s in seqs[1:])
 
 
+def test_seeded_n_samples_differ_and_repeat(core):
+    """n=3 with a seed: the choices are different samples (choice i uses seed + i), and the
+    same request gives the same three again."""
+    ids = core.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    first = [s.output_ids for s in run_all(core, [ids], params)]
+    again = [s.output_ids for s in run_all(core, [ids], params)]
+    assert first == again
+    assert len({tuple(o) for o in first}) == 3
+
+
 def test_abort_frees_blocks(core):
     free0 = core.kv.num_free_blocks
     ids = [core.tokenizer.encode(p) for p in PROMPTS[:8]]

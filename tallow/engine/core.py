@@ -8,7 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -196,7 +196,9 @@ class EngineCore:
                          max_model_len=self.max_model_len, request_id=request_id)
         seqs = [first]
         for i in range(1, params.n):
-            seqs.append(Sequence(prompt_ids, params, eos_token_ids=self.eos_token_ids,
+            # A seeded request's choices differ: choice i samples with seed + i (as vLLM does).
+            child = params if params.seed is None else replace(params, seed=params.seed + i)
+            seqs.append(Sequence(prompt_ids, child, eos_token_ids=self.eos_token_ids,
                                  max_model_len=self.max_model_len,
                                  request_id=f"{first.request_id}-{i}", prefill_after=first))
         return seqs
