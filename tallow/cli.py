@@ -155,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "warning")).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    from tallow.errors import TallowError
+
+    try:
+        return args.func(args)
+    except TallowError as e:  # a bad model, option or set-up: one line, not a traceback
+        print(f"tallow {args.cmd}: error: {e.message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

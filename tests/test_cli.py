@@ -33,3 +33,10 @@ def test_generate_streams_the_reply_and_honours_a_stop_string(tmp_path):
     assert stopped.returncode == 0, stopped.stderr
     assert stopped.stdout == "Alpha beta gamma.\n"
     assert "finish stop]" in stopped.stderr
+
+
+def test_a_model_that_cannot_load_is_one_line_of_error(tmp_path, capsys):
+    missing = tmp_path / "missing.gguf"
+    assert main(["generate", "hi", "--model", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tallow generate: error: ") and str(missing) in err and "Traceback" not in err
