@@ -195,8 +195,11 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def token_bytes(self, id: int) -> bytes:
-        """The exact bytes this token adds to decoded text (a fragment of UTF-8 for byte tokens)."""
-        return self._bytes_table[id]
+        """The exact bytes this token adds to decoded text (a fragment of UTF-8 for byte tokens).
+        Ids past the vocabulary have no text: a model's embedding table is often padded past its
+        tokenizer (Qwen's 151,936 rows), and such an id can still be sampled."""
+        table = self._bytes_table
+        return table[id] if id < len(table) else b""
 
     def token_bytes_table(self) -> list[bytes]:
         """`token_bytes` for every id, computed once."""

@@ -248,3 +248,15 @@ def test_gemma3_gguf_matches_transformers():
         assert ids == reference.encode(text, add_special_tokens=False).ids, text
         assert ours.decode(ids) == reference.decode(ids)
         assert b"".join(ours.token_bytes(i) for i in ids) == text.encode()  # no space prefix in Gemma
+
+
+def test_ids_past_the_vocabulary_have_no_text(ours):
+    """A padded embedding table (more rows than the tokenizer has tokens) can sample such an
+    id: it decodes to nothing instead of failing the request."""
+    from tallow.serve.sink import Detokenizer
+
+    detok = Detokenizer(ours.token_bytes, ours.special_token_ids)
+    past = ours.vocab_size + 7
+    assert ours.token_bytes(past) == b""
+    hello = ours.encode("Hello")
+    assert "".join(detok.push(i) for i in [*hello, past, *hello]) == "HelloHello"
