@@ -79,12 +79,19 @@ class Sequence:
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
-    def max_output_tokens(self) -> int:
-        """Output tokens allowed by max_tokens and the context."""
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_model_len
+
+    @max_model_len.setter
+    def max_model_len(self, value: int | None) -> None:
+        # The output limit depends only on it, the params and the prompt: kept, as check_stop
+        # reads it for every sequence at every step.
+        self._max_model_len = value
         limit = self.params.max_tokens if self.params.max_tokens is not None else 1 << 62
-        if self.max_model_len is not None:
-            limit = min(limit, self.max_model_len - self.num_prompt_tokens)
-        return max(limit, 0)
+        if value is not None:
+            limit = min(limit, value - self.num_prompt_tokens)
+        self.max_output_tokens = max(limit, 0)  # output tokens allowed by max_tokens and the context
 
     # ---- update ----------------------------------------------------------------------
     def append_token(self, token_id: int) -> None:
@@ -103,11 +110,7 @@ class Sequence:
             if tok in p.stop_token_ids:
                 self.stop_token_id = tok
                 return "stop"
-        # max_output_tokens(), inline: this runs for every sequence at every step.
-        limit = p.max_tokens if p.max_tokens is not None else 1 << 62
-        if self.max_model_len is not None:
-            limit = min(limit, self.max_model_len - self.num_prompt_tokens)
-        if n_out >= max(limit, 0):
+        if n_out >= self.max_output_tokens:
             return "length"
         return None
 

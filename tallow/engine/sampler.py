@@ -70,8 +70,8 @@ class Sampler:
 
     def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits [N, V] float32: row i belongs to seqs[i]."""
-        processed = self.process_logits(logits, seqs)
-        plan = self._plan(seqs, processed)
+        plan = self._plan(seqs, logits)
+        processed = self.process_logits(logits, seqs, plan)
 
         if plan.sampled_seqs is None:
             token_ids = processed.argmax(dim=-1)
@@ -104,15 +104,15 @@ class Sampler:
         return plan
 
     # ---- processors ----------------------------------------------------------------------
-    def process_logits(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+    def process_logits(self, logits: Tensor, seqs: list[Sequence], plan: "BatchPlan | None" = None) -> Tensor:
         """The logits after logit_bias, min_tokens and the penalties (the input is not changed).
 
         Updates the penalty counts in seq.sampler_state as a side effect.
         """
         logits = logits[:, : self.vocab_size]
-        plan = self._plan(seqs, logits)
+        plan = plan or self._plan(seqs, logits)
         min_token_rows = [i for i in plan.min_token_rows if seqs[i].num_output_tokens < seqs[i].params.min_tokens]
-        if not (plan.has_logit_bias or min_token_rows or plan.penalty_rows):
+        if not (plan.bias_index is not None or min_token_rows or plan.penalty_rows):
             return logits
         processed = logits.clone()
         if plan.bias_index is not None:
@@ -281,7 +281,6 @@ class BatchPlan:
         self.logprobs = any(p.logprobs is not None for p in params)
         self.top_k_logprobs = max((p.logprobs or 0 for p in params), default=0)
 
-        self.has_logit_bias = any(p.logit_bias for p in params)
         rows, cols, values = [], [], []
         for i, p in enumerate(params):
             for token, bias in (p.logit_bias or {}).items():
