@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                    help="launch step N+1 before step N's tokens are read (auto: on CUDA)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="one process per rank (NCCL on CUDA, gloo on CPU)")
     ap.add_argument("--transformers", action="store_true", help="also time transformers generate in this run")
     ap.add_argument("--peak-gbps", type=float, default=4150.0)
@@ -131,7 +133,9 @@ def main() -> None:
 
     t0 = time.perf_counter()
     core = make_core(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                     enforce_eager=args.enforce_eager, max_num_seqs=max(256, max(args.batch)),
+                     enforce_eager=args.enforce_eager,
+                     async_scheduling={"on": True, "off": False}.get(args.async_scheduling, "auto"),
+                     max_num_seqs=max(256, max(args.batch)),
                      tensor_parallel_size=args.tensor_parallel_size,
                      max_model_len=args.prompt_len + args.new_tokens + 16, enable_prefix_caching=False)
     if args.enforce_eager:
@@ -149,7 +153,7 @@ def main() -> None:
             ttfts.append(ttft)
             rates.append(rate)
         row = {"engine": "tallow", "model": args.model, "device": str(core.device), "tp": args.tensor_parallel_size,
-               "quant": core.quantization,
+               "quant": core.quantization, "async": core.async_scheduling,
                "batch": b, "prompt": args.prompt_len, "new": args.new_tokens,
                "ttft_ms": 1000 * statistics.median(ttfts), "decode_tok_s": statistics.median(rates),
                "per_seq_tok_s": statistics.median(rates) / b,

@@ -65,7 +65,8 @@ def tiny_core(num_seqs: int, context: int, vocab: int, seed: int, graphs: bool, 
     num_blocks = num_seqs * ((context + 1024) // block_size + 2)
     config = EngineConfig(model="tiny", device=device, dtype="float32", quantization="none", seed=seed,
                           max_num_seqs=num_seqs, max_num_batched_tokens=4096, max_model_len=4096,
-                          block_size=block_size, num_kv_blocks=num_blocks, enforce_eager=True)
+                          block_size=block_size, num_kv_blocks=num_blocks, enforce_eager=True,
+                          async_scheduling=False)  # the phases of a synchronous step, one by one
     core = EngineCore(config, loaded=loaded)
 
     gen = torch.Generator().manual_seed(seed)
@@ -140,7 +141,7 @@ def measure(args, graphs: bool) -> dict:
     sampler = runner.sampler
     runner.sampler = timed("sample", sampler, acc)
     runner.sampler.release = sampler.release  # EngineCore calls it once nothing runs
-    runner._to_host = timed("to_host", runner._to_host, acc)
+    runner.collect = timed("to_host", runner.collect, acc)
     stub = runner.model
     stub.__call__  # noqa: B018
     model_call, model_logits = type(stub).__call__, type(stub).compute_logits

@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                    help="launch step N+1 before step N's tokens are read (auto: on CUDA)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="one process per rank (NCCL on CUDA, gloo on CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=740.0)
@@ -128,7 +130,9 @@ def main() -> None:
     t0 = time.perf_counter()
     core = make_core(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed,
+                     max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                     async_scheduling={"on": True, "off": False}.get(args.async_scheduling, "auto"),
+                     seed=args.seed,
                      tensor_parallel_size=args.tensor_parallel_size)
     if args.enforce_eager:
         core.runner.graphs = None
@@ -203,7 +207,7 @@ def main() -> None:
         ceiling_s = flops = nbytes = float("nan")
     row = {
         "model": args.model, "device": str(core.device), "tp": args.tensor_parallel_size,
-        "graphs": core.runner.graphs is not None,
+        "graphs": core.runner.graphs is not None, "async": core.async_scheduling,
         "seqs": args.num_seqs, "input_tokens": n_in, "output_tokens": n_out, "seconds": dt,
         "output_tok_s": n_out / dt, "total_tok_s": (n_in + n_out) / dt, "steps": len(steps),
         "decode_steps": len(decode), "decode_s": sum(s[0] for s in decode),

@@ -24,6 +24,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="schedule and launch step N+1 while step N runs (auto: on CUDA without tensor parallelism)")
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="shard the model over N processes (one per GPU on CUDA, NCCL; gloo on the CPU)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -38,6 +40,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+        async_scheduling={"on": True, "off": False}.get(args.async_scheduling, "auto"),
     )
 
 

@@ -44,6 +44,11 @@ class EngineConfig:
     # CUDA
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
+    # Asynchronous scheduling: step N+1 is scheduled and launched while step N runs on the
+    # device, its decode tokens read from step N's sampled ids on the device. "auto": on CUDA
+    # without tensor parallelism (on the CPU the forward is synchronous: nothing to overlap);
+    # True forces it (tests run it on the CPU), False turns it off.
+    async_scheduling: bool | str = "auto"
 
     # Where converted weights are cached (GGUF dequantization is slow on first load).
     cache_dir: str = field(default_factory=_default_cache_dir)

@@ -151,12 +151,14 @@ def test_silu_and_mul_matches_torch(dtype):
 
 @dataclasses.dataclass
 class TinyEngines:
-    """Two engines over one float32 model: with CUDA graphs, and eager."""
+    """Engines over one float32 model: with CUDA graphs, eager (both asynchronously
+    scheduled, the default on CUDA), and with graphs but synchronous steps."""
 
     model: LlamaForCausalLM
     tokenizer_dir: str
     graphs: EngineCore
     eager: EngineCore
+    sync: EngineCore
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +167,7 @@ def tiny(tmp_path_factory):
     tok = tokenizer_dir(tmp_path_factory.mktemp("tok"))
     eager = make_core(model, tok)
     eager.runner.graphs = None
-    return TinyEngines(model, tok, make_core(model, tok), eager)
+    return TinyEngines(model, tok, make_core(model, tok), eager, make_core(model, tok, async_scheduling=False))
 
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
@@ -192,6 +194,48 @@ def test_cuda_graph_replay_equals_eager(tiny):
         for top_g, top_e in zip(rows_g, rows_e):
             assert [i for i, _ in top_g] == [i for i, _ in top_e]
             assert max(abs(x - y) for (_, x), (_, y) in zip(top_g, top_e)) < 1e-4
+
+
+def test_async_scheduling_equals_sync_steps(tiny):
+    """Steps launched before the previous step's tokens are read (pending ids copied on the
+    device into the graph's inputs) give the tokens and logprobs of synchronous steps, with
+    sequences stopping on a stop token one step before the rest and a seeded sampled one."""
+    asyn, sync = tiny.graphs, tiny.sync
+    assert asyn.async_scheduling and not sync.async_scheduling
+    vocab = asyn.model_config.vocab_size
+    prompts = random_prompts(vocab, [14, 60, 31, 8, 45], seed=8)
+    first = generate(sync, prompts[:1], PARAMS)[0][0]
+    requests = [
+        dataclasses.replace(PARAMS, ignore_eos=False, stop_token_ids=[first[7]]),
+        PARAMS,
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11, max_tokens=20, ignore_eos=True),
+        dataclasses.replace(PARAMS, max_tokens=5),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logit_bias={first[3]: 2.0}),
+    ]
+
+    def run(core):
+        seqs = [core.make_sequences(p, r)[0] for p, r in zip(prompts, requests)]
+        for s in seqs:
+            core.add(s)
+        got = {s.seq_id: [] for s in seqs}
+        while core.has_work():
+            for seq, out in core.step():
+                got[seq.seq_id].append((out.token_ids, out.top_logprobs, out.finish_reason))
+        return [s.output_ids for s in seqs], [got[s.seq_id] for s in seqs]
+
+    overlapped, free0 = asyn.num_overlapped_steps, asyn.kv.num_free_blocks
+    tokens_a, outs_a = run(asyn)
+    tokens_s, outs_s = run(sync)
+    assert tokens_a == tokens_s
+    assert len(tokens_a[0]) == 8 and len(tokens_a[3]) == 5
+    for rows_a, rows_s in zip(outs_a, outs_s):
+        assert [(t, r) for t, _, r in rows_a] == [(t, r) for t, _, r in rows_s]
+        for (_, top_a, _), (_, top_s, _) in zip(rows_a, rows_s):
+            if top_s:
+                assert [i for i, _ in top_a[0]] == [i for i, _ in top_s[0]]
+                assert max(abs(x - y) for (_, x), (_, y) in zip(top_a[0], top_s[0])) < 1e-5
+    assert asyn.num_overlapped_steps - overlapped >= 25
+    assert asyn.kv.num_free_blocks == free0
 
 
 def test_graph_batch_sizes_between_rungs(tiny):

@@ -142,7 +142,9 @@ def test_a_failing_request_fails_alone(server, monkeypatch, breaks, stream):
         assert status == 500 and error["error"]["type"] == "server_error"
     assert "RuntimeError" in error["error"]["message"]
     if breaks is not break_tokenizer:  # the tokenizer fails before the engine sees the request
-        assert peak == 8
+        # The seven good requests ran together, the failing one beside them; it fails after
+        # its first tokens, which on a loaded machine can be before the last request arrives.
+        assert peak >= 7
     assert not engine.running and not engine.waiting
     # A stream's slot is released when its response handler returns, which can come a moment
     # after the client has read the last frame.

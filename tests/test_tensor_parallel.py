@@ -87,8 +87,8 @@ def record_logits(core: EngineCore) -> list[torch.Tensor]:
     steps = []
     logits_of = core.runner.logits
 
-    def spy(out):
-        logits = logits_of(out)
+    def spy(out, prev_ids=None):
+        logits = logits_of(out, prev_ids)
         steps.append(logits.clone())
         return logits
 

@@ -91,3 +91,37 @@ def test_rotary_matches_complex_rotation(where, heads):
                                    atol=tol, rtol=tol)
         torch.testing.assert_close(k_rot.double(), reference_rotary(k, angles[positions].to(device)),
                                    atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("where", [INTERPRETER, CUDA])
+@pytest.mark.parametrize("heads", [(4, 2, 16), (9, 3, 24)], ids=["gqa-d16", "gqa3-d24"])
+def test_rotary_with_kv_write_equals_rotary_then_write(where, heads):
+    """The fused kernel returns the rotated q and leaves in the cache the rotated k and v at
+    each token's slot (padding slot -1 untouched, every other cache row unchanged)."""
+    from tallow.ops.triton_rotary import triton_rotary_and_write_kv
+
+    num_heads, num_kv_heads, head_dim = heads
+    device = where
+    cache, angles = cos_sin_cache(64, head_dim)
+    g = torch.Generator().manual_seed(2)
+    positions = torch.tensor([0, 5, 63, 17, 17, 2])
+    slots = torch.tensor([3, 17, -1, 40, 8, 0])  # blocks of 4: different blocks and offsets
+    for dtype in dtypes_on(where):
+        qkv = torch.randn(6, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(device, dtype)
+        q, k = qkv[:, :num_heads], qkv[:, num_heads: num_heads + num_kv_heads]
+        v = qkv[:, num_heads + num_kv_heads:]
+        k_cache = torch.randn(12, 4, num_kv_heads, head_dim, generator=g).to(device, dtype)
+        v_cache = torch.randn(12, 4, num_kv_heads, head_dim, generator=g).to(device, dtype)
+        want_k, want_v = k_cache.clone().view(-1, num_kv_heads, head_dim), v_cache.clone().view(-1, num_kv_heads, head_dim)
+        k_rot = reference_rotary(k, angles[positions].to(device)).to(dtype)
+        real = slots >= 0
+        want_k[slots[real].to(device)] = k_rot[real.to(device)]
+        want_v[slots[real].to(device)] = v[real.to(device)]
+        q_rot = triton_rotary_and_write_kv(q, k, v, positions.to(device), cache.to(device), k_cache, v_cache,
+                                           slots.to(device))
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(q_rot.double(), reference_rotary(q, angles[positions].to(device)),
+                                   atol=tol, rtol=tol)
+        torch.testing.assert_close(k_cache.view(-1, num_kv_heads, head_dim).double(), want_k.double(),
+                                   atol=tol, rtol=tol)
+        assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim), want_v)

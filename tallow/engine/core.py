@@ -15,9 +15,9 @@ import torch
 from tallow.config import EngineConfig
 from tallow.engine.kv_cache import KVCacheManager
 from tallow.engine.request import Sequence, SequenceStatus
-from tallow.engine.runner import ModelRunner, available_host_memory, kv_bytes_per_block
+from tallow.engine.runner import LaunchedStep, ModelRunner, StepResult, available_host_memory, kv_bytes_per_block
 from tallow.engine.sampling import SamplingParams
-from tallow.engine.scheduler import Scheduler
+from tallow.engine.scheduler import Scheduler, SchedulerOutput
 from tallow.errors import TallowError
 
 log = logging.getLogger(__name__)
@@ -141,11 +141,26 @@ class EngineCore:
             self.workers.wait_ready(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.async_scheduling = self._async_scheduling()
+        # Asynchronous scheduling: the launched step whose tokens have not been read yet.
+        self._inflight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # launched while the step before was still pending
         self.num_generated_tokens = 0
         # seq_id -> (monotonic time, first position, tokens) of each prefill chunk, kept only for
         # sequences submitted with trace_prefill (request traces); empty otherwise.
         self.prefill_log: dict[int, list[tuple[float, int, int]]] = {}
+
+    def _async_scheduling(self) -> bool:
+        mode = self.config.async_scheduling
+        if mode not in (True, False, "auto"):
+            raise TallowError(f"async_scheduling must be auto, true or false, got {mode!r}", param="async_scheduling")
+        if self.workers is not None:
+            if mode is True:
+                raise TallowError("asynchronous scheduling does not work with tensor parallelism yet (the other "
+                                  "ranks need each step's token ids on the host)", param="async_scheduling")
+            return False
+        return self.device.type == "cuda" if mode == "auto" else mode
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop and join the tensor-parallel workers, if any (idempotent). graceful: no step is
@@ -211,10 +226,73 @@ class EngineCore:
             self.scheduler.abort(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[tuple[Sequence, TokenOutput]]:
-        """One schedule -> run -> sample -> update round. Returns the outputs of this step."""
+        """One schedule -> run -> sample -> update round. Returns the outputs of this step;
+        with asynchronous scheduling, those of the step before (this one is left running)."""
+        if self.async_scheduling:
+            return self._step_async()
+        return self._step_sync()
+
+    def _step_async(self) -> list[tuple[Sequence, TokenOutput]]:
+        """Schedule and launch step N+1 while step N runs, then read step N's tokens.
+
+        The order keeps the device busy: scheduling and batch preparation of N+1 happen
+        while N computes, N+1 is queued behind N, and N's outputs are processed while N+1
+        computes. N+1's decode rows read the tokens N samples from N's sampled ids on the
+        device. A sequence that N finishes (a stop token) has run one step too many in N+1:
+        that token is dropped. Penalties read token ids on the host, so while a sequence
+        with penalties is queued every step waits for its own tokens (the synchronous step).
+        """
+        prev = self._inflight
+        self._inflight = None
+        if self.scheduler.num_host_token_seqs:
+            outputs = self._resolve(*prev) if prev is not None else []
+            return outputs + self._step_sync()
+        out = self.scheduler.schedule()
+        launched = None
+        if out.scheduled:
+            if self.prefill_log:
+                self._log_prefill_chunks(out)
+            try:
+                launched = self.runner.launch(out, None if prev is None or prev[1] is None else prev[1].token_ids)
+            except Exception:
+                outputs = self._resolve(*prev) if prev is not None else []
+                return outputs + self._fail_step(out)
+            self.num_steps += 1
+            if prev is not None and prev[1] is not None:
+                self.num_overlapped_steps += 1
+        outputs = self._resolve(*prev) if prev is not None else []
+        if out.scheduled:
+            # After the resolve: the blocks this step completes hash the tokens it read.
+            self.scheduler.update_launched(out)
+            if launched is not None:
+                self._inflight = (out, launched)
+        if not self.scheduler.running and self._inflight is None:
+            self.runner.sampler.release()
+        return outputs
+
+    def _resolve(self, out: SchedulerOutput, launched: LaunchedStep | None) -> list[tuple[Sequence, TokenOutput]]:
+        """Read a launched step's tokens and apply them: the outputs of its live sequences."""
+        if launched is None:
+            return []
+        finished = SequenceStatus.FINISHED
+        live = [s.samples and s.seq.status is not finished for s in out.scheduled]
+        try:
+            res = self.runner.collect(launched)
+        except Exception:
+            return self._fail_step(out)
+        self.scheduler.resolve(out, res.token_ids)
+        return self._outputs(out, res, live)
+
+    def _fail_step(self, out: SchedulerOutput) -> list[tuple[Sequence, TokenOutput]]:
+        shape = [(s.seq.seq_id, s.start, s.num_new_tokens) for s in out.scheduled]
+        log.exception("engine step failed; failing its %d sequences (seq, start, tokens): %s", len(shape), shape)
+        failed = self.scheduler.fail(out)
+        return [(seq, self._final(seq)) for seq in failed]
+
+    def _step_sync(self) -> list[tuple[Sequence, TokenOutput]]:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
@@ -223,21 +301,25 @@ class EngineCore:
         try:
             res = self.runner.run(out)
         except Exception:
-            shape = [(s.seq.seq_id, s.start, s.num_new_tokens) for s in out.scheduled]
-            log.exception("engine step failed; failing its %d sequences (seq, start, tokens): %s",
-                          len(shape), shape)
-            failed = self.scheduler.fail(out)
-            return [(seq, self._final(seq)) for seq in failed]
+            return self._fail_step(out)
         self.num_steps += 1
         self.scheduler.update(out, res.token_ids)
         if not self.scheduler.running:  # nothing runs on: the sampler's cached batch plan is stale
             self.runner.sampler.release()
+        return self._outputs(out, res)
+
+    def _outputs(self, out: SchedulerOutput, res: StepResult,
+                 live: list[bool] | None = None) -> list[tuple[Sequence, TokenOutput]]:
+        """A TokenOutput per sampling row (per row where live is true, when given)."""
         outputs = []
         i = 0
         token_ids, logprobs, top = res.token_ids, res.logprobs, res.top
         finished = SequenceStatus.FINISHED
-        for s in out.scheduled:
+        for r, s in enumerate(out.scheduled):
             if not s.samples:
+                continue
+            if live is not None and not live[r]:
+                i += 1
                 continue
             seq = s.seq
             lp = tp = None
@@ -254,7 +336,7 @@ class EngineCore:
                 outputs.append((seq, TokenOutput([token_ids[i]], lp, tp, None, seq.num_prompt_tokens,
                                                  seq.num_cached_tokens)))
             i += 1
-        self.num_generated_tokens += i
+        self.num_generated_tokens += len(outputs)
         return outputs
 
     def _log_prefill_chunks(self, out) -> None:

@@ -4,6 +4,11 @@ At start-up the model's decode forward (and the LM head) is captured for a ladde
 batch sizes, all graphs sharing one memory pool. A decode-only step of n sequences copies its
 inputs into static buffers (rows n..bs-1 are padding: slot -1, context length 1), replays the
 graph of the smallest captured size bs >= n and reads back the first n rows of logits.
+
+With asynchronous scheduling a row's token may still be pending (the step that samples it
+runs): its id is copied into the static input ids on the device, from that step's sampled
+ids, before the replay. The pinned staging buffers are rewritten only once the copies of
+the step before have run (an event), as the host may now be a step ahead of the device.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numpy as np
 import torch
 
 from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.engine.runner import fill_pending
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +47,12 @@ class DecodeGraphs:
             host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
             return host, torch.zeros(shape, dtype=dtype, device=device)
 
-        # ids, positions and slots share one buffer: one copy for the three.
-        self.h_long, self.d_long = pair((3, mb), torch.int64)
+        # ids, positions, slots and the pending rows and their sources share one buffer: one copy.
+        self.h_long, self.d_long = pair((5, mb), torch.int64)
         self.h_lens, self.d_lens = pair((mb,), torch.int32)
         self.h_tables, self.d_tables = pair((mb, self.max_blocks), torch.int32)
-        self.d_ids, self.d_pos, self.d_slots = self.d_long
+        self.d_ids, self.d_pos, self.d_slots, self.d_pend_rows, self.d_pend_src = self.d_long
+        self._staged = torch.cuda.Event() if device.type == "cuda" else None
         self.d_qsl = torch.arange(mb + 1, dtype=torch.int32, device=device)
         # numpy views of the pinned staging buffers: cheap writes from Python
         self.n_long, self.n_lens, self.n_tables = self.h_long.numpy(), self.h_lens.numpy(), self.h_tables.numpy()
@@ -99,13 +106,16 @@ class DecodeGraphs:
         may have given a sequence new blocks outside decode (prefill, recompute)."""
         self._rows = [(None, 0)] * self.max_batch
 
-    def run(self, scheduled) -> torch.Tensor:
-        """Logits [n, vocab] for a decode-only step of n = len(scheduled) sequences."""
+    def run(self, scheduled, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, vocab] for a decode-only step of n = len(scheduled) sequences; pending
+        tokens are read from prev_ids (the sampled ids of the step before, on the device)."""
         n = len(scheduled)
+        if self._staged is not None:
+            self._staged.synchronize()
         bs = self.padded_size(n)
         bsz = self.block_size
         tables, rows = self.n_tables, self._rows
-        token_ids, starts, slot_ids = [], [], []
+        token_ids, starts, slot_ids, pend_rows, pend_src = [], [], [], [], []
         # Rows whose sequence is staged up to the block of its new token: only that last block
         # is written again (one fancy-index write for all of them), as in the general case.
         last_rows, last_cols, last_blocks = [], [], []
@@ -114,7 +124,11 @@ class DecodeGraphs:
             table = q.block_table
             nb = p // bsz + 1
             block = table[nb - 1]
-            token_ids.append(q.token_ids[p])
+            token = q.token_ids[p]
+            if token < 0:
+                pend_rows.append(i)
+                pend_src.append(q.pending_row)
+            token_ids.append(token)
             starts.append(p)
             slot_ids.append(block * bsz + p % bsz)
             held_seq, held = rows[i]
@@ -130,7 +144,11 @@ class DecodeGraphs:
                 rows[i] = (q, nb)
         if last_rows:
             tables[last_rows, last_cols] = last_blocks
-        ids, positions, slots = self.n_long
+        ids, positions, slots, prows, psrc = self.n_long
+        m = len(pend_rows)
+        if m:
+            prows[:m] = pend_rows
+            psrc[:m] = pend_src
         pos = np.array(starts, dtype=np.int64)
         ids[:n] = token_ids
         positions[:n] = pos
@@ -145,6 +163,13 @@ class DecodeGraphs:
         self.d_long.copy_(self.h_long, non_blocking=True)
         self.d_lens[:bs].copy_(self.h_lens[:bs], non_blocking=True)
         self.d_tables[:n].copy_(self.h_tables[:n], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        if m:
+            if prev_ids is not None and m == n == len(prev_ids) and pend_src == list(range(n)):  # steady decode: row i from row i
+                self.d_ids[:n].copy_(prev_ids)
+            else:
+                fill_pending(self.d_ids, self.d_pend_rows[:m], self.d_pend_src[:m], prev_ids)
         g, logits = self.graphs[bs]
         g.replay()
         self.num_replays += 1

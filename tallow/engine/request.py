@@ -10,6 +10,11 @@ from tallow.engine.sampling import SamplingParams
 
 _ids = itertools.count()
 
+# The last token of a sequence whose step is still running on the device (asynchronous
+# scheduling): the next step reads its id from that step's sampled ids on the device, and
+# the scheduler writes the real id in when the step's results reach the host.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -57,6 +62,11 @@ class Sequence:
         self.generator = None
         # Output token counts for penalties, kept by the sampler.
         self.sampler_state = None
+        # Asynchronous scheduling: the row of the in-flight step that samples the pending
+        # last token, and whether the sequence ends with that token whatever it is (its
+        # length limit), so it is not scheduled again.
+        self.pending_row = -1
+        self.stopping = False
 
     # ---- derived -------------------------------------------------------------------
     @property

@@ -7,7 +7,10 @@ compute now.
 On CUDA the model attends through TritonAttentionBackend, batch inputs go to the device
 through pinned staging buffers with non-blocking copies, decode-only steps replay CUDA
 graphs (unless enforce_eager) and each step synchronises with the host once, when the
-sampled tokens come back. Elsewhere the torch reference backend runs eagerly.
+sampled tokens come back (collect()). launch() queues a step without waiting, so with
+asynchronous scheduling the engine prepares the next step while this one runs; the next
+step's pending input ids are copied on the device from this step's sampled ids. Elsewhere
+the torch reference backend runs eagerly.
 
 With tensor parallelism the runner of rank 0 broadcasts each step's host arrays to the
 workers (tallow/distributed/step_channel.py) before its own forward; every rank runs
@@ -51,6 +54,18 @@ class TopLogprobs:
 
     def __getitem__(self, i: int) -> list[tuple[int, float]]:
         return list(zip(self.ids[i], self.logprobs[i]))
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose sampling was launched: the sampled ids stay on the device (the next
+    step's pending inputs read them there) while their host copies travel."""
+
+    token_ids: torch.Tensor  # [S] int64 on the device
+    host: list[torch.Tensor]  # token ids, then logprobs and top ids/logprobs when asked
+    has_logprobs: bool
+    has_top: bool
+    done: torch.cuda.Event | None  # recorded after the copies (None on the CPU)
 
 
 @dataclass
@@ -176,8 +191,10 @@ class ModelRunner:
         self.graphs.capture()
 
     # ---- batch preparation ------------------------------------------------------------
-    def host_inputs(self, out: SchedulerOutput) -> StepInputs:
-        """The step's flat batch as host arrays."""
+    def host_inputs(self, out: SchedulerOutput, pending: list[list[int]] | None = None) -> StepInputs:
+        """The step's flat batch as host arrays. With asynchronous scheduling a decode row's
+        token may be PENDING_TOKEN (its step still runs): `pending` (a pair of empty lists)
+        then gets the flat rows of such tokens and their rows in that step's sampled ids."""
         bs = self.block_size
         num_seqs = len(out.scheduled)
         ids: list[int] = []
@@ -191,10 +208,16 @@ class ModelRunner:
             end = start + n
             table = seq.block_table
             if n == 1:
-                ids.append(seq.token_ids[start])
+                token = seq.token_ids[start]
+                if token < 0 and pending is not None:
+                    pending[0].append(len(ids))
+                    pending[1].append(seq.pending_row)
+                ids.append(token)
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                if seq.token_ids[end - 1] < 0:  # only a decode row reads a pending token
+                    raise RuntimeError(f"a {n}-token chunk of sequence {seq.seq_id} ends with a pending token")
                 ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -211,10 +234,14 @@ class ModelRunner:
         longs = [np.array(x, dtype=np.int64) for x in (ids, positions, slots, logits_idx)]
         return StepInputs(*longs, np.array(qsl, dtype=np.int32), np.array(seq_lens, dtype=np.int32), tables)
 
-    def device_inputs(self, inputs: StepInputs
+    def device_inputs(self, inputs: StepInputs, pending: list[list[int]] | None = None,
+                      prev_ids: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat input ids, positions, attention metadata and the rows whose logits are sampled."""
+        """Flat input ids, positions, attention metadata and the rows whose logits are sampled.
+        pending (from host_inputs) rows take their ids from prev_ids, on the device."""
         longs = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices]
+        if pending and pending[0]:
+            longs += [np.array(pending[0], dtype=np.int64), np.array(pending[1], dtype=np.int64)]
         ints = [inputs.query_start_loc, inputs.seq_lens, inputs.block_tables]
         query_lens = np.diff(inputs.query_start_loc).tolist()
         seq_lens = inputs.seq_lens.tolist()
@@ -224,7 +251,9 @@ class ModelRunner:
             longs = self.staging.to_device(longs, torch.int64)
             ints = self.staging.to_device(ints, torch.int32)
             self.staging.copies_issued()
-        input_ids, positions_t, slots_t, logits_idx_t = longs
+        input_ids, positions_t, slots_t, logits_idx_t = longs[:4]
+        if len(longs) > 4:
+            fill_pending(input_ids, longs[4], longs[5], prev_ids)
         qsl_t, seq_lens_t, tables_t = ints
         meta = AttentionMetadata(
             slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=seq_lens_t, block_tables=tables_t,
@@ -236,42 +265,19 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepResult:
-        logits = self.logits(out)
-        if logits is None:
-            return StepResult([], None, None)
-        return self._to_host(self.sampler(logits, [s.seq for s in out.scheduled if s.samples]))
-
-    def logits(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """The float32 logits [rows, vocab] of the step's sampling rows (scheduler order), after
-        its forward; None when no row samples."""
-        graphs = self.graphs
-        if graphs is not None and out.preempted:
-            # A preempted sequence can come back in a later decode-only step (its prompt all
-            # but one token cached) in the same staged row, with other block ids: restage all.
-            graphs.forget_tables()
-        # A decode-only step samples every row.
-        if graphs is not None and out.is_decode_only and len(out.scheduled) <= graphs.max_batch:
-            return graphs.run(out.scheduled)
-        if graphs is not None:
-            graphs.forget_tables()
-        inputs = self.host_inputs(out)
-        if self.step_channel is not None:
-            self.step_channel.send(inputs)
-        return self.execute(inputs)
+        """Forward, sample and wait for the tokens: one synchronous step."""
+        launched = self.launch(out)
+        return StepResult([], None, None) if launched is None else self.collect(launched)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Forward one step's batch; the logits of its sampling rows (None when there are
-        none, and on tensor-parallel ranks other than 0, which send their slices to rank 0)."""
-        input_ids, positions, meta, logits_idx = self.device_inputs(inputs)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not len(logits_idx):
+    def launch(self, out: SchedulerOutput, prev_ids: torch.Tensor | None = None) -> LaunchedStep | None:
+        """Queue the step's forward and sampling and the copies of its tokens to the host,
+        without waiting for them (on CUDA). prev_ids: the sampled ids of the step still
+        running, where this step's pending tokens are read. None when no row samples."""
+        logits = self.logits(out, prev_ids)
+        if logits is None:
             return None
-        if hidden.shape[0] != len(logits_idx):
-            hidden = hidden.index_select(0, logits_idx)
-        return self.model.compute_logits(hidden)
-
-    def _to_host(self, sampled) -> StepResult:
+        sampled = self.sampler(logits, [s.seq for s in out.scheduled if s.samples])
         # Logprobs travel in their own dtype: tolist() widens each to the same Python float
         # that a float64 copy would give.
         tensors = [sampled.token_ids]
@@ -279,13 +285,61 @@ class ModelRunner:
             tensors.append(sampled.logprobs)
         if sampled.top_ids is not None:
             tensors += [sampled.top_ids, sampled.top_logprobs]
-        # Non-blocking copies into pinned host memory, then the step's one sync.
+        # Non-blocking copies into pinned host memory; collect() makes the step's one sync.
         host = [x.to("cpu", non_blocking=True) for x in tensors]
+        done = None
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(sampled.token_ids, host, sampled.logprobs is not None, sampled.top_ids is not None, done)
+
+    @staticmethod
+    def collect(launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens (and logprobs) on the host."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        host = launched.host
         token_ids = host[0].tolist()
-        logprobs = host[1].tolist() if sampled.logprobs is not None else None
-        top = None
-        if sampled.top_ids is not None:
-            top = TopLogprobs(host[-2].tolist(), host[-1].tolist())
+        logprobs = host[1].tolist() if launched.has_logprobs else None
+        top = TopLogprobs(host[-2].tolist(), host[-1].tolist()) if launched.has_top else None
         return StepResult(token_ids, logprobs, top)
+
+    def logits(self, out: SchedulerOutput, prev_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The float32 logits [rows, vocab] of the step's sampling rows (scheduler order), after
+        its forward; None when no row samples. Pending tokens are read from prev_ids."""
+        graphs = self.graphs
+        if graphs is not None and out.preempted:
+            # A preempted sequence can come back in a later decode-only step (its prompt all
+            # but one token cached) in the same staged row, with other block ids: restage all.
+            graphs.forget_tables()
+        # A decode-only step samples every row.
+        if graphs is not None and out.is_decode_only and len(out.scheduled) <= graphs.max_batch:
+            return graphs.run(out.scheduled, prev_ids)
+        if graphs is not None:
+            graphs.forget_tables()
+        pending = None if prev_ids is None else [[], []]
+        inputs = self.host_inputs(out, pending)
+        if self.step_channel is not None:
+            self.step_channel.send(inputs)
+        return self.execute(inputs, pending, prev_ids)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs, pending: list[list[int]] | None = None,
+                prev_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward one step's batch; the logits of its sampling rows (None when there are
+        none, and on tensor-parallel ranks other than 0, which send their slices to rank 0)."""
+        input_ids, positions, meta, logits_idx = self.device_inputs(inputs, pending, prev_ids)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not len(logits_idx):
+            return None
+        if hidden.shape[0] != len(logits_idx):
+            hidden = hidden.index_select(0, logits_idx)
+        return self.model.compute_logits(hidden)
+
+
+def fill_pending(input_ids: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, prev_ids: torch.Tensor) -> None:
+    """input_ids[rows] = prev_ids[src] on the device: the pending tokens of an asynchronously
+    scheduled step, from the sampled ids of the step before (still running, stream-ordered)."""
+    if prev_ids is None:
+        raise RuntimeError("a step with pending tokens needs the sampled ids of the step before")
+    input_ids.index_copy_(0, rows, prev_ids.index_select(0, src))

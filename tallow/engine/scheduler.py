@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from tallow.config import EngineConfig
 from tallow.engine.kv_cache import KVCacheManager
-from tallow.engine.request import Sequence, SequenceStatus
+from tallow.engine.request import PENDING_TOKEN, Sequence, SequenceStatus
 from tallow.errors import TallowError
 
 
@@ -61,6 +61,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions_total = 0
+        # Queued or running sequences whose sampling reads their token ids on the host
+        # (penalties): asynchronous scheduling waits for every step's tokens while any is here.
+        self.num_host_token_seqs = 0
 
     @property
     def num_running(self) -> int:
@@ -87,6 +90,8 @@ class Scheduler:
                               param="prompt", code="context_length_exceeded")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        if seq.params.needs_penalties:
+            self.num_host_token_seqs += 1
 
     def abort(self, seq: Sequence) -> None:
         """Finish seq with "abort" wherever it is, freeing its blocks."""
@@ -109,6 +114,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.stopping:  # ends with the token its running step samples: nothing to compute
+                i += 1
+                continue
             computed = seq.num_computed_tokens
             n = min(len(seq.token_ids) - computed, budget, self.max_chunk)
             # A decode token whose slot is in a block the sequence holds needs no allocation
@@ -196,6 +204,69 @@ class Scheduler:
             self.running = [seq for seq in self.running if not seq.is_finished]
         return finished
 
+    def update_launched(self, out: SchedulerOutput) -> None:
+        """Asynchronous scheduling: apply a step that was launched but whose tokens are not
+        known yet. Each sampling row's sequence gets PENDING_TOKEN as its last token (with
+        pending_row, its row in the step's sampled ids), so the next step can be scheduled
+        now; resolve() writes the real ids in. A sequence whose length limit ends it with
+        that token is marked stopping and not scheduled again.
+
+        Call it after resolve() of the step before: prefix-cache hashing reads the token ids
+        of the blocks this step completes, and the last of those came from that step."""
+        k = 0
+        kv, bs = self.kv, self.kv.block_size
+        caching = kv.enable_prefix_caching
+        FINISHED = SequenceStatus.FINISHED
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is FINISHED:  # finished by the step before, or aborted
+                k += s.samples
+                continue
+            n = s.num_new_tokens
+            seq.num_computed_tokens += n
+            if caching and (n != 1 or seq.num_computed_tokens % bs == 0):
+                kv.cache_full_blocks(seq)
+            if not s.samples:
+                continue
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.pending_row = k
+            k += 1
+            if (len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_output_tokens
+                    or len(seq.token_ids) > self.pool_tokens):
+                seq.stopping = True
+
+    def resolve(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Asynchronous scheduling: the tokens of a step applied with update_launched have
+        reached the host. Writes them in and checks the stop conditions; returns the
+        sequences that finished (a preempted one is taken off the waiting queue)."""
+        finished: list[Sequence] = []
+        k = 0
+        now = time.monotonic()
+        FINISHED = SequenceStatus.FINISHED
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            seq, token = s.seq, sampled[k]
+            k += 1
+            if seq.status is FINISHED:
+                continue
+            pos = s.start + s.num_new_tokens
+            seq.token_ids[pos] = token
+            seq.pending_row = -1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = seq.check_stop()
+            if reason is None and len(seq.token_ids) > self.pool_tokens:
+                reason = "length"
+            if reason is not None:
+                if seq.status is SequenceStatus.WAITING:
+                    self.waiting.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        if finished:
+            self.running = [seq for seq in self.running if not seq.is_finished]
+        return finished
+
     def fail(self, out: SchedulerOutput) -> list[Sequence]:
         """The step raised: finish every sequence it scheduled with "error"."""
         failed = [s.seq for s in out.scheduled if not s.seq.is_finished]
@@ -220,9 +291,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.token_ids[-1] == PENDING_TOKEN:  # aborted (or failed) while its step runs: never sampled
+            seq.token_ids.pop()
+            seq.pending_row = -1
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq)
+        if seq.params.needs_penalties:
+            self.num_host_token_seqs -= 1
 
 
 def _prompt_computed(seq: Sequence) -> bool:

@@ -64,13 +64,17 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.qk_dim].view(T, -1, self.head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
+        v = qkv[:, self.qk_dim:].view(T, self.num_kv_heads, self.head_dim)
         if x.is_cuda:
-            q, k = apply_rotary(qk[:, :H], qk[:, H:], *rope)
+            fused = getattr(self.backend, "forward_rotary", None)
+            if fused is not None:  # rotary and KV write in one kernel
+                out = fused(qk[:, :H], qk[:, H:], v, *rope, kv_cache[0], kv_cache[1], meta, self.scale)
+            else:
+                q, k = apply_rotary(qk[:, :H], qk[:, H:], *rope)
+                out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         else:
             qk = apply_rope(qk, *rope)
-            q, k = qk[:, :H], qk[:, H:]
-        v = qkv[:, self.qk_dim:].view(T, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = self.backend.forward(qk[:, :H], qk[:, H:], v, kv_cache[0], kv_cache[1], meta, self.scale)
         out = self.o_proj(out.view(T, -1))
         return out if self.parallel is None else self.parallel.all_reduce(out)
 

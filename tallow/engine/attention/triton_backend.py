@@ -1,7 +1,9 @@
 """TritonAttentionBackend: paged attention on CUDA with Triton kernels.
 
 forward() writes the step's K/V into the cache, then runs the split-K decode kernel for
-decode-only batches and the tiled prefill kernel for anything else.
+decode-only batches and the tiled prefill kernel for anything else. forward_rotary() takes
+q and k before the rotary embedding and does both in one kernel that writes the rotated K
+and V straight into the cache (one launch per layer fewer than apply_rotary + forward).
 
 CUDA graphs. forward() never synchronises with the host and allocates only its output
 ([T, num_heads, head_dim], a shape-determined allocation). Every kernel grid is a function
@@ -26,6 +28,7 @@ from tallow.engine.attention.metadata import AttentionMetadata
 from tallow.engine.attention.triton_decode import decode_attention, num_decode_splits
 from tallow.engine.attention.triton_kv_write import write_kv_cache
 from tallow.engine.attention.triton_prefill import prefill_attention
+from tallow.ops.triton_rotary import triton_rotary_and_write_kv
 
 
 class TritonAttentionBackend:
@@ -61,6 +64,17 @@ class TritonAttentionBackend:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotated);
         caches: [num_blocks, block_size, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim]."""
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """forward() with q and k not rotated yet: rotary embedding and cache write in one kernel."""
+        q = triton_rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
         out = q.new_empty(q.shape)
         if meta.is_decode_only:
             num_seqs = meta.seq_lens.shape[0]
