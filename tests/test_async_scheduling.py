@@ -214,3 +214,23 @@ def test_async_engine_streams_with_async_core(loaded):
     alone, together, stats = asyncio.run(main())
     assert together == alone
     assert stats["running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_llm_stop_strings_with_async_core():
+    """A stop string aborts the sequence while its next token is pending: the text and the
+    token ids end where the synchronous engine's do."""
+    from tallow.llm import LLM
+
+    prompts = PROMPTS[:4]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sync = LLM("default", device="cpu", quantization="none")
+    first = sync.generate(prompts[0], greedy)[0].outputs[0].text
+    stop = first[len(first) // 2: len(first) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    want = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in sync.generate(prompts, params)]
+    asyn = LLM("default", device="cpu", quantization="none", async_scheduling=True)
+    got = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in asyn.generate(prompts, params)]
+    assert got == want
+    assert want[0][2] == "stop" and stop not in want[0][0]
+    again = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in asyn.generate(prompts, params)]
+    assert again == want
