@@ -172,6 +172,8 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, device)
         self.staging = None
         self.graphs = None
+        self._events = [torch.cuda.Event() for _ in range(4)] if device.type == "cuda" else []
+        self._event_index = 0
         if device.type == "cuda":
             from tallow.engine.attention.triton_backend import TritonAttentionBackend
 
@@ -289,7 +291,9 @@ class ModelRunner:
         host = [x.to("cpu", non_blocking=True) for x in tensors]
         done = None
         if self.device.type == "cuda":
-            done = torch.cuda.Event()
+            # A ring of events: at most two steps are in flight (asynchronous scheduling).
+            self._event_index = (self._event_index + 1) % len(self._events)
+            done = self._events[self._event_index]
             done.record()
         return LaunchedStep(sampled.token_ids, host, sampled.logprobs is not None, sampled.top_ids is not None, done)
 
