@@ -234,3 +234,61 @@ def test_llm_stop_strings_with_async_core():
     assert want[0][2] == "stop" and stop not in want[0][0]
     again = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in asyn.generate(prompts, params)]
     assert again == want
+
+
+def test_async_random_mix_with_aborts_and_preemption(loaded):
+    """Random requests (greedy, seeded sampling, logprobs, stop tokens, n=2, penalties that
+    switch the engine to synchronous steps and back) over a KV pool small enough to preempt,
+    with aborts at random steps. Every request that was not aborted gets the tokens of a
+    synchronous run; an aborted one a prefix of them; the scheduler's invariants hold after
+    every step and every block comes back."""
+    import random
+
+    rng = random.Random(5)
+    tok = make_core(loaded).tokenizer
+    words = "the a cat dog sat on mat red blue green one two three four".split()
+    requests = []
+    for i in range(14):
+        ids = tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(3, 30))))
+        kind = rng.random()
+        common = dict(max_tokens=rng.randint(1, 14), ignore_eos=True)
+        if kind < 0.45:
+            p = SamplingParams(temperature=0.0, logprobs=rng.choice([None, 2]), **common)
+        elif kind < 0.8:
+            p = SamplingParams(temperature=1.0, top_k=40, seed=i, n=rng.choice([1, 2]), **common)
+        else:
+            p = SamplingParams(temperature=0.0, stop_token_ids=[tok.encode(" the")[0]], **dict(common, ignore_eos=False))
+        if i == 0:  # one short request with penalties: synchronous steps while it is queued
+            p = SamplingParams(temperature=0.0, presence_penalty=0.5, max_tokens=3, ignore_eos=True)
+        requests.append((ids, p))
+    want, _ = run(make_core(loaded, num_kv_blocks=24, block_size=4), requests)
+
+    core = make_core(loaded, num_kv_blocks=24, block_size=4, async_scheduling=True)
+    free0 = core.kv.num_free_blocks
+    seqs = [s for ids, p in requests for s in core.make_sequences(ids, p)]
+    pending = list(seqs)
+    rng.shuffle(pending)
+    added, aborted, step = [], set(), 0
+    while pending or core.has_work():
+        if pending and rng.random() < 0.5:  # requests arrive over time
+            seq = pending.pop()
+            core.add(seq)
+            added.append(seq)
+        if added and rng.random() < 0.08:
+            victim = rng.choice(added)
+            if not victim.is_finished:
+                core.abort(victim)
+                aborted.add(victim.seq_id)
+        core.step()
+        core.scheduler.check_invariants()
+        step += 1
+        assert step < 5000
+    assert core.scheduler.num_preemptions_total > 0, "the pool was meant to be too small"
+    assert aborted and any(p.needs_penalties for _, p in requests) and core.num_overlapped_steps > 10
+    assert core.kv.num_free_blocks == free0
+    for s, (tokens, _, _) in zip(seqs, want):
+        assert PENDING_TOKEN not in s.token_ids
+        if s.seq_id in aborted and s.finish_reason == "abort":
+            assert s.output_ids == tokens[: len(s.output_ids)]
+        else:
+            assert s.output_ids == tokens, s
