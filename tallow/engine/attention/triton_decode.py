@@ -158,7 +158,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *part_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=64 if on_gpu else 16, MIN_TILES_PER_SPLIT=2,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=64 if on_gpu else 16, MIN_TILES_PER_SPLIT=1,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
