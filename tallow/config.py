@@ -19,8 +19,9 @@ class EngineConfig:
     dtype: str = "auto"
     # "auto": cuda when available, else cpu.
     device: str = "auto"
-    # Weight format for Linear layers on the CPU: "auto" picks the fastest kernel
-    # available (weight-only int8 on CPU), "none" keeps dense weights.
+    # Weight format for Linear layers on the CPU: "auto" is int4 (tallow's Q4 kernels, the LM
+    # head Q8; torch's int4/int8 kernels where those cannot build), "int8", "int4-torch",
+    # "int8-torch", "bf16"; "none" keeps dense weights.
     quantization: str = "auto"
     seed: int = 0
 

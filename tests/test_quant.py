@@ -5,6 +5,7 @@ the int4 layout against the default GGUF's Q4_1 weights."""
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.metadata
 import os
 
@@ -12,7 +13,23 @@ import pytest
 import torch
 from torch import nn
 
-from tallow.models.quant import GROUP_SIZE, Bf16Linear, Int4Linear, Int8Linear, quantize_int4, quantize_model_
+from tallow.models.quant import (GROUP_SIZE, Bf16Linear, Int4Linear, Int8Linear, Q4Linear, Q8Linear, quantize_int4,
+                                 quantize_model_)
+from tallow.ops import cpu_native
+
+NATIVE = cpu_native.lib() is not None  # "int4"/"int8" use tallow's own kernels where they build
+# The layer types each scheme gives: (decoder projections, LM head).
+SCHEME_TYPES = {
+    "int4": (Q4Linear, Q8Linear) if NATIVE else (Int4Linear, Int8Linear),
+    "int8": (Q8Linear, Q8Linear) if NATIVE else (Int8Linear, Int8Linear),
+    "int4-torch": (Int4Linear, Int8Linear),
+    "int8-torch": (Int8Linear, Int8Linear),
+    "bf16": (Bf16Linear, Bf16Linear),
+}
+
+# Int8Linear's two kernels (the default is the one this CPU runs fast; both must be right anywhere).
+Int8IntMM = functools.partial(Int8Linear, kernel="int_mm")
+Int8Pack = functools.partial(Int8Linear, kernel="int8pack")
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding is within 2^-9 relative, 2^-8 with slack
 
@@ -35,7 +52,7 @@ def assert_output_close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16], ids=["gemv", "few-rows", "dense-path"])
-@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("cls", [Int8IntMM, Int8Pack, Int4Linear], ids=["int8-int_mm", "int8-int8pack", "int4"])
 def test_forward_matches_own_dequantized_weights(cls, rows):
     w, bias = random_weight(96, 128), torch.randn(96)
     layer = cls(w, bias, dense_min_rows=8)
@@ -48,7 +65,7 @@ def test_forward_matches_own_dequantized_weights(cls, rows):
     assert_output_close(y, ref, rel=BF16_EPS)
 
 
-@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("cls", [Int8IntMM, Int8Pack, Int4Linear], ids=["int8-int_mm", "int8-int8pack", "int4"])
 def test_default_layers_are_batch_invariant(cls):
     """By default a row's output does not depend on how many rows share the call."""
     layer = cls(random_weight(96, 128), None)
@@ -127,7 +144,7 @@ def with_effective_weights(model: nn.Module, quantized: nn.Module, rows: int) ->
         for name, layer in quantized.named_modules():
             if isinstance(layer, Bf16Linear) or (getattr(layer, "dense_min_rows", None) or rows + 1) <= rows:
                 w = (layer.weight if isinstance(layer, Bf16Linear) else layer.dense_weight).float()
-            elif isinstance(layer, (Int4Linear, Int8Linear)):
+            elif isinstance(layer, (Int4Linear, Int8Linear, Q4Linear, Q8Linear)):
                 w = layer.dequantized_weight()
             else:
                 continue
@@ -135,7 +152,8 @@ def with_effective_weights(model: nn.Module, quantized: nn.Module, rows: int) ->
     return ref
 
 
-@pytest.mark.parametrize("scheme,error", [("int4", 0.25), ("int8", 0.03), ("bf16", 0.03)])
+@pytest.mark.parametrize("scheme,error", [("int4", 0.25), ("int8", 0.03), ("int4-torch", 0.25), ("int8-torch", 0.03),
+                                          ("bf16", 0.03)])
 @pytest.mark.parametrize("tokens", [4, 24], ids=["packed", "dense"])
 def test_quantize_model_matches_its_weights(scheme, error, tokens):
     model = tiny_llama()
@@ -145,7 +163,8 @@ def test_quantize_model_matches_its_weights(scheme, error, tokens):
     assert quantize_model_(quantized, scheme) == scheme
     assert not any(type(m) is nn.Linear for m in quantized.modules())
     # The LM head has its own copy; the tied embedding stays the float32 table it was.
-    assert type(quantized.lm_head) is {"int4": Int8Linear, "int8": Int8Linear, "bf16": Bf16Linear}[scheme]
+    layers, head = SCHEME_TYPES[scheme]
+    assert type(quantized.lm_head) is head and type(quantized.model.layers[0].mlp.down_proj) is layers
     assert torch.equal(quantized.model.embed_tokens.weight, model.model.embed_tokens.weight)
     out = logits(quantized, ids)
     # Tight against float math on the same weights (what is left is bfloat16 activations)...
@@ -158,7 +177,7 @@ def test_quantize_model_matches_its_weights(scheme, error, tokens):
 
 def test_quantize_model_falls_back_by_shape():
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 24), nn.Linear(24, 16))
-    assert quantize_model_(model, "int4") == "int4"
+    assert quantize_model_(model, "int4-torch") == "int4-torch"
     assert [type(m) for m in model] == [Int4Linear, Int8Linear, Bf16Linear]
 
 
@@ -167,7 +186,7 @@ def test_quantize_model_auto_and_none():
     layer = model.model.layers[0].mlp.down_proj
     assert quantize_model_(model, "none") == "none" and model.model.layers[0].mlp.down_proj is layer
     assert quantize_model_(model) == "int4"
-    assert type(model.model.layers[0].mlp.down_proj) is Int4Linear
+    assert type(model.model.layers[0].mlp.down_proj) is SCHEME_TYPES["int4"][0]
     with pytest.raises(ValueError):
         quantize_model_(tiny_llama(), "int3")
 

@@ -1,13 +1,23 @@
-"""The torch attention backend against plain float64 attention, and a decode row's result
-bit for bit the same whatever it is batched with."""
+"""The CPU attention backends (the torch reference and tallow's own kernel) against plain
+float64 attention, and a row's result bit for bit the same whatever it is batched with."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tallow.engine.attention.cpu_backend import CpuAttentionBackend
 from tallow.engine.attention.metadata import AttentionMetadata
 from tallow.engine.attention.torch_ref import TorchAttentionBackend
+from tallow.ops import cpu_native
+
+native = pytest.mark.skipif(cpu_native.lib() is None, reason=f"no CPU kernels: {cpu_native.unavailable_reason()}")
+
+
+@pytest.fixture(params=[TorchAttentionBackend, pytest.param(CpuAttentionBackend, marks=native)],
+                ids=["torch", "native"])
+def backend(request):
+    return request.param
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention
 NUM_BLOCKS = 128
@@ -18,7 +28,8 @@ class PagedKV:
     """A filled KV cache with shuffled block tables; each sequence's queries and K/V are fixed,
     so the same sequence can be put into different batches."""
 
-    def __init__(self, context_lens: list[int], seed: int = 0):
+    def __init__(self, context_lens: list[int], seed: int = 0, backend=TorchAttentionBackend):
+        self.backend = backend
         g = torch.Generator().manual_seed(seed)
         shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
         self.k_cache, self.v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
@@ -56,7 +67,7 @@ class PagedKV:
     def attend(self, chunks: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """The backend's output rows of each sequence."""
         q, k, v, meta = self.batch(chunks)
-        out = TorchAttentionBackend().forward(q, k, v, self.k_cache, self.v_cache, meta, SCALE)
+        out = self.backend().forward(q, k, v, self.k_cache, self.v_cache, meta, SCALE)
         return list(out.split(meta.query_lens_cpu))
 
     def reference(self, seq: int, ctx: int, q_len: int) -> torch.Tensor:
@@ -72,8 +83,8 @@ class PagedKV:
 CONTEXTS = [37, 16, 1, 130, 48, 5, 100]
 
 
-def test_matches_float64_attention():
-    kv = PagedKV(CONTEXTS)
+def test_matches_float64_attention(backend):
+    kv = PagedKV(CONTEXTS, backend=backend)
     # Decode rows of several block counts, a prefill chunk over a cached prefix, a whole prompt.
     chunks = [(0, 37, 1), (1, 16, 1), (3, 130, 1), (4, 48, 20), (5, 5, 5), (6, 100, 1)]
     for (seq, ctx, q_len), out in zip(chunks, kv.attend(chunks)):
@@ -86,8 +97,8 @@ def test_matches_float64_attention():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_row_does_not_depend_on_its_batch(threads):
-    kv = PagedKV(CONTEXTS + [40, 45, 33, 700])
+def test_decode_row_does_not_depend_on_its_batch(threads, backend):
+    kv = PagedKV(CONTEXTS + [40, 45, 33, 700], backend=backend)
     decode = [(seq, n, 1) for seq, n in enumerate(CONTEXTS + [40, 45, 33, 700]) if n > 1]
     batches = [
         decode,  # every block count, five rows of 3 blocks
@@ -109,8 +120,8 @@ def test_decode_row_does_not_depend_on_its_batch(threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_lone_row_on_consecutive_blocks_reads_them_in_place_with_the_same_result(threads):
-    kv = PagedKV(CONTEXTS)
+def test_lone_row_on_consecutive_blocks_reads_them_in_place_with_the_same_result(threads, backend):
+    kv = PagedKV(CONTEXTS, backend=backend)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -125,3 +136,39 @@ def test_lone_row_on_consecutive_blocks_reads_them_in_place_with_the_same_result
         assert torch.equal(kv.attend([(3, 130, 1)])[0], before)
     finally:
         torch.set_num_threads(old_threads)
+
+
+@native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_prefill_rows_do_not_depend_on_their_batch(threads):
+    """The kernel computes every query token from its own causal context: a prefill chunk's
+    rows too are the same alone, with neighbours, or split into smaller chunks."""
+    kv = PagedKV(CONTEXTS, backend=CpuAttentionBackend)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = kv.attend([(4, 48, 20)])[0]
+        mixed = kv.attend([(0, 37, 1), (4, 48, 20), (6, 100, 1)])[1]
+        first, second = kv.attend([(4, 38, 10)])[0], kv.attend([(4, 48, 10)])[0]
+        assert torch.equal(mixed, alone)
+        assert torch.equal(torch.cat((first, second)), alone)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+@native
+def test_native_backend_writes_new_kv_and_skips_padding():
+    """tl_kv_write puts each token's K/V at its slot and leaves slot -1 (padding) unwritten."""
+    kv = PagedKV([20], backend=CpuAttentionBackend)
+    q, k, v, meta = kv.batch([(0, 20, 4)])
+    k_new, v_new = torch.randn_like(k), torch.randn_like(v)
+    meta.slot_mapping = meta.slot_mapping.clone()
+    meta.slot_mapping[1] = -1
+    k_before = kv.k_cache.clone()
+    CpuAttentionBackend().forward(q, k_new, v_new, kv.k_cache, kv.v_cache, meta, SCALE)
+    flat_k, flat_v = kv.k_cache.view(-1, KV_HEADS, HEAD_DIM), kv.v_cache.view(-1, KV_HEADS, HEAD_DIM)
+    for i, slot in enumerate(meta.slot_mapping.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], k_new[i]) and torch.equal(flat_v[slot], v_new[i])
+    skipped = kv.tables[0][17 // BLOCK] * BLOCK + 17 % BLOCK  # position 17 is the chunk's second token
+    assert torch.equal(flat_k[skipped], k_before.view(-1, KV_HEADS, HEAD_DIM)[skipped])

@@ -183,6 +183,11 @@ class ModelRunner:
             self.staging = PinnedStaging(device)
             if not enforce_eager and parallel is None:
                 self.capture_graphs(min(cuda_graph_max_batch, max_num_seqs))
+        elif device.type == "cpu":
+            from tallow.engine.attention.cpu_backend import CpuAttentionBackend
+
+            if CpuAttentionBackend.supports(dtype, model_config.head_dim):
+                set_attention_backend(model, CpuAttentionBackend())
 
     def capture_graphs(self, max_batch: int) -> None:
         from tallow.engine.cuda_graphs import DecodeGraphs

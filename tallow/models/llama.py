@@ -57,7 +57,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """rope: (positions, cos_sin_cache) on CUDA, (cos, sin) of RotaryEmbedding elsewhere."""
+        """rope: (positions, cos_sin_cache) on CUDA or for a backend with forward_rotary, (cos, sin)
+        of RotaryEmbedding otherwise."""
         T, H = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
         # q and k are adjacent in qkv: rotate them together as H + num_kv_heads heads.
@@ -65,13 +66,12 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
         v = qkv[:, self.qk_dim:].view(T, self.num_kv_heads, self.head_dim)
-        if x.is_cuda:
-            fused = getattr(self.backend, "forward_rotary", None)
-            if fused is not None:  # rotary and KV write in one kernel
-                out = fused(qk[:, :H], qk[:, H:], v, *rope, kv_cache[0], kv_cache[1], meta, self.scale)
-            else:
-                q, k = apply_rotary(qk[:, :H], qk[:, H:], *rope)
-                out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        fused = getattr(self.backend, "forward_rotary", None)
+        if fused is not None:  # the backend rotates q and k itself (on CUDA with the KV write)
+            out = fused(qk[:, :H], qk[:, H:], v, *rope, kv_cache[0], kv_cache[1], meta, self.scale)
+        elif x.is_cuda:
+            q, k = apply_rotary(qk[:, :H], qk[:, H:], *rope)
+            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         else:
             qk = apply_rope(qk, *rope)
             out = self.backend.forward(qk[:, :H], qk[:, H:], v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -135,8 +135,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed(input_ids)
-        if h.is_cuda:  # the Triton kernel reads the float32 table
-            rope = (positions, self.rotary_emb.cos_sin_cache)
+        if h.is_cuda or hasattr(self.layers[0].self_attn.backend, "forward_rotary"):
+            rope = (positions, self.rotary_emb.cos_sin_cache)  # the kernels read the float32 table
         else:
             rope = self.rotary_emb(positions, h.dtype)
         residual = None

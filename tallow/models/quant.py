@@ -29,12 +29,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCHEMES = ("int4", "int8", "bf16", "none")
+from tallow.ops import cpu_native
+
+SCHEMES = ("int4", "int8", "int4-torch", "int8-torch", "bf16", "none")
 GROUP_SIZE = 32
 INT4_OUT_MULTIPLE = 16  # the int4 packing works on blocks of 16 output channels
 INT8_IN_MULTIPLE = 16  # as int8pack_mm needed; torch._int_mm takes any width, tests pin the fallback
 # None: always the packed kernel, so results do not depend on the batch (see the docstring).
 DENSE_MIN_ROWS: int | None = None
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI or AVX-VNNI. torch._int_mm's fast int8 GEMM needs one;
+    without (AVX2-only machines, e.g. AMD Zen 1-3) it falls back to a reference loop that took
+    10 ms for a 17 x 576 x 1536 product (an LM head step over 300 ms)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split()
+                    return "avx512_vnni" in flags or "avx_vnni" in flags
+    except OSError:
+        pass
+    return False
+
+
+# The Int8Linear kernel: "int_mm" (exact int8 x int8 products, VNNI) or "int8pack" (int8
+# weights times bfloat16 activations, torch._weight_int8pack_mm, vectorised on AVX2).
+INT8_KERNEL = "int_mm" if cpu_has_vnni() else "int8pack"
 
 
 class _QuantizedLinear(nn.Module):
@@ -74,17 +96,24 @@ class _QuantizedLinear(nn.Module):
 class Int8Linear(_QuantizedLinear):
     """int8 weights with one symmetric float32 scale per output channel.
 
-    The activations are quantized too, per row and in two int8 parts, x ~ s * (hi + lo / 254)
+    kernel "int_mm" (the default where the CPU has VNNI): the activations are quantized too, per row and in two int8 parts, x ~ s * (hi + lo / 254)
     with s = max|x| / 127: about 15 bits of the row's range, as precise as bfloat16
     activations (the LM head's logits agree as closely with the float32 ones), but the
     product is one int8 GEMM of 2M rows (torch._int_mm, AVX512-VNNI) whose int32 sums are
     exact: a row's result cannot depend on the batch, and many rows cost little more than
     one (int8pack_mm with bfloat16 activations takes ~10x longer for 32 rows than for one).
+
+    kernel "int8pack" (elsewhere): activations rounded to bfloat16 times the int8 weights
+    (torch._weight_int8pack_mm, one row at a time, so also batch invariant); the scales are
+    rounded to bfloat16 (the kernel's dtype), a relative 2^-9 below the int8 step.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 dense_min_rows: int | None = DENSE_MIN_ROWS):
+                 dense_min_rows: int | None = DENSE_MIN_ROWS, kernel: str | None = None):
         super().__init__(weight, bias, dense_min_rows)
+        self.kernel = INT8_KERNEL if kernel is None else kernel
+        if self.kernel not in ("int_mm", "int8pack"):
+            raise ValueError(f"unknown int8 kernel {self.kernel!r}")
         if not int8_fits(weight):
             raise ValueError(f"Int8Linear needs in_features divisible by {INT8_IN_MULTIPLE}, got {self.in_features}")
         w = weight.detach()
@@ -94,11 +123,17 @@ class Int8Linear(_QuantizedLinear):
         qweight = torch.empty(w.shape, dtype=torch.int8)
         for rows in _row_chunks(*w.shape):
             qweight[rows] = (w[rows].float() * inv_scales[rows]).round_().clamp_(-127, 127)
+        if self.kernel == "int8pack":
+            self.register_buffer("qweight", qweight)  # [out, in], the kernel's layout
+            self.register_buffer("scales", scales.to(torch.bfloat16))
+            return
         # [in, out]: the GEMM reads the weight faster in this layout than as a transposed view.
         self.register_buffer("qweight_t", qweight.T.contiguous())
         self.register_buffer("scales", scales)
 
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "int8pack":
+            return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales)
         x = x.float()
         step = x.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny) / 127
         x = x / step
@@ -109,6 +144,8 @@ class Int8Linear(_QuantizedLinear):
         return acc[m:].float().div_(254).add_(acc[:m]).mul_(step).mul_(self.scales)
 
     def dequantized_weight(self) -> torch.Tensor:
+        if self.kernel == "int8pack":
+            return self.qweight.float() * self.scales.float()[:, None]
         return self.qweight_t.T.float() * self.scales[:, None]
 
 
@@ -148,6 +185,97 @@ class Int4Linear(_QuantizedLinear):
         return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP_SIZE, sz).T.contiguous()
 
 
+class _NativeBlockLinear(nn.Module):
+    """Block-quantized weights (groups of 32 inputs) run by tallow's own CPU kernels
+    (tallow/ops/cpu/kernels.c): float32 in and out, activations quantized to int8 per block of
+    32 inside the kernel, exact integer dot products per block. A row's result does not
+    depend on the batch."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self._lib = cpu_native.lib()
+        if self._lib is None:
+            raise RuntimeError(f"tallow's CPU kernels are unavailable: {cpu_native.unavailable_reason()}")
+        self.out_features, self.in_features = weight.shape
+        if not native_fits(weight):
+            raise ValueError(f"{type(self).__name__} needs in_features divisible by {GROUP_SIZE} and "
+                             f"out_features by {NATIVE_OUT_MULTIPLE}, got {tuple(weight.shape)}")
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        y = torch.empty(rows.shape[0], self.out_features)
+        if rows.shape[0] and self._run(rows, y, torch.get_num_threads()):
+            raise MemoryError(f"{type(self).__name__}: out of memory for {rows.shape[0]} rows")
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _bias_ptr(self) -> int | None:
+        return None if self.bias is None else self.bias.data_ptr()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Q4Linear(_NativeBlockLinear):
+    """4-bit weights, GGUF's Q4_1: w = d * q + m per group of 32, q in 0..15, d and m float32,
+    so a Q4_1 tensor of a GGUF file is held exactly (the min/max fit recovers q, d and m)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight, bias)
+        n, k = weight.shape
+        qweight = torch.empty(n, k // 2, dtype=torch.uint8)
+        d = torch.empty(n, k // GROUP_SIZE)
+        m = torch.empty(n, k // GROUP_SIZE)
+        for rows in _row_chunks(n, k):
+            q, d[rows], m[rows] = q4_fit(weight[rows].detach().float())
+            # Each block's 16 bytes: element j in the low nibble of byte j, element j + 16 in the high one.
+            q = q.view(q.shape[0], k // GROUP_SIZE, 2, GROUP_SIZE // 2).to(torch.uint8)
+            qweight[rows] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], k // 2)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> int:
+        return self._lib.tl_q4_linear(x.data_ptr(), x.shape[0], self.in_features, self.out_features,
+                                      self.qweight.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
+                                      self._bias_ptr(), y.data_ptr(), threads)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        lo, hi = self.qweight & 0x0F, self.qweight >> 4
+        q = torch.stack((lo.view(n, -1, 16), hi.view(n, -1, 16)), dim=2).view(n, -1, GROUP_SIZE).float()
+        return (q * self.d[..., None] + self.m[..., None]).view(n, k)
+
+
+class Q8Linear(_NativeBlockLinear):
+    """8-bit weights, GGUF's Q8_0: w = d * q per group of 32, q in -127..127, d float32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight, bias)
+        n, k = weight.shape
+        qweight = torch.empty(n, k, dtype=torch.int8)
+        d = torch.empty(n, k // GROUP_SIZE)
+        for rows in _row_chunks(n, k):
+            groups = weight[rows].detach().float().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
+            scale = groups.abs().amax(-1) / 127
+            inv = torch.where(scale > 0, 1 / scale, 0.0)
+            qweight[rows] = (groups * inv[..., None]).round_().clamp_(-127, 127).reshape(-1, k).to(torch.int8)
+            d[rows] = scale
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("d", d)
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> int:
+        return self._lib.tl_q8_linear(x.data_ptr(), x.shape[0], self.in_features, self.out_features,
+                                      self.qweight.data_ptr(), self.d.data_ptr(), self._bias_ptr(),
+                                      y.data_ptr(), threads)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        return (self.qweight.view(n, -1, GROUP_SIZE).float() * self.d[..., None]).view(n, k)
+
+
 class Bf16Linear(nn.Module):
     """Dense bfloat16 weights (oneDNN avx512_bf16 GEMM); float32 in and out."""
 
@@ -165,21 +293,35 @@ def int8_fits(weight: torch.Tensor) -> bool:
     return weight.shape[1] % INT8_IN_MULTIPLE == 0
 
 
+NATIVE_OUT_MULTIPLE = 4  # the native kernels work on tiles of 4 output channels
+
+
+def native_fits(weight: torch.Tensor) -> bool:
+    out_features, in_features = weight.shape
+    return in_features % GROUP_SIZE == 0 and out_features % NATIVE_OUT_MULTIPLE == 0
+
+
 def int4_fits(weight: torch.Tensor) -> bool:
     out_features, in_features = weight.shape
     return in_features % GROUP_SIZE == 0 and out_features % INT4_OUT_MULTIPLE == 0
 
 
-def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Min/max fit of a float32 [out, in] weight in groups of 32: (q int32 [out, in] in 0..15,
-    scale [out, in / 32], zero [out, in / 32]) with w ~= (q - 8) * scale + zero, as Q4_1 quantizes."""
+def q4_fit(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min/max fit of a float32 [out, in] weight in groups of 32, as Q4_1 quantizes: (q int32
+    [out, in] in 0..15, d [out, in / 32], m [out, in / 32]) with w ~= d * q + m."""
     out_features, in_features = w.shape
     groups = w.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = (hi - lo) / 15
     inv_scale = torch.where(scale > 0, 1 / scale, 0.0)
     q = (groups - lo[..., None]).mul_(inv_scale[..., None]).round_().clamp_(0, 15)
-    return q.to(torch.int32).reshape(out_features, in_features), scale, lo + 8 * scale
+    return q.to(torch.int32).reshape(out_features, in_features), scale, lo
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q4_fit in Int4Linear's terms: (q, scale, zero) with w ~= (q - 8) * scale + zero."""
+    q, scale, lo = q4_fit(w)
+    return q, scale, lo + 8 * scale
 
 
 def _row_chunks(rows: int, cols: int) -> Iterator[slice]:
@@ -215,7 +357,11 @@ def quantize_model_(model: nn.Module, scheme: str = "auto") -> str:
 def _quantized(linear: nn.Linear, scheme: str, is_head: bool) -> nn.Module:
     if scheme == "bf16":
         return Bf16Linear(linear.weight, linear.bias)
-    if scheme == "int4" and not is_head and int4_fits(linear.weight):
+    if scheme in ("int4", "int8") and native_fits(linear.weight) and cpu_native.lib() is not None:
+        if scheme == "int4" and not is_head:
+            return Q4Linear(linear.weight, linear.bias)
+        return Q8Linear(linear.weight, linear.bias)
+    if scheme.startswith("int4") and not is_head and int4_fits(linear.weight):
         return Int4Linear(linear.weight, linear.bias)
     if int8_fits(linear.weight):
         return Int8Linear(linear.weight, linear.bias)

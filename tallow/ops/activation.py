@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tallow.ops import cpu_native
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * d] = (gate, up) -> silu(gate) * up, [T, d], in x's dtype."""
@@ -12,6 +14,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from tallow.ops.triton_activation import triton_silu_and_mul
 
         return triton_silu_and_mul(x)
+    if x.dim() == 2 and x.is_contiguous() and x.shape[1] % 16 == 0 and cpu_native.usable(x):
+        return cpu_native.silu_and_mul(x)
     return torch_silu_and_mul(x)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tallow.ops import cpu_native
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * weight over the last dimension; x: [T, hidden]."""
@@ -12,6 +14,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from tallow.ops.triton_norm import triton_rms_norm
 
         return triton_rms_norm(x, None, weight, eps)[0]
+    if x.dim() == 2 and x.is_contiguous() and cpu_native.usable(x, weight):
+        return cpu_native.add_rms_norm(x, None, weight, eps)[0]
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
@@ -23,6 +27,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         from tallow.ops.triton_norm import triton_rms_norm
 
         return triton_rms_norm(x, residual, weight, eps)
+    if (x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
+            and cpu_native.usable(x, residual, weight)):
+        return cpu_native.add_rms_norm(x, residual, weight, eps)
     return torch_add_rms_norm(x, residual, weight, eps)
 
 

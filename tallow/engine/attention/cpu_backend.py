@@ -1,0 +1,62 @@
+"""CpuAttentionBackend: paged attention on the CPU with tallow's own kernels (float32).
+
+One call per layer writes the step's K/V into the cache (tl_kv_write) and one computes
+every query token's causal attention over its sequence's blocks in place (tl_paged_attention:
+decode rows and prefill chunks alike, no gather of K/V, no masks). forward_rotary also
+applies the rotary embedding to q and k in place first, so the model hands it q and k
+before rotation. A token's result is computed from its own context alone, in a fixed order,
+so it does not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.ops import cpu_native
+
+
+class CpuAttentionBackend:
+    @staticmethod
+    def supports(dtype: torch.dtype, head_dim: int) -> bool:
+        return cpu_native.lib() is not None and dtype == torch.float32 and head_dim % 8 == 0
+
+    def __init__(self) -> None:
+        self._lib = cpu_native.lib()
+        if self._lib is None:
+            raise RuntimeError(f"tallow's CPU kernels are unavailable: {cpu_native.unavailable_reason()}")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotated), rows at any
+        stride, heads contiguous; caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+        T, H, D = q.shape
+        kv_heads = k_cache.shape[2]
+        for t in (q, k, v):
+            assert t.stride(1) == D and t.stride(2) == 1, "heads must be contiguous"
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        lib = self._lib
+        lib.tl_kv_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), T, kv_heads, D,
+                        meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+        out = q.new_empty(T, H, D)
+        tables = meta.block_tables
+        if lib.tl_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), H * D, k_cache.data_ptr(),
+                                  v_cache.data_ptr(), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+                                  tables.data_ptr(), tables.stride(0), meta.seq_lens.shape[0], H, kv_heads, D,
+                                  k_cache.shape[1], scale, torch.get_num_threads()):
+            raise MemoryError("paged attention: out of memory for its workspace")
+        return out
+
+    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """forward() with q and k not rotated yet; they are rotated in place (q and k are
+        adjacent heads of one row, as the model's fused qkv lays them out, or separate)."""
+        if k.data_ptr() == q.data_ptr() + q.shape[1] * q.shape[2] * q.element_size() and (
+                k.stride(0) == q.stride(0) or q.shape[0] == 1):
+            qk = q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
+            cpu_native.rotary_(qk, positions, cos_sin_cache)
+        else:
+            cpu_native.rotary_(q, positions, cos_sin_cache)
+            cpu_native.rotary_(k, positions, cos_sin_cache)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale)

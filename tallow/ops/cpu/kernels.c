@@ -1,0 +1,456 @@
+// tallow's CPU kernels (AVX2 + FMA), loaded through ctypes by tallow/ops/cpu_native.py.
+//
+// Linear layers over block-quantized weights: the activations are quantized per block of 32
+// to int16 (scale = max|x| / 32767: a relative error of 2^-16 of the block's largest value,
+// finer than bfloat16), each block's integer dot product with the weights is exact (madd),
+// and is scaled into a float32 accumulator. (int8 activations, as llama.cpp's q8_1, cost
+// about as much on AVX2 but moved SmolLM2's greedy answers: 0.3-1.7% error per layer.)
+//   Q4: w = d * q + m, q in 0..15 (GGUF's Q4_1), 16 bytes of nibbles per block: byte j
+//       holds element j in its low nibble and element j + 16 in its high nibble.
+//   Q8: w = d * q, q in -127..127 (GGUF's Q8_0).
+// d and m are float32, one per (output channel, block).
+//
+// Every output (row, column) is computed by the same instruction sequence whatever the
+// number of rows and threads: threads split the columns, never a dot product. So a row's
+// result does not depend on what it is batched with (greedy batching invariance).
+//
+// With many rows, each thread unpacks a tile of NT columns into a small buffer once and
+// runs every row against it, so the weights are read from memory once per call.
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define NT 4
+
+int tl_abi_version(void) { return 2; }
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+// One row of K floats (K % 32 == 0) to int16 blocks: q[K], d[K/32] (the scale) and
+// s[K/32] (d * the block's integer sum, for Q4's m term).
+static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+        __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float db = amax / 32767.0f;
+        const __m256 id = _mm256_set1_ps(db > 0.0f ? 32767.0f / amax : 0.0f);
+        v0 = _mm256_round_ps(_mm256_mul_ps(v0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v1 = _mm256_round_ps(_mm256_mul_ps(v1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v2 = _mm256_round_ps(_mm256_mul_ps(v2, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v3 = _mm256_round_ps(_mm256_mul_ps(v3, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        d[b] = db;
+        s[b] = db * hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));  // exact integer sum
+        // packs works within 128-bit lanes: [a0-3 b0-3 | a4-7 b4-7] -> 64-bit permute restores the order.
+        __m256i i0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(_mm256_cvtps_epi32(v0), _mm256_cvtps_epi32(v1)), 0xD8);
+        __m256i i1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(_mm256_cvtps_epi32(v2), _mm256_cvtps_epi32(v3)), 0xD8);
+        _mm256_storeu_si256((__m256i *)(q + b * QK), i0);
+        _mm256_storeu_si256((__m256i *)(q + b * QK + 16), i1);
+    }
+}
+
+// A Q4 block's 32 weights as int16: elements 0-15 (low nibbles) and 16-31 (high nibbles).
+static inline void unpack_q4(const uint8_t *nib, __m256i *w0, __m256i *w1) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)nib);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(t, low));
+    *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(t, 4), low));
+}
+
+// Activations quantized once per call, rows in parallel.
+typedef struct {
+    int16_t *q;
+    float *d, *s;
+} qrows;
+
+static int quantize_rows(const float *x, int M, int K, int nthreads, qrows *out) {
+    const int nb = K / QK;
+    out->q = (int16_t *)aligned_alloc(32, sizeof(int16_t) * ((size_t)M * K + 16));
+    out->d = (float *)malloc(sizeof(float) * (size_t)M * nb);
+    out->s = (float *)malloc(sizeof(float) * (size_t)M * nb);
+    if (!out->q || !out->d || !out->s) {
+        free(out->q), free(out->d), free(out->s);
+        return -1;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 8)
+    for (int m = 0; m < M; m++)
+        quantize_row_q16(x + (size_t)m * K, K, out->q + (size_t)m * K, out->d + (size_t)m * nb, out->s + (size_t)m * nb);
+    return 0;
+}
+
+static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s); }
+
+// sum_b a[b] * b[b] over n floats, 8 lanes then the tail, in a fixed order.
+static inline float dot_f32(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float t = hsum8(acc);
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
+}
+
+// out[c] for c < NT: row m (quantized: xq, xd, xs) times NT columns. Column c's weights are
+// wu[c] (Q4 unpacked to int16, 32 per block) or, when wu is NULL, read from wn[c] (Q4
+// nibbles, or q8: int8 weights, widened in registers) -- the same values either way, so the
+// same result. prod: scratch of NT * nb floats for the per-block scale products.
+static inline void dot_tile(const int16_t *xq, const float *xd, const float *xs, int nb,
+                            const int16_t *const *wu, const uint8_t *const *wn, const float *const *wd,
+                            const float *const *wm, int q8, float *prod, float *out) {
+    for (int c = 0; c < NT; c++) {
+        float *pc = prod + (size_t)c * nb;
+        int b = 0;
+        for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(pc + b, _mm256_mul_ps(_mm256_loadu_ps(wd[c] + b), _mm256_loadu_ps(xd + b)));
+        for (; b < nb; b++) pc[b] = wd[c][b] * xd[b];
+    }
+    __m256 acc[NT];
+    for (int c = 0; c < NT; c++) acc[c] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
+        for (int c = 0; c < NT; c++) {
+            __m256i w0, w1;
+            if (wu) {
+                w0 = _mm256_load_si256((const __m256i *)(wu[c] + b * QK));
+                w1 = _mm256_load_si256((const __m256i *)(wu[c] + b * QK + 16));
+            } else if (q8) {
+                const int8_t *wb = (const int8_t *)wn[c] + b * QK;
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb));
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
+            } else {
+                unpack_q4(wn[c] + b * 16, &w0, &w1);
+            }
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(prod + (size_t)c * nb + b), acc[c]);
+        }
+    }
+    for (int c = 0; c < NT; c++) out[c] = hsum8(acc[c]) + (wm ? dot_f32(wm[c], xs, nb) : 0.0f);
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias). Q4: wq [N, K/2] nibbles, wm [N, K/32]; Q8: wq [N, K]
+// int8, wm NULL. wd [N, K/32]. K % 32 == 0, N % NT == 0. Returns 0, or -1 out of memory.
+// Q4 tiles are unpacked once into a per-thread buffer when several rows share them.
+static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const float *wd,
+                  const float *wm, const float *bias, float *y, int nthreads, int q8) {
+    const int nb = K / QK;
+    const size_t row_bytes = q8 ? (size_t)K : (size_t)K / 2;
+    const int buffered = M >= 4;
+    qrows r;
+    if (quantize_rows(x, M, K, nthreads, &r)) return -1;
+    int failed = 0;
+    const int tiles = N / NT;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int16_t *buf = buffered ? (int16_t *)aligned_alloc(32, sizeof(int16_t) * NT * (size_t)K) : NULL;
+        float *prod = (float *)malloc(sizeof(float) * NT * (size_t)nb);
+        const int ok = prod && (buf || !buffered);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            if (!ok) continue;
+            const int n0 = t * NT;
+            const int16_t *wu[NT];
+            const uint8_t *wn[NT];
+            const float *wdc[NT], *wmc[NT];
+            for (int c = 0; c < NT; c++) {
+                const int n = n0 + c;
+                wdc[c] = wd + (size_t)n * nb;
+                wmc[c] = wm ? wm + (size_t)n * nb : NULL;
+                wn[c] = wq + (size_t)n * row_bytes;
+                if (buffered) {
+                    int16_t *dst = buf + (size_t)c * K;
+                    for (int b = 0; b < nb; b++) {
+                        __m256i w0, w1;
+                        if (q8) {
+                            const int8_t *wb = (const int8_t *)wn[c] + b * QK;
+                            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb));
+                            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
+                        } else {
+                            unpack_q4(wn[c] + b * 16, &w0, &w1);
+                        }
+                        _mm256_store_si256((__m256i *)(dst + b * QK), w0);
+                        _mm256_store_si256((__m256i *)(dst + b * QK + 16), w1);
+                    }
+                    wu[c] = dst;
+                }
+            }
+            for (int m = 0; m < M; m++) {
+                float out[NT];
+                dot_tile(r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb, nb,
+                         buffered ? wu : NULL, wn, wdc, wm ? wmc : NULL, q8, prod, out);
+                float *yr = y + (size_t)m * N + n0;
+                for (int c = 0; c < NT; c++) yr[c] = bias ? out[c] + bias[n0 + c] : out[c];
+            }
+        }
+        free(buf);
+        free(prod);
+    }
+    free_rows(&r);
+    return failed ? -1 : 0;
+}
+
+int tl_q4_linear(const float *x, int M, int K, int N, const uint8_t *wq, const float *wd, const float *wm,
+                 const float *bias, float *y, int nthreads) {
+    return linear(x, M, K, N, wq, wd, wm, bias, y, nthreads, 0);
+}
+
+int tl_q8_linear(const float *x, int M, int K, int N, const int8_t *wq, const float *wd, const float *bias,
+                 float *y, int nthreads) {
+    return linear(x, M, K, N, (const uint8_t *)wq, wd, NULL, bias, y, nthreads, 1);
+}
+
+// ---- elementwise ops, float32 ------------------------------------------------------------
+
+// exp(x) for 8 floats: 2^n * p(f) with n = round(x / ln 2), f = x - n ln 2 (two-part ln 2),
+// p a degree-6 polynomial (Cephes expf); relative error ~2e-7. Below -87.3 gives 0.
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+void tl_exp(const float *x, float *y, int n) {  // for tests of exp8
+    for (int i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
+}
+
+// residual_out = x + residual (residual NULL: x itself); out = residual_out / rms * weight.
+// Rows of D (D % 8 == 0), contiguous.
+void tl_add_rms_norm(const float *x, const float *residual, const float *weight, float eps, int T, int D,
+                     float *out, float *residual_out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * D;
+        float *rr = residual_out + (size_t)t * D;
+        __m256 ss = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            if (residual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + (size_t)t * D + i));
+            if (residual_out != x) _mm256_storeu_ps(rr + i, v);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)D + eps));
+        const float *src = residual_out == x ? xr : rr;
+        for (int i = 0; i < D; i += 8)
+            _mm256_storeu_ps(out + (size_t)t * D + i,
+                             _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + i), r), _mm256_loadu_ps(weight + i)));
+    }
+}
+
+// out[t, :I] = silu(x[t, :I]) * x[t, I:2I]; I % 8 == 0.
+void tl_silu_and_mul(const float *x, int T, int I, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
+    for (int t = 0; t < T; t++) {
+        const float *g = x + (size_t)t * 2 * I, *u = g + I;
+        float *o = out + (size_t)t * I;
+        for (int i = 0; i < I; i += 8) {
+            __m256 a = _mm256_loadu_ps(g + i);
+            __m256 s = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), a))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+// Neox rotary embedding in place on x [T, heads, D] (row stride in floats; heads contiguous
+// at stride D): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, (cos, sin) = cos_sin[pos] halves.
+void tl_rotary(float *x, int T, int heads, int D, long row_stride, const int64_t *positions,
+               const float *cos_sin, int nthreads) {
+    const int half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_sin + positions[t] * D, *s = c + half;
+        for (int h = 0; h < heads; h++) {
+            float *x1 = x + t * row_stride + (size_t)h * D, *x2 = x1 + half;
+            int i = 0;
+            for (; i + 8 <= half; i += 8) {
+                __m256 a = _mm256_loadu_ps(x1 + i), b = _mm256_loadu_ps(x2 + i);
+                __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+                _mm256_storeu_ps(x1 + i, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
+                _mm256_storeu_ps(x2 + i, _mm256_fmadd_ps(b, cv, _mm256_mul_ps(a, sv)));
+            }
+            for (; i < half; i++) {
+                float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+// ---- paged attention, float32 -----------------------------------------------------------
+
+// k/v [T, kv_heads, D] (row strides in floats) into the caches [blocks, block_size, kv_heads, D]
+// at slot_mapping[t] (negative: padding, skipped).
+void tl_kv_write(const float *k, long k_stride, const float *v, long v_stride, int T, int kv_heads, int D,
+                 const int64_t *slot_mapping, float *k_cache, float *v_cache) {
+    const size_t n = (size_t)kv_heads * D;
+    for (int t = 0; t < T; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * n, k + t * k_stride, n * sizeof(float));
+        memcpy(v_cache + slot * n, v + t * v_stride, n * sizeof(float));
+    }
+}
+
+// scores[g][j] = scale * q_g . k_j for the group's query heads over context tokens j < ctx.
+// Four partial sums per dot product keep the FMA latency chains short. Inlined with a
+// constant D (64, 128), the loops unroll.
+static inline __attribute__((always_inline)) void qk_scores(
+        const float *qh, const float *k_cache, const int32_t *table, int ctx, int block_size, size_t kv_row,
+        int kvh, int group, int D, float scale, float *scores, int ctx_pad) {
+    for (int j = 0; j < ctx; j++) {
+        const float *kr = k_cache + ((size_t)table[j / block_size] * block_size + j % block_size) * kv_row + (size_t)kvh * D;
+        for (int g = 0; g < group; g++) {
+            const float *qg = qh + (size_t)g * D;
+            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            int i = 0;
+            for (; i + 32 <= D; i += 32) {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(kr + i + 8), s1);
+                s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 16), _mm256_loadu_ps(kr + i + 16), s2);
+                s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 24), _mm256_loadu_ps(kr + i + 24), s3);
+            }
+            for (; i < D; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), s0);
+            scores[(size_t)g * ctx_pad + j] = hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3))) * scale;
+        }
+    }
+}
+
+// acc[g] = sum_j p[g][j] v_j, head by head, the accumulator in registers for D <= 128.
+static inline __attribute__((always_inline)) void pv_sum(
+        const float *v_cache, const int32_t *table, int ctx, int block_size, size_t kv_row, int kvh, int group,
+        int D, const float *scores, int ctx_pad, float *acc) {
+    for (int g = 0; g < group; g++) {
+        const float *pg = scores + (size_t)g * ctx_pad;
+        float *ag = acc + (size_t)g * D;
+        for (int i0 = 0; i0 < D; i0 += 128) {  // 16 registers of 8 lanes at a time
+            const int n = (D - i0) < 128 ? (D - i0) / 8 : 16;
+            __m256 a[16];
+            for (int r = 0; r < 16; r++) a[r] = _mm256_setzero_ps();
+            for (int j = 0; j < ctx; j++) {
+                const float *vr = v_cache + ((size_t)table[j / block_size] * block_size + j % block_size) * kv_row
+                                  + (size_t)kvh * D + i0;
+                const __m256 p = _mm256_broadcast_ss(pg + j);
+                for (int r = 0; r < 16; r++)
+                    if (r < n) a[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * r), a[r]);
+            }
+            for (int r = 0; r < 16; r++)
+                if (r < n) _mm256_storeu_ps(ag + i0 + 8 * r, a[r]);
+        }
+    }
+}
+
+// Causal attention of every query token over its sequence's paged context. q [T, H, D] and
+// out [T, H, D] with row strides in floats (heads at stride D); sequence b owns tokens
+// query_start_loc[b] .. query_start_loc[b+1] - 1, the last of its seq_lens[b] context
+// tokens. One work item is (token, KV head): the GROUP query heads that share the KV head
+// read each K/V row once. Each item's arithmetic is fixed by its own context alone, so a
+// token's result does not depend on the batch. Returns 0, or -1 out of memory.
+int tl_paged_attention(const float *q, long q_stride, float *out, long out_stride, const float *k_cache,
+                       const float *v_cache, const int32_t *query_start_loc, const int32_t *seq_lens,
+                       const int32_t *block_tables, long bt_stride, int B, int H, int kv_heads, int D,
+                       int block_size, float scale, int nthreads) {
+    const int T = query_start_loc[B];
+    const int group = H / kv_heads;
+    int max_ctx = 1;
+    for (int b = 0; b < B; b++) max_ctx = seq_lens[b] > max_ctx ? seq_lens[b] : max_ctx;
+    const int ctx_pad = (max_ctx + 7) & ~7;
+    const size_t kv_row = (size_t)kv_heads * D;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)group * ctx_pad);
+        float *acc = (float *)malloc(sizeof(float) * (size_t)group * D);
+        if (!scores || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < (long)T * kv_heads; item++) {
+            if (!scores || !acc) continue;
+            const int t = (int)(item / kv_heads), kvh = (int)(item % kv_heads);
+            int lo = 0, hi = B - 1;  // the sequence of token t: query_start_loc[b] <= t < [b + 1]
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+            }
+            const int b = lo;
+            const int ctx = seq_lens[b] - (query_start_loc[b + 1] - 1 - t);  // causal: up to itself
+            const int32_t *table = block_tables + (size_t)b * bt_stride;
+            const float *qh = q + t * q_stride + (size_t)kvh * group * D;
+            if (D == 64)
+                qk_scores(qh, k_cache, table, ctx, block_size, kv_row, kvh, group, 64, scale, scores, ctx_pad);
+            else if (D == 128)
+                qk_scores(qh, k_cache, table, ctx, block_size, kv_row, kvh, group, 128, scale, scores, ctx_pad);
+            else
+                qk_scores(qh, k_cache, table, ctx, block_size, kv_row, kvh, group, D, scale, scores, ctx_pad);
+            for (int g = 0; g < group; g++) {
+                float *sg = scores + (size_t)g * ctx_pad;
+                float mx = sg[0];
+                for (int j = 1; j < ctx; j++) mx = sg[j] > mx ? sg[j] : mx;
+                const int ctx8 = ctx & ~7;
+                const __m256 mv = _mm256_set1_ps(mx);
+                __m256 sum = _mm256_setzero_ps();
+                for (int j = 0; j < ctx8; j += 8) {
+                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mv));
+                    _mm256_storeu_ps(sg + j, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                float total = hsum8(sum);
+                if (ctx8 < ctx) {  // the tail through the same exp8, padded with -inf (exp 0)
+                    float tail[8];
+                    for (int j = 0; j < 8; j++) tail[j] = ctx8 + j < ctx ? sg[ctx8 + j] - mx : -INFINITY;
+                    __m256 e = exp8(_mm256_loadu_ps(tail));
+                    _mm256_storeu_ps(tail, e);
+                    for (int j = ctx8; j < ctx; j++) sg[j] = tail[j - ctx8], total += tail[j - ctx8];
+                }
+                const float inv = 1.0f / total;
+                for (int j = 0; j < ctx; j++) sg[j] *= inv;
+            }
+            if (D == 64)
+                pv_sum(v_cache, table, ctx, block_size, kv_row, kvh, group, 64, scores, ctx_pad, acc);
+            else if (D == 128)
+                pv_sum(v_cache, table, ctx, block_size, kv_row, kvh, group, 128, scores, ctx_pad, acc);
+            else
+                pv_sum(v_cache, table, ctx, block_size, kv_row, kvh, group, D, scores, ctx_pad, acc);
+            for (int g = 0; g < group; g++)
+                memcpy(out + t * out_stride + ((size_t)kvh * group + g) * D, acc + (size_t)g * D, sizeof(float) * D);
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,182 @@
+"""tallow's own CPU kernels (tallow/ops/cpu/kernels.c) against torch references: the block-
+quantized linear layers (Q4Linear, Q8Linear) emulated exactly in float64, batch invariance,
+the GGUF's Q4_1 weights held bit for bit, the elementwise ops, and the fallback to torch's
+kernels when the native ones cannot be built."""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tallow.models import quant
+from tallow.models.quant import GROUP_SIZE, Int4Linear, Int8Linear, Q4Linear, Q8Linear, quantize_model_
+from tallow.ops import cpu_native
+
+pytestmark = pytest.mark.skipif(cpu_native.lib() is None,
+                                reason=f"no CPU kernels: {cpu_native.unavailable_reason()}")
+
+
+def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g) * 0.1
+
+
+def emulated(layer, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: x quantized to int16 per block of 32 (scale
+    max|x| / 32767, round half to even) times the layer's dequantized weights."""
+    groups = x.float().reshape(x.shape[0], -1, GROUP_SIZE)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767 / amax, 0.0)
+    xq = (groups * inv).round() * (amax / 32767)
+    y = xq.reshape(x.shape).double() @ layer.dequantized_weight().double().T
+    return (y if layer.bias is None else y + layer.bias.double()).float()
+
+
+@pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
+@pytest.mark.parametrize("rows", [1, 3, 4, 37], ids=["gemv", "few", "tiled", "many"])
+def test_linear_matches_exact_emulation(cls, rows):
+    w, bias = random_weight(96, 160), torch.randn(96)
+    layer = cls(w, bias)
+    x = torch.randn(rows, 160) * torch.logspace(-3, 1, 160)  # blocks of very different scales
+    y = layer(x)
+    assert y.shape == (rows, 96) and y.dtype == torch.float32
+    ref = emulated(layer, x)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
+def test_linear_close_to_float_weights(cls):
+    w = random_weight(64, 256)
+    x = torch.randn(5, 256)
+    err = ((cls(w)(x) - x @ w.T).norm() / (x @ w.T).norm()).item()
+    assert err < {Q4Linear: 0.1, Q8Linear: 0.01}[cls]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
+def test_linear_rows_do_not_depend_on_the_batch(cls, threads):
+    """Rows alone, in small (registers) and large (unpacked tile) batches: bit for bit equal."""
+    layer = cls(random_weight(128, 192), torch.randn(128))
+    x = torch.randn(40, 192)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full = layer(x)
+        for rows in (1, 2, 3, 4, 5, 16, 33):
+            assert torch.equal(layer(x[:rows]), full[:rows]), rows
+        assert torch.equal(layer(x[7:8]), full[7:8])
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_linear_zero_rows_and_zero_blocks():
+    layer = Q4Linear(random_weight(16, 64))
+    assert layer(torch.empty(0, 64)).shape == (0, 16)
+    x = torch.zeros(2, 64)
+    x[1, 40] = 3.0  # one zero block and one block with a single value
+    torch.testing.assert_close(layer(x), emulated(layer, x), rtol=1e-5, atol=1e-6)
+
+
+def test_q4_holds_its_grid_exactly():
+    """Weights already on a Q4_1 grid (d * q + m per group, q in 0..15) come back exactly,
+    a constant group (d = 0) included."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (8, 64), generator=g)
+    q[:, 0], q[:, 1] = 0, 15
+    d = torch.rand(8, 2, generator=g).half().float()
+    m = torch.randn(8, 2, generator=g).half().float()
+    w = (q.view(8, 2, 32) * d[..., None] + m[..., None]).view(8, 64)
+    w[:, 32:] = 0.5
+    assert torch.equal(Q4Linear(w).dequantized_weight(), w)
+
+
+def test_q4_holds_gguf_q4_1_weights_exactly():
+    from test_quant import gguf_rows
+
+    import gguf
+
+    tensors = gguf_rows(["blk.0.attn_q.weight", "blk.7.ffn_down.weight"], rows=64)
+    for name, (kind, w) in tensors.items():
+        assert kind == gguf.GGMLQuantizationType.Q4_1, name
+        assert torch.equal(Q4Linear(w).dequantized_weight(), w), name
+
+
+@pytest.mark.parametrize("cls,shape", [(Q4Linear, (16, 48)), (Q4Linear, (18, 64)), (Q8Linear, (16, 40))])
+def test_rejects_shapes_the_kernel_cannot_take(cls, shape):
+    with pytest.raises(ValueError):
+        cls(torch.randn(shape))
+
+
+# ---- elementwise ops ---------------------------------------------------------------------
+
+def test_exp8_accuracy():
+    x = torch.linspace(-100, 80, 4096)
+    y = torch.empty_like(x)
+    cpu_native.lib().tl_exp(x.data_ptr(), y.data_ptr(), x.numel())
+    ref = x.double().exp()
+    rel = ((y.double() - ref).abs() / ref.clamp_min(1e-300))[x > -87]
+    assert rel.max() < 1e-6
+    assert (y[x < -87.4] == 0).all()
+
+
+def test_add_rms_norm_matches_torch():
+    x, res, w = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
+    out, new_res = cpu_native.add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(new_res, x + res, rtol=0, atol=0)
+    torch.testing.assert_close(out, F.rms_norm(x + res, (64,), w, 1e-5), rtol=1e-6, atol=1e-6)
+    alone, same = cpu_native.add_rms_norm(x, None, w, 1e-5)
+    assert same is x
+    torch.testing.assert_close(alone, F.rms_norm(x, (64,), w, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+def test_silu_and_mul_matches_torch():
+    x = torch.randn(7, 96) * 4
+    torch.testing.assert_close(cpu_native.silu_and_mul(x), F.silu(x[:, :48]) * x[:, 48:], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 24], ids=["vector", "scalar-tail"])
+def test_rotary_matches_the_torch_reference(head_dim):
+    from tallow.models.layers import RotaryEmbedding, apply_rope
+
+    rope = RotaryEmbedding(head_dim, 256, 10000.0, None)
+    positions = torch.tensor([0, 5, 17, 255])
+    qkv = torch.randn(4, 7 * head_dim + 3)  # rows at a stride, as q and k are views of qkv
+    x = qkv[:, : 6 * head_dim].view(4, 6, head_dim)
+    ref = apply_rope(x.clone(), *rope(positions, torch.float32))
+    cpu_native.rotary_(x, positions, rope.cos_sin_cache)
+    torch.testing.assert_close(x, ref, rtol=1e-6, atol=1e-6)
+
+
+# ---- model-level wiring and fallback -----------------------------------------------------------
+
+def test_quantize_model_uses_the_native_layers_and_falls_back(monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 24), nn.Linear(24, 16))
+    assert quantize_model_(model, "int4") == "int4"
+    assert [type(m) for m in model] == [Q4Linear, Q4Linear, quant.Bf16Linear]
+    model = nn.Sequential(nn.Linear(64, 32))
+    assert quantize_model_(model, "int8") == "int8" and type(model[0]) is Q8Linear
+    # Without the kernels (no compiler, an older CPU), the same schemes use torch's kernels.
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 24))
+    assert quantize_model_(model, "int4") == "int4"
+    assert [type(m) for m in model] == [Int4Linear, Int8Linear]
+
+
+def test_kernels_link_torchs_openmp_runtime():
+    """The kernels bind the libgomp.so.1 torch loaded, not a second OpenMP runtime (whose
+    threads would compete with torch's pool for the cores): a fresh process maps one."""
+    code = ("import torch; from tallow.ops import cpu_native; assert cpu_native.lib() is not None; "
+            "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    mapped = ast.literal_eval(out.strip().splitlines()[-1])
+    assert len(mapped) == 1 and mapped[0].startswith(os.path.dirname(torch.__file__)), mapped
+    assert ctypes.CDLL(cpu_native.lib()._name).tl_abi_version() == cpu_native.ABI_VERSION
