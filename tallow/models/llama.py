@@ -135,6 +135,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed(input_ids)
+        fused = self._cpu_fused() if h.device.type == "cpu" else None
+        if fused is not None:  # every layer in one call of tallow's CPU kernels
+            h, residual = fused.forward(h, positions, self.rotary_emb.cos_sin_cache, kv_caches, meta)
+            return fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
         if h.is_cuda or hasattr(self.layers[0].self_attn.backend, "forward_rotary"):
             rope = (positions, self.rotary_emb.cos_sin_cache)  # the kernels read the float32 table
         else:
@@ -143,6 +147,18 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, rope, kv_cache, meta)
         return fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
+
+    def _cpu_fused(self):
+        """FusedCpuLayers for this model as it is now (its projections and attention backend),
+        or None where the module path must run; rebuilt when either changes."""
+        key = (id(self.layers[0].self_attn.backend), id(self.layers[0].self_attn.qkv_proj))
+        cached = self.__dict__.get("_fused")
+        if cached is None or cached[0] != key:
+            from tallow.models.cpu_fused import FusedCpuLayers
+
+            cached = (key, FusedCpuLayers(self) if FusedCpuLayers.supported(self) else None)
+            self.__dict__["_fused"] = cached
+        return cached[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel is None:

@@ -187,32 +187,50 @@ class Int4Linear(_QuantizedLinear):
 
 class _NativeBlockLinear(nn.Module):
     """Block-quantized weights (groups of 32 inputs) run by tallow's own CPU kernels
-    (tallow/ops/cpu/kernels.c): float32 in and out, activations quantized to int8 per block of
-    32 inside the kernel, exact integer dot products per block. A row's result does not
-    depend on the batch."""
+    (tallow/ops/cpu/kernels.c): float32 in and out, activations quantized to int16 per block
+    of 32 inside the kernel, exact integer dot products per block. A row's result does not
+    depend on the batch.
+
+    A decode step calls ~120 of these on one row each: the kernel and the weights' addresses
+    are kept as plain attributes (refreshed when the buffers move, see _apply), so a call
+    costs one allocation and one ctypes call."""
+
+    _kernel = ""  # the C function's name
+    _weight_buffers: tuple[str, ...] = ()  # buffers passed to it, in order (None entries: NULL)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self._lib = cpu_native.lib()
-        if self._lib is None:
+        lib = cpu_native.lib()
+        if lib is None:
             raise RuntimeError(f"tallow's CPU kernels are unavailable: {cpu_native.unavailable_reason()}")
+        self._fn = getattr(lib, self._kernel)
         self.out_features, self.in_features = weight.shape
         if not native_fits(weight):
             raise ValueError(f"{type(self).__name__} needs in_features divisible by {GROUP_SIZE} and "
                              f"out_features by {NATIVE_OUT_MULTIPLE}, got {tuple(weight.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._ptrs: tuple[int | None, ...] = ()
+
+    def _set_pointers(self) -> None:
+        tensors = [getattr(self, name) for name in self._weight_buffers] + [self.bias]
+        assert all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+        self._ptrs = tuple(None if t is None else t.data_ptr() for t in tensors)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._set_pointers()
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
-        y = torch.empty(rows.shape[0], self.out_features)
-        if rows.shape[0] and self._run(rows, y, torch.get_num_threads()):
-            raise MemoryError(f"{type(self).__name__}: out of memory for {rows.shape[0]} rows")
+        m = rows.shape[0]
+        y = torch.empty(m, self.out_features)
+        if m and self._fn(rows.data_ptr(), m, self.in_features, self.out_features, *self._ptrs, y.data_ptr(),
+                          torch.get_num_threads()):
+            raise MemoryError(f"{type(self).__name__}: out of memory for {m} rows")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-
-    def _bias_ptr(self) -> int | None:
-        return None if self.bias is None else self.bias.data_ptr()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -221,6 +239,9 @@ class _NativeBlockLinear(nn.Module):
 class Q4Linear(_NativeBlockLinear):
     """4-bit weights, GGUF's Q4_1: w = d * q + m per group of 32, q in 0..15, d and m float32,
     so a Q4_1 tensor of a GGUF file is held exactly (the min/max fit recovers q, d and m)."""
+
+    _kernel = "tl_q4_linear"
+    _weight_buffers = ("qweight", "d", "m")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight, bias)
@@ -236,11 +257,7 @@ class Q4Linear(_NativeBlockLinear):
         self.register_buffer("qweight", qweight)
         self.register_buffer("d", d)
         self.register_buffer("m", m)
-
-    def _run(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> int:
-        return self._lib.tl_q4_linear(x.data_ptr(), x.shape[0], self.in_features, self.out_features,
-                                      self.qweight.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
-                                      self._bias_ptr(), y.data_ptr(), threads)
+        self._set_pointers()
 
     def dequantized_weight(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
@@ -251,6 +268,9 @@ class Q4Linear(_NativeBlockLinear):
 
 class Q8Linear(_NativeBlockLinear):
     """8-bit weights, GGUF's Q8_0: w = d * q per group of 32, q in -127..127, d float32."""
+
+    _kernel = "tl_q8_linear"
+    _weight_buffers = ("qweight", "d", "m")  # m: always None (no offsets)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight, bias)
@@ -265,11 +285,8 @@ class Q8Linear(_NativeBlockLinear):
             d[rows] = scale
         self.register_buffer("qweight", qweight)
         self.register_buffer("d", d)
-
-    def _run(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> int:
-        return self._lib.tl_q8_linear(x.data_ptr(), x.shape[0], self.in_features, self.out_features,
-                                      self.qweight.data_ptr(), self.d.data_ptr(), self._bias_ptr(),
-                                      y.data_ptr(), threads)
+        self.m = None
+        self._set_pointers()
 
     def dequantized_weight(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features

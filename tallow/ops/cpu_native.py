@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "kernels.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-ABI_VERSION = 2
+ABI_VERSION = 4
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 
 _lock = threading.Lock()
@@ -36,7 +36,7 @@ _error: str | None = None
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "tl_q4_linear": ([_p, _i, _i, _i, _p, _p, _p, _p, _p, _i], _i),
-    "tl_q8_linear": ([_p, _i, _i, _i, _p, _p, _p, _p, _i], _i),
+    "tl_q8_linear": ([_p, _i, _i, _i, _p, _p, _p, _p, _p, _i], _i),
     "tl_exp": ([_p, _p, _i], None),
     "tl_add_rms_norm": ([_p, _p, _p, _f, _i, _i, _p, _p, _i], None),
     "tl_silu_and_mul": ([_p, _i, _i, _p, _i], None),
@@ -121,11 +121,13 @@ def unavailable_reason() -> str | None:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels can take these tensors: float32, on the CPU, rows contiguous,
-    the last dimension a multiple of 8."""
-    if lib() is None:
-        return False
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1
-               and t.shape[-1] % 8 == 0 for t in tensors)
+    the last dimension a multiple of 8. (Called per op in the decode loop: kept cheap.)"""
+    if _lib is None:
+        return lib() is not None and usable(*tensors)
+    for t in tensors:
+        if t.dtype is not torch.float32 or t.is_cuda or t.stride(-1) != 1 or t.shape[-1] % 8:
+            return False
+    return True
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

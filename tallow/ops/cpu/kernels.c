@@ -27,7 +27,7 @@
 #define QK 32
 #define NT 4
 
-int tl_abi_version(void) { return 2; }
+int tl_abi_version(void) { return 4; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -215,8 +215,9 @@ int tl_q4_linear(const float *x, int M, int K, int N, const uint8_t *wq, const f
     return linear(x, M, K, N, wq, wd, wm, bias, y, nthreads, 0);
 }
 
-int tl_q8_linear(const float *x, int M, int K, int N, const int8_t *wq, const float *wd, const float *bias,
-                 float *y, int nthreads) {
+int tl_q8_linear(const float *x, int M, int K, int N, const int8_t *wq, const float *wd, const float *unused_wm,
+                 const float *bias, float *y, int nthreads) {
+    (void)unused_wm;  // the same signature as tl_q4_linear
     return linear(x, M, K, N, (const uint8_t *)wq, wd, NULL, bias, y, nthreads, 1);
 }
 
@@ -453,4 +454,54 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         free(acc);
     }
     return failed ? -1 : 0;
+}
+
+// ---- one Llama decoder layer in one call ------------------------------------------------------
+
+typedef struct {
+    const void *w;  // Q4 nibbles [n, k/2] or Q8 int8 [n, k]
+    const float *d, *m, *bias;  // m: Q4 only; bias may be NULL
+    int q8, n, k;
+} tl_proj;
+
+typedef struct {
+    tl_proj qkv, o, gate_up, down;
+    const float *in_norm, *post_norm;
+    float eps, scale;
+    int hidden, heads, kv_heads, head_dim, inter;
+} tl_layer;
+
+typedef struct {
+    int T, B, block_size;
+    long bt_stride;
+    const int64_t *positions, *slot_mapping;
+    const float *cos_sin;
+    const int32_t *query_start_loc, *seq_lens, *block_tables;
+    float *x, *qkv, *attn, *gate_up, *act;  // scratch: [T, hidden], [T, qkv], [T, heads*D], [T, 2I], [T, I]
+} tl_step;
+
+static int proj(const tl_proj *p, const float *x, int M, float *y, int nthreads) {
+    return linear(x, M, p->k, p->n, (const uint8_t *)p->w, p->d, p->q8 ? NULL : p->m, p->bias, y, nthreads, p->q8);
+}
+
+// LlamaDecoderLayer.forward on float32 rows: (h, residual) -> (mlp output in h, residual).
+// first: residual is not yet set (the first layer): residual = h.
+int tl_llama_layer(const tl_layer *L, const tl_step *S, float *k_cache, float *v_cache, float *h, float *residual,
+                   int first, int nthreads) {
+    const int T = S->T, D = L->head_dim, q_dim = L->heads * D, kv_dim = L->kv_heads * D;
+    const long qkv_stride = q_dim + 2 * kv_dim;
+    tl_add_rms_norm(h, first ? NULL : residual, L->in_norm, L->eps, T, L->hidden, S->x, residual, nthreads);
+    if (proj(&L->qkv, S->x, T, S->qkv, nthreads)) return -1;
+    tl_rotary(S->qkv, T, L->heads + L->kv_heads, D, qkv_stride, S->positions, S->cos_sin, nthreads);
+    tl_kv_write(S->qkv + q_dim, qkv_stride, S->qkv + q_dim + kv_dim, qkv_stride, T, L->kv_heads, D, S->slot_mapping,
+                k_cache, v_cache);
+    if (tl_paged_attention(S->qkv, qkv_stride, S->attn, q_dim, k_cache, v_cache, S->query_start_loc, S->seq_lens,
+                           S->block_tables, S->bt_stride, S->B, L->heads, L->kv_heads, D, S->block_size, L->scale,
+                           nthreads))
+        return -1;
+    if (proj(&L->o, S->attn, T, h, nthreads)) return -1;
+    tl_add_rms_norm(h, residual, L->post_norm, L->eps, T, L->hidden, S->x, residual, nthreads);
+    if (proj(&L->gate_up, S->x, T, S->gate_up, nthreads)) return -1;
+    tl_silu_and_mul(S->gate_up, T, L->inter, S->act, nthreads);
+    return proj(&L->down, S->act, T, h, nthreads);
 }

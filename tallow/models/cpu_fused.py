@@ -1,0 +1,119 @@
+"""The CPU fast path of LlamaModel: each decoder layer in one call of tallow's kernels.
+
+A layer run module by module makes about nine kernel calls from Python (norms, four
+projections, rotary, KV write, attention, silu*mul), each paying Python and ctypes overhead
+that on a small model at batch 1 rivals the kernels themselves. tl_llama_layer
+(tallow/ops/cpu/kernels.c) runs the same calls, in the same order and with the same
+arithmetic as the module path over the same kernels, from C: one call per layer.
+
+It applies when the model runs on the CPU in float32 with tallow's kernels throughout:
+every projection a Q4Linear or Q8Linear, attention through CpuAttentionBackend, no q/k norm
+(Qwen3) and no tensor parallelism. Otherwise LlamaModel runs its modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.ops import cpu_native
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("q8", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+                ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("inter", ctypes.c_int)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("T", ctypes.c_int), ("B", ctypes.c_int), ("block_size", ctypes.c_int), ("bt_stride", ctypes.c_long),
+                ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
+                ("query_start_loc", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
+                ("x", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("attn", ctypes.c_void_p),
+                ("gate_up", ctypes.c_void_p), ("act", ctypes.c_void_p)]
+
+
+def _proj(linear) -> _Proj:
+    from tallow.models.quant import Q8Linear
+
+    q8 = isinstance(linear, Q8Linear)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return _Proj(linear.qweight.data_ptr(), linear.d.data_ptr(), None if q8 else linear.m.data_ptr(),
+                 ptr(linear.bias), int(q8), linear.out_features, linear.in_features)
+
+
+class FusedCpuLayers:
+    """The decoder layers of a LlamaModel as tl_llama_layer descriptors (weight addresses,
+    shapes). Build it after quantization; the model's weights must not move afterwards."""
+
+    @staticmethod
+    def supported(model) -> bool:
+        from tallow.engine.attention.cpu_backend import CpuAttentionBackend
+        from tallow.models.quant import Q4Linear, Q8Linear
+
+        if cpu_native.lib() is None or model.parallel is not None:
+            return False
+        native = (Q4Linear, Q8Linear)
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qk_norm or not isinstance(attn.backend, CpuAttentionBackend):
+                return False
+            if not all(isinstance(p, native) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+                return False
+            if any(w.dtype != torch.float32 or w.device.type != "cpu"
+                   for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)):
+                return False
+        hidden = model.layers[0].input_layernorm.weight.shape[0]
+        inter = model.layers[0].mlp.down_proj.in_features
+        return hidden % 8 == 0 and inter % 8 == 0 and model.layers[0].self_attn.head_dim % 8 == 0
+
+    def __init__(self, model) -> None:
+        self._fn = cpu_native.lib().tl_llama_layer
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+        self.layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                _proj(attn.qkv_proj), _proj(attn.o_proj), _proj(mlp.gate_up_proj), _proj(mlp.down_proj),
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                layer.input_layernorm.eps, attn.scale, layer.input_layernorm.weight.shape[0], attn.num_heads,
+                attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features))
+        first = self.layers[0]
+        self.q_dim, self.kv_dim = first.heads * first.head_dim, first.kv_heads * first.head_dim
+        self.hidden, self.inter = first.hidden, first.inter
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) after the last layer, as the module path's loop returns them."""
+        T = h.shape[0]
+        h = h.float().contiguous()  # the embedding lookup's fresh tensor: written in place
+        residual = torch.empty_like(h)
+        scratch = torch.empty(T * (self.hidden + self.q_dim + 2 * self.kv_dim + self.q_dim + 3 * self.inter))
+        sizes = [self.hidden, self.q_dim + 2 * self.kv_dim, self.q_dim, 2 * self.inter, self.inter]
+        parts = scratch.split([T * n for n in sizes])
+        positions = positions.contiguous()
+        tables = meta.block_tables
+        assert positions.dtype == meta.slot_mapping.dtype == torch.int64 and tables.dtype == torch.int32
+        assert tables.stride(1) == 1 and meta.query_start_loc.is_contiguous() and meta.seq_lens.is_contiguous()
+        step = _Step(T, meta.seq_lens.shape[0], kv_caches[0][0].shape[1], tables.stride(0), positions.data_ptr(),
+                     meta.slot_mapping.data_ptr(), cos_sin_cache.data_ptr(), meta.query_start_loc.data_ptr(),
+                     meta.seq_lens.data_ptr(), tables.data_ptr(), *(p.data_ptr() for p in parts))
+        step_ref, threads = ctypes.byref(step), torch.get_num_threads()
+        hp, rp = h.data_ptr(), residual.data_ptr()
+        fn = self._fn
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            if fn(ctypes.byref(layer), step_ref, k_cache.data_ptr(), v_cache.data_ptr(), hp, rp, int(i == 0), threads):
+                raise MemoryError("tl_llama_layer: out of memory for its workspace")
+        return h, residual
