@@ -125,3 +125,37 @@ def test_rotary_with_kv_write_equals_rotary_then_write(where, heads):
         torch.testing.assert_close(k_cache.view(-1, num_kv_heads, head_dim).double(), want_k.double(),
                                    atol=tol, rtol=tol)
         assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim), want_v)
+
+
+@pytest.mark.parametrize("where", [INTERPRETER, CUDA])
+@pytest.mark.parametrize("shape", [(96, 160), (4096, 4096), (30, 1000)], ids=["small", "o_proj", "ragged"])
+def test_triton_gemv_matches_float64(where, shape):
+    from tallow.ops.triton_gemv import triton_gemv
+
+    if where == "cpu" and shape[0] > 1000:
+        pytest.skip("large shapes only on the GPU")
+    g = torch.Generator().manual_seed(0)
+    N, K = shape
+    dtypes = [torch.float32] if where == "cpu" else [torch.float32, torch.bfloat16]
+    for dtype in dtypes:
+        w = (torch.randn(N, K, generator=g) * 0.05).to(where, dtype)
+        x, bias = torch.randn(1, K, generator=g).to(where, dtype), torch.randn(N, generator=g).to(where, dtype)
+        for b in (None, bias):
+            ref = x.double() @ w.double().T + (0 if b is None else b.double())
+            y = triton_gemv(x, w, b)
+            assert y.shape == (1, N) and y.dtype == dtype
+            err = (y.double() - ref).abs().max().item()
+            assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), (dtype, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_row_linear_uses_the_gemv_only_for_one_row_on_cuda():
+    from torch import nn
+
+    from tallow.models.llama import one_row_linear
+
+    layer = nn.Linear(256, 64).cuda()
+    x = torch.randn(3, 256, device="cuda")
+    torch.testing.assert_close(one_row_linear(layer, x[:1]), layer(x[:1]), rtol=1e-4, atol=1e-4)
+    assert torch.equal(one_row_linear(layer, x), layer(x))

@@ -36,6 +36,17 @@ if TYPE_CHECKING:
     from tallow.distributed.group import ParallelContext
 
 
+def one_row_linear(linear: nn.Module, x: torch.Tensor, **config) -> torch.Tensor:
+    """linear(x); a single row on CUDA goes through the Triton GEMV (tallow/ops/triton_gemv.py),
+    which streams these weights faster than cuBLAS's split-K GEMM at batch 1 (the o projection
+    and the LM head of Llama-3-8B on an H200). config: the kernel's tile settings."""
+    if x.is_cuda and x.shape[0] == 1 and type(linear) is nn.Linear:
+        from tallow.ops.triton_gemv import triton_gemv
+
+        return triton_gemv(x, linear.weight, linear.bias, **config)
+    return linear(x)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: ShardLayout,
                  parallel: ParallelContext | None = None):
@@ -75,7 +86,7 @@ class LlamaAttention(nn.Module):
         else:
             qk = apply_rope(qk, *rope)
             out = self.backend.forward(qk[:, :H], qk[:, H:], v, kv_cache[0], kv_cache[1], meta, self.scale)
-        out = self.o_proj(out.view(T, -1))
+        out = one_row_linear(self.o_proj, out.view(T, -1))
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
@@ -257,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [N, vocab]; with tensor parallelism on rank 0 only (the others send
         their vocabulary slices to it and get None)."""
-        logits = self.lm_head(hidden).float()
+        logits = one_row_linear(self.lm_head, hidden, block_k=1024, num_warps=8).float()
         if self.parallel is None:
             return logits
         return self.parallel.gather_columns(logits, self.config.vocab_size)
