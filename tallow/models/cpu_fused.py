@@ -43,12 +43,11 @@ class _Step(ctypes.Structure):
 
 
 def _proj(linear) -> _Proj:
+    """A Q4Linear's or Q8Linear's descriptor: its weight addresses (qweight, d, m, bias) as it
+    passes them to its own kernel, and its shape."""
     from tallow.models.quant import Q8Linear
 
-    q8 = isinstance(linear, Q8Linear)
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    return _Proj(linear.qweight.data_ptr(), linear.d.data_ptr(), None if q8 else linear.m.data_ptr(),
-                 ptr(linear.bias), int(q8), linear.out_features, linear.in_features)
+    return _Proj(*linear._ptrs, int(isinstance(linear, Q8Linear)), linear.out_features, linear.in_features)
 
 
 class FusedCpuLayers:

@@ -43,15 +43,7 @@ def cpu_has_vnni() -> bool:
     """Whether this CPU has AVX512-VNNI or AVX-VNNI. torch._int_mm's fast int8 GEMM needs one;
     without (AVX2-only machines, e.g. AMD Zen 1-3) it falls back to a reference loop that took
     10 ms for a 17 x 576 x 1536 product (an LM head step over 300 ms)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split()
-                    return "avx512_vnni" in flags or "avx_vnni" in flags
-    except OSError:
-        pass
-    return False
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_native.cpu_flags())
 
 
 # The Int8Linear kernel: "int_mm" (exact int8 x int8 products, VNNI) or "int8pack" (int8
@@ -96,8 +88,8 @@ class _QuantizedLinear(nn.Module):
 class Int8Linear(_QuantizedLinear):
     """int8 weights with one symmetric float32 scale per output channel.
 
-    kernel "int_mm" (the default where the CPU has VNNI): the activations are quantized too, per row and in two int8 parts, x ~ s * (hi + lo / 254)
-    with s = max|x| / 127: about 15 bits of the row's range, as precise as bfloat16
+    kernel "int_mm" (the default where the CPU has VNNI): the activations are quantized too,
+    per row and in two int8 parts, x ~ s * (hi + lo / 254) with s = max|x| / 127: about 15 bits of the row's range, as precise as bfloat16
     activations (the LM head's logits agree as closely with the float32 ones), but the
     product is one int8 GEMM of 2M rows (torch._int_mm, AVX512-VNNI) whose int32 sums are
     exact: a row's result cannot depend on the batch, and many rows cost little more than

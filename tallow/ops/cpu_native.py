@@ -46,16 +46,20 @@ _SIGNATURES = {
 }
 
 
-def cpu_supported() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split())
-                    return all(flag in flags for flag in _REQUIRED_FLAGS)
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_supported() -> bool:
+    return all(flag in cpu_flags() for flag in _REQUIRED_FLAGS)
 
 
 def _cache_dir() -> str:
