@@ -162,9 +162,10 @@ class LlamaModel(nn.Module):
     def _cpu_fused(self):
         """FusedCpuLayers for this model as it is now (its projections and attention backend),
         or None where the module path must run; rebuilt when either changes."""
-        key = (id(self.layers[0].self_attn.backend), id(self.layers[0].self_attn.qkv_proj))
+        attn = self.layers[0].self_attn
+        key = (attn.backend, attn.qkv_proj)  # the objects themselves (an id could be reused)
         cached = self.__dict__.get("_fused")
-        if cached is None or cached[0] != key:
+        if cached is None or cached[0][0] is not key[0] or cached[0][1] is not key[1]:
             from tallow.models.cpu_fused import FusedCpuLayers
 
             cached = (key, FusedCpuLayers(self) if FusedCpuLayers.supported(self) else None)
