@@ -8,7 +8,10 @@ gate/up weights, so a quantizer can swap them after loading.
 The residual stream travels beside the hidden states (vLLM's layout), so that each
 residual add and the RMSNorm after it are one call of tallow.ops.fused_add_rms_norm. On
 CUDA those calls and the rotary embedding are Triton kernels (fewer launches, one pass
-over memory), as is SwiGLU's silu(gate) * up; on the CPU they are the same torch ops as a plain Llama, in the same order.
+over memory), as is SwiGLU's silu(gate) * up, and a one-row step's o projection and LM head
+run a Triton GEMV. On the CPU in float32 they are tallow's C kernels (tallow/ops/cpu), and
+with Q4/Q8 projections each whole layer is one call (tallow/models/cpu_fused.py); elsewhere
+they are the same torch ops as a plain Llama, in the same order.
 
 With tensor parallelism (a ParallelContext), each rank holds a Megatron shard
 (tallow/distributed/sharding.py): column-parallel fused qkv and gate/up, row-parallel o_proj
