@@ -77,9 +77,6 @@ class FusedCpuLayers:
 
     def __init__(self, model) -> None:
         self._fn = cpu_native.lib().tl_llama_layer
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        self._fn.restype = ctypes.c_int
         self.layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp

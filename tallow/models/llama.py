@@ -272,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [N, vocab]; with tensor parallelism on rank 0 only (the others send
         their vocabulary slices to it and get None)."""
-        logits = one_row_linear(self.lm_head, hidden, block_k=1024, num_warps=8).float()
+        logits = one_row_linear(self.lm_head, hidden, num_warps=8).float()
         if self.parallel is None:
             return logits
         return self.parallel.gather_columns(logits, self.config.vocab_size)

@@ -11,6 +11,7 @@ threads are torch's intra-op pool, not a second one competing for the cores.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -43,9 +44,11 @@ _SIGNATURES = {
     "tl_rotary": ([_p, _i, _i, _i, _l, _p, _p, _i], None),
     "tl_kv_write": ([_p, _l, _p, _l, _i, _i, _i, _p, _p, _p], None),
     "tl_paged_attention": ([_p, _l, _p, _l, _p, _p, _p, _p, _p, _l, _i, _i, _i, _i, _i, _f, _i], _i),
+    "tl_llama_layer": ([_p, _p, _p, _p, _p, _p, _i, _i], _i),
 }
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
     try:

@@ -50,13 +50,8 @@ class CpuAttentionBackend:
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """forward() with q and k not rotated yet; they are rotated in place (q and k are
-        adjacent heads of one row, as the model's fused qkv lays them out, or separate)."""
-        if k.data_ptr() == q.data_ptr() + q.shape[1] * q.shape[2] * q.element_size() and (
-                k.stride(0) == q.stride(0) or q.shape[0] == 1):
-            qk = q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
-            cpu_native.rotary_(qk, positions, cos_sin_cache)
-        else:
-            cpu_native.rotary_(q, positions, cos_sin_cache)
-            cpu_native.rotary_(k, positions, cos_sin_cache)
+        """forward() with q and k not rotated yet; they are rotated in place. (The model's hot
+        path on the CPU is tl_llama_layer, which rotates q and k of a row in one pass.)"""
+        cpu_native.rotary_(q, positions, cos_sin_cache)
+        cpu_native.rotary_(k, positions, cos_sin_cache)
         return self.forward(q, k, v, k_cache, v_cache, meta, scale)
