@@ -228,6 +228,18 @@ class _NativeBlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def _to_tiles(t: torch.Tensor, per_block: int) -> torch.Tensor:
+    """[n, blocks * per_block] per output channel -> the kernels' tiles [n / 4, blocks, 4,
+    per_block]: the blocks of 4 neighbouring channels side by side (kernels.c)."""
+    n = t.shape[0]
+    tiles = NATIVE_OUT_MULTIPLE
+    return t.view(n // tiles, tiles, -1, per_block).transpose(1, 2).contiguous()
+
+
+def _from_tiles(t: torch.Tensor, n: int, per_block: int) -> torch.Tensor:
+    return t.transpose(1, 2).reshape(n, -1)
+
+
 class Q4Linear(_NativeBlockLinear):
     """4-bit weights, GGUF's Q4_1: w = d * q + m per group of 32, q in 0..15, d and m float32,
     so a Q4_1 tensor of a GGUF file is held exactly (the min/max fit recovers q, d and m)."""
@@ -246,16 +258,17 @@ class Q4Linear(_NativeBlockLinear):
             # Each block's 16 bytes: element j in the low nibble of byte j, element j + 16 in the high one.
             q = q.view(q.shape[0], k // GROUP_SIZE, 2, GROUP_SIZE // 2).to(torch.uint8)
             qweight[rows] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], k // 2)
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("d", d)
-        self.register_buffer("m", m)
+        self.register_buffer("qweight", _to_tiles(qweight, 16))
+        self.register_buffer("d", _to_tiles(d, 1))
+        self.register_buffer("m", _to_tiles(m, 1))
         self._set_pointers()
 
     def dequantized_weight(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        lo, hi = self.qweight & 0x0F, self.qweight >> 4
+        qweight = _from_tiles(self.qweight, n, 16)
+        lo, hi = qweight & 0x0F, qweight >> 4
         q = torch.stack((lo.view(n, -1, 16), hi.view(n, -1, 16)), dim=2).view(n, -1, GROUP_SIZE).float()
-        return (q * self.d[..., None] + self.m[..., None]).view(n, k)
+        return (q * _from_tiles(self.d, n, 1)[..., None] + _from_tiles(self.m, n, 1)[..., None]).view(n, k)
 
 
 class Q8Linear(_NativeBlockLinear):
@@ -275,14 +288,15 @@ class Q8Linear(_NativeBlockLinear):
             inv = torch.where(scale > 0, 1 / scale, 0.0)
             qweight[rows] = (groups * inv[..., None]).round_().clamp_(-127, 127).reshape(-1, k).to(torch.int8)
             d[rows] = scale
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("d", d)
+        self.register_buffer("qweight", _to_tiles(qweight, GROUP_SIZE))
+        self.register_buffer("d", _to_tiles(d, 1))
         self.m = None
         self._set_pointers()
 
     def dequantized_weight(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        return (self.qweight.view(n, -1, GROUP_SIZE).float() * self.d[..., None]).view(n, k)
+        qweight = _from_tiles(self.qweight, n, GROUP_SIZE)
+        return (qweight.view(n, -1, GROUP_SIZE).float() * _from_tiles(self.d, n, 1)[..., None]).view(n, k)
 
 
 class Bf16Linear(nn.Module):

@@ -8,14 +8,16 @@
 //   Q4: w = d * q + m, q in 0..15 (GGUF's Q4_1), 16 bytes of nibbles per block: byte j
 //       holds element j in its low nibble and element j + 16 in its high nibble.
 //   Q8: w = d * q, q in -127..127 (GGUF's Q8_0).
-// d and m are float32, one per (output channel, block).
+// d and m are float32, one per (output channel, block). The weights are stored in tiles of
+// NT = 4 output channels (see linear() below).
 //
-// Every output (row, column) is computed by the same instruction sequence whatever the
-// number of rows and threads: threads split the columns, never a dot product. So a row's
-// result does not depend on what it is batched with (greedy batching invariance).
+// Every output (row, column) is computed by the same arithmetic whatever the number of rows
+// and threads: threads split the tiles of columns, never a dot product. So a row's result
+// does not depend on what it is batched with (greedy batching invariance).
 //
-// With many rows, each thread unpacks a tile of NT columns into a small buffer once and
-// runs every row against it, so the weights are read from memory once per call.
+// One row (decode) reads the nibbles straight into registers; with 4 or more rows each thread
+// unpacks a tile to int16 in a small buffer once and runs every row against it, so the
+// weights are read from memory once per call.
 
 #include <immintrin.h>
 #include <math.h>
@@ -27,7 +29,7 @@
 #define QK 32
 #define NT 4
 
-int tl_abi_version(void) { return 4; }
+int tl_abi_version(void) { return 5; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -38,9 +40,14 @@ static inline float hsum8(__m256 v) {
 }
 
 // One row of K floats (K % 32 == 0) to int16 blocks: q[K], d[K/32] (the scale) and
-// s[K/32] (d * the block's integer sum, for Q4's m term).
-static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float *s) {
+// s[K/32] (d * the block's integer sum, for Q4's m term). q4_order: each block stored as
+// [x0 x2 .. x14 | x1 x3 .. x15 | x16 x18 .. x30 | x17 x19 .. x31], the order of the int16 lanes
+// a Q4 block's nibbles give in registers (q4_block_sums); otherwise the natural order.
+static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float *s, int q4_order) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    // within each 128-bit lane: the even int16 elements, then the odd ones
+    const __m256i evens_first = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
@@ -62,17 +69,13 @@ static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float 
         // packs works within 128-bit lanes: [a0-3 b0-3 | a4-7 b4-7] -> 64-bit permute restores the order.
         __m256i i0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(_mm256_cvtps_epi32(v0), _mm256_cvtps_epi32(v1)), 0xD8);
         __m256i i1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(_mm256_cvtps_epi32(v2), _mm256_cvtps_epi32(v3)), 0xD8);
+        if (q4_order) {  // [e0-6 o1-7 | e8-14 o9-15] -> [e0-14 | o1-15]
+            i0 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(i0, evens_first), 0xD8);
+            i1 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(i1, evens_first), 0xD8);
+        }
         _mm256_storeu_si256((__m256i *)(q + b * QK), i0);
         _mm256_storeu_si256((__m256i *)(q + b * QK + 16), i1);
     }
-}
-
-// A Q4 block's 32 weights as int16: elements 0-15 (low nibbles) and 16-31 (high nibbles).
-static inline void unpack_q4(const uint8_t *nib, __m256i *w0, __m256i *w1) {
-    const __m128i t = _mm_loadu_si128((const __m128i *)nib);
-    const __m128i low = _mm_set1_epi8(0x0F);
-    *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(t, low));
-    *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(t, 4), low));
 }
 
 // Activations quantized once per call, rows in parallel.
@@ -81,7 +84,7 @@ typedef struct {
     float *d, *s;
 } qrows;
 
-static int quantize_rows(const float *x, int M, int K, int nthreads, qrows *out) {
+static int quantize_rows(const float *x, int M, int K, int nthreads, int q4_order, qrows *out) {
     const int nb = K / QK;
     out->q = (int16_t *)aligned_alloc(32, sizeof(int16_t) * ((size_t)M * K + 16));
     out->d = (float *)malloc(sizeof(float) * (size_t)M * nb);
@@ -92,75 +95,132 @@ static int quantize_rows(const float *x, int M, int K, int nthreads, qrows *out)
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 8)
     for (int m = 0; m < M; m++)
-        quantize_row_q16(x + (size_t)m * K, K, out->q + (size_t)m * K, out->d + (size_t)m * nb, out->s + (size_t)m * nb);
+        quantize_row_q16(x + (size_t)m * K, K, out->q + (size_t)m * K, out->d + (size_t)m * nb,
+                         out->s + (size_t)m * nb, q4_order);
     return 0;
 }
 
 static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s); }
 
-// sum_b a[b] * b[b] over n floats, 8 lanes then the tail, in a fixed order.
-static inline float dot_f32(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float t = hsum8(acc);
-    for (; i < n; i++) t += a[i] * b[i];
-    return t;
+// Weights are stored in tiles of NT = 4 output channels: for tile t and block b, the NT
+// channels' blocks lie side by side (Q4: 16 bytes of nibbles each, Q8: 32 int8 each), and
+// d [N/NT][nb][NT] (and Q4's m) alike, so a thread reads each tile as one sequential stream
+// and takes the NT channels' scales in one vector.
+//
+// A block's integer dot product is exact and kept as 4 int32 lanes, each the sum of a fixed
+// set of 8 of the 32 products, whichever path computes it:
+//   Q4: lane i holds elements 4i..4i+3 and 16+4i..19+4i (activations in Q4 order);
+//   Q8: lane i holds elements 2i, 2i+1, 8+2i, 9+2i and the same + 16 (natural order).
+// Each lane goes to float (exact for Q4: |sum| < 2^24) and into the channel's accumulator as
+// acc += lanes * (d_w * d_x); Q4's m term (sum_b m_b * d_x * sum(q_x)) is accumulated for the
+// NT channels in one vector; tile_out sums the lanes in a fixed order. So a row's result does
+// not depend on which path ran it, or on what else is in the batch.
+
+// Q4 from its nibbles, in registers. t's int16 lane l holds elements 2l (bits 0-3), 16+2l
+// (4-7), 2l+1 (8-11) and 17+2l (12-15); the masks take them without widening, the odd
+// elements scaled by 256, which an exact shift removes from their sums.
+static inline __m128i q4_block_sums(const uint8_t *nib, __m128i xa, __m128i xc, __m128i xb, __m128i xd) {
+    const __m128i lo = _mm_set1_epi16(0x000F), hi = _mm_set1_epi16(0x0F00);
+    const __m128i t = _mm_loadu_si128((const __m128i *)nib), s = _mm_srli_epi16(t, 4);
+    const __m128i p1 = _mm_add_epi32(_mm_madd_epi16(_mm_and_si128(t, lo), xa), _mm_madd_epi16(_mm_and_si128(s, lo), xb));
+    const __m128i p2 = _mm_add_epi32(_mm_madd_epi16(_mm_and_si128(t, hi), xc), _mm_madd_epi16(_mm_and_si128(s, hi), xd));
+    return _mm_add_epi32(p1, _mm_srai_epi32(p2, 8));  // products of 256 * e: |p2| < 2^29
 }
 
-// out[c] for c < NT: row m (quantized: xq, xd, xs) times NT columns. Column c's weights are
-// wu[c] (Q4 unpacked to int16, 32 per block) or, when wu is NULL, read from wn[c] (Q4
-// nibbles, or q8: int8 weights, widened in registers) -- the same values either way, so the
-// same result. prod: scratch of NT * nb floats for the per-block scale products.
-static inline void dot_tile(const int16_t *xq, const float *xd, const float *xs, int nb,
-                            const int16_t *const *wu, const uint8_t *const *wn, const float *const *wd,
-                            const float *const *wm, int q8, float *prod, float *out) {
-    for (int c = 0; c < NT; c++) {
-        float *pc = prod + (size_t)c * nb;
-        int b = 0;
-        for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(pc + b, _mm256_mul_ps(_mm256_loadu_ps(wd[c] + b), _mm256_loadu_ps(xd + b)));
-        for (; b < nb; b++) pc[b] = wd[c][b] * xd[b];
-    }
-    __m256 acc[NT];
-    for (int c = 0; c < NT; c++) acc[c] = _mm256_setzero_ps();
+// A Q4 block unpacked for the buffered path: [e0 e2 .. e14 | e1 .. e15 | e16 .. e30 | e17 .. e31]
+// as int16, the activations' Q4 order.
+static inline void unpack_q4(const uint8_t *nib, int16_t *dst) {
+    const __m128i lo = _mm_set1_epi16(0x000F);
+    const __m128i t = _mm_loadu_si128((const __m128i *)nib);
+    _mm_store_si128((__m128i *)dst, _mm_and_si128(t, lo));
+    _mm_store_si128((__m128i *)(dst + 8), _mm_and_si128(_mm_srli_epi16(t, 8), lo));
+    _mm_store_si128((__m128i *)(dst + 16), _mm_and_si128(_mm_srli_epi16(t, 4), lo));
+    _mm_store_si128((__m128i *)(dst + 24), _mm_srli_epi16(t, 12));
+}
+
+// 32 int16 weights (two halves of 16, either path's layout) against the matching activations.
+static inline __m128i block_sums16(__m256i w0, __m256i w1, __m256i x0, __m256i x1) {
+    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+    return _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+}
+
+static inline __m128i q8_block_sums(const int8_t *wb, __m256i x0, __m256i x1) {
+    return block_sums16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb)),
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16))), x0, x1);
+}
+
+static inline __m128 acc_block(__m128 acc, __m128i sums, const float *scale) {
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_broadcast_ss(scale), acc);
+}
+
+// The NT channels' outputs: each accumulator's lanes summed as (l0 + l2) + (l1 + l3), plus m.
+static inline __m128 tile_out(const __m128 *acc, __m128 m) {
+    const __m128 t0 = _mm_add_ps(_mm_unpacklo_ps(acc[0], acc[1]), _mm_unpackhi_ps(acc[0], acc[1]));
+    const __m128 t1 = _mm_add_ps(_mm_unpacklo_ps(acc[2], acc[3]), _mm_unpackhi_ps(acc[2], acc[3]));
+    return _mm_add_ps(_mm_add_ps(_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0)), m);
+}
+
+// One row against one tile: scales (prod[b][c] = d[b][c] * d_x[b]) and the m term first, then
+// the blocks from the packed weights (buf NULL) or from the tile unpacked to int16 (buf).
+static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *xs, int nb, const uint8_t *wt,
+                              const float *dt, const float *mt, const int16_t *buf, int q8, float *prod) {
+    __m128 m = _mm_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
-        for (int c = 0; c < NT; c++) {
-            __m256i w0, w1;
-            if (wu) {
-                w0 = _mm256_load_si256((const __m256i *)(wu[c] + b * QK));
-                w1 = _mm256_load_si256((const __m256i *)(wu[c] + b * QK + 16));
-            } else if (q8) {
-                const int8_t *wb = (const int8_t *)wn[c] + b * QK;
-                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb));
-                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
-            } else {
-                unpack_q4(wn[c] + b * 16, &w0, &w1);
-            }
-            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(prod + (size_t)c * nb + b), acc[c]);
+        _mm_store_ps(prod + NT * b, _mm_mul_ps(_mm_loadu_ps(dt + NT * b), _mm_broadcast_ss(xd + b)));
+        if (mt) m = _mm_fmadd_ps(_mm_loadu_ps(mt + NT * b), _mm_broadcast_ss(xs + b), m);
+    }
+    __m128 acc[NT];
+    for (int c = 0; c < NT; c++) acc[c] = _mm_setzero_ps();
+    if (buf) {
+        for (int b = 0; b < nb; b++) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
+            const int16_t *wb = buf + (size_t)b * NT * QK;
+#pragma GCC unroll 4
+            for (int c = 0; c < NT; c++)
+                acc[c] = acc_block(acc[c], block_sums16(_mm256_load_si256((const __m256i *)(wb + c * QK)),
+                                                        _mm256_load_si256((const __m256i *)(wb + c * QK + 16)), x0, x1),
+                                   prod + NT * b + c);
+        }
+    } else if (q8) {
+        for (int b = 0; b < nb; b++) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
+            const int8_t *wb = (const int8_t *)wt + (size_t)b * NT * QK;
+#pragma GCC unroll 4
+            for (int c = 0; c < NT; c++) acc[c] = acc_block(acc[c], q8_block_sums(wb + c * QK, x0, x1), prod + NT * b + c);
+        }
+    } else {
+        for (int b = 0; b < nb; b++) {
+            const int16_t *xb = xq + b * QK;
+            const __m128i xa = _mm_loadu_si128((const __m128i *)xb), xc = _mm_loadu_si128((const __m128i *)(xb + 8));
+            const __m128i xb_ = _mm_loadu_si128((const __m128i *)(xb + 16)), xd_ = _mm_loadu_si128((const __m128i *)(xb + 24));
+            const uint8_t *wb = wt + (size_t)b * NT * 16;
+#pragma GCC unroll 4
+            for (int c = 0; c < NT; c++)
+                acc[c] = acc_block(acc[c], q4_block_sums(wb + c * 16, xa, xc, xb_, xd_), prod + NT * b + c);
         }
     }
-    for (int c = 0; c < NT; c++) out[c] = hsum8(acc[c]) + (wm ? dot_f32(wm[c], xs, nb) : 0.0f);
+    return tile_out(acc, m);
 }
 
-// y[M, N] = x[M, K] @ W^T (+ bias). Q4: wq [N, K/2] nibbles, wm [N, K/32]; Q8: wq [N, K]
-// int8, wm NULL. wd [N, K/32]. K % 32 == 0, N % NT == 0. Returns 0, or -1 out of memory.
-// Q4 tiles are unpacked once into a per-thread buffer when several rows share them.
+// y[M, N] = x[M, K] @ W^T (+ bias), W in tiles (above): Q4: wq [N/NT][nb][NT][16] nibbles, wd and
+// wm [N/NT][nb][NT]; Q8: wq [N/NT][nb][NT][32] int8, wm NULL. K % 32 == 0, N % NT == 0.
+// Returns 0, or -1 out of memory. With 4 or more rows each thread unpacks a tile to int16 once
+// and runs every row against it.
 static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const float *wd,
                   const float *wm, const float *bias, float *y, int nthreads, int q8) {
     const int nb = K / QK;
-    const size_t row_bytes = q8 ? (size_t)K : (size_t)K / 2;
+    const size_t tile_bytes = (size_t)nb * NT * (q8 ? QK : QK / 2);
     const int buffered = M >= 4;
     qrows r;
-    if (quantize_rows(x, M, K, nthreads, &r)) return -1;
+    if (quantize_rows(x, M, K, nthreads, !q8, &r)) return -1;
     int failed = 0;
     const int tiles = N / NT;
 #pragma omp parallel num_threads(nthreads)
     {
         int16_t *buf = buffered ? (int16_t *)aligned_alloc(32, sizeof(int16_t) * NT * (size_t)K) : NULL;
-        float *prod = (float *)malloc(sizeof(float) * NT * (size_t)nb);
+        float *prod = (float *)aligned_alloc(32, sizeof(float) * NT * ((size_t)nb + 8));
         const int ok = prod && (buf || !buffered);
         if (!ok) {
 #pragma omp atomic write
@@ -169,38 +229,25 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
             if (!ok) continue;
-            const int n0 = t * NT;
-            const int16_t *wu[NT];
-            const uint8_t *wn[NT];
-            const float *wdc[NT], *wmc[NT];
-            for (int c = 0; c < NT; c++) {
-                const int n = n0 + c;
-                wdc[c] = wd + (size_t)n * nb;
-                wmc[c] = wm ? wm + (size_t)n * nb : NULL;
-                wn[c] = wq + (size_t)n * row_bytes;
-                if (buffered) {
-                    int16_t *dst = buf + (size_t)c * K;
-                    for (int b = 0; b < nb; b++) {
-                        __m256i w0, w1;
-                        if (q8) {
-                            const int8_t *wb = (const int8_t *)wn[c] + b * QK;
-                            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb));
-                            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
-                        } else {
-                            unpack_q4(wn[c] + b * 16, &w0, &w1);
-                        }
-                        _mm256_store_si256((__m256i *)(dst + b * QK), w0);
-                        _mm256_store_si256((__m256i *)(dst + b * QK + 16), w1);
+            const uint8_t *wt = wq + (size_t)t * tile_bytes;
+            const float *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
+            if (buffered) {
+                for (int i = 0; i < nb * NT; i++) {  // block-major, as stored
+                    int16_t *dst = buf + (size_t)i * QK;
+                    if (q8) {
+                        const int8_t *wb = (const int8_t *)wt + (size_t)i * QK;
+                        _mm256_store_si256((__m256i *)dst, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb)));
+                        _mm256_store_si256((__m256i *)(dst + 16), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16))));
+                    } else {
+                        unpack_q4(wt + (size_t)i * 16, dst);
                     }
-                    wu[c] = dst;
                 }
             }
+            const __m128 bv = bias ? _mm_loadu_ps(bias + (size_t)t * NT) : _mm_setzero_ps();
             for (int m = 0; m < M; m++) {
-                float out[NT];
-                dot_tile(r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb, nb,
-                         buffered ? wu : NULL, wn, wdc, wm ? wmc : NULL, q8, prod, out);
-                float *yr = y + (size_t)m * N + n0;
-                for (int c = 0; c < NT; c++) yr[c] = bias ? out[c] + bias[n0 + c] : out[c];
+                const __m128 out = tile_row(r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb, nb, wt, dt,
+                                            mt, buf, q8, prod);
+                _mm_storeu_ps(y + (size_t)m * N + (size_t)t * NT, bias ? _mm_add_ps(out, bv) : out);
             }
         }
         free(buf);
