@@ -228,6 +228,13 @@ class _NativeBlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def _half(t: torch.Tensor, what: str) -> torch.Tensor:
+    """float32 scales to float16, refusing values beyond its range (a weight block over 65504)."""
+    if t.numel() and t.abs().max() > torch.finfo(torch.float16).max:
+        raise ValueError(f"{what}: a weight block's scale or minimum ({t.abs().max().item():.4g}) is beyond float16")
+    return t.half()
+
+
 def _to_tiles(t: torch.Tensor, per_block: int) -> torch.Tensor:
     """[n, blocks * per_block] per output channel -> the kernels' tiles [n / 4, blocks, 4,
     per_block]: the blocks of 4 neighbouring channels side by side (kernels.c)."""
@@ -241,8 +248,9 @@ def _from_tiles(t: torch.Tensor, n: int, per_block: int) -> torch.Tensor:
 
 
 class Q4Linear(_NativeBlockLinear):
-    """4-bit weights, GGUF's Q4_1: w = d * q + m per group of 32, q in 0..15, d and m float32,
-    so a Q4_1 tensor of a GGUF file is held exactly (the min/max fit recovers q, d and m)."""
+    """4-bit weights, GGUF's Q4_1: w = d * q + m per group of 32, q in 0..15, d and m float16
+    as in the file, so a Q4_1 tensor of a GGUF file is held exactly (the min/max fit recovers
+    q, d and m; q is refit to the rounded d and m, which changes nothing for such a tensor)."""
 
     _kernel = "tl_q4_linear"
     _weight_buffers = ("qweight", "d", "m")
@@ -251,10 +259,15 @@ class Q4Linear(_NativeBlockLinear):
         super().__init__(weight, bias)
         n, k = weight.shape
         qweight = torch.empty(n, k // 2, dtype=torch.uint8)
-        d = torch.empty(n, k // GROUP_SIZE)
-        m = torch.empty(n, k // GROUP_SIZE)
+        d = torch.empty(n, k // GROUP_SIZE, dtype=torch.float16)
+        m = torch.empty(n, k // GROUP_SIZE, dtype=torch.float16)
         for rows in _row_chunks(n, k):
-            q, d[rows], m[rows] = q4_fit(weight[rows].detach().float())
+            w = weight[rows].detach().float()
+            _, d32, m32 = q4_fit(w)
+            d[rows], m[rows] = _half(d32, "Q4Linear"), _half(m32, "Q4Linear")
+            groups = w.view(w.shape[0], -1, GROUP_SIZE)
+            dr, mr = d[rows].float()[..., None], m[rows].float()[..., None]
+            q = ((groups - mr) * torch.where(dr > 0, 1 / dr, 0.0)).round_().clamp_(0, 15).view_as(w)
             # Each block's 16 bytes: element j in the low nibble of byte j, element j + 16 in the high one.
             q = q.view(q.shape[0], k // GROUP_SIZE, 2, GROUP_SIZE // 2).to(torch.uint8)
             qweight[rows] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], k // 2)
@@ -268,11 +281,13 @@ class Q4Linear(_NativeBlockLinear):
         qweight = _from_tiles(self.qweight, n, 16)
         lo, hi = qweight & 0x0F, qweight >> 4
         q = torch.stack((lo.view(n, -1, 16), hi.view(n, -1, 16)), dim=2).view(n, -1, GROUP_SIZE).float()
-        return (q * _from_tiles(self.d, n, 1)[..., None] + _from_tiles(self.m, n, 1)[..., None]).view(n, k)
+        d, m = _from_tiles(self.d, n, 1).float(), _from_tiles(self.m, n, 1).float()
+        return (q * d[..., None] + m[..., None]).view(n, k)
 
 
 class Q8Linear(_NativeBlockLinear):
-    """8-bit weights, GGUF's Q8_0: w = d * q per group of 32, q in -127..127, d float32."""
+    """8-bit weights, GGUF's Q8_0: w = d * q per group of 32, q in -127..127, d float16 (as in
+    the file: a Q8_0 tensor is held exactly)."""
 
     _kernel = "tl_q8_linear"
     _weight_buffers = ("qweight", "d", "m")  # m: always None (no offsets)
@@ -281,10 +296,10 @@ class Q8Linear(_NativeBlockLinear):
         super().__init__(weight, bias)
         n, k = weight.shape
         qweight = torch.empty(n, k, dtype=torch.int8)
-        d = torch.empty(n, k // GROUP_SIZE)
+        d = torch.empty(n, k // GROUP_SIZE, dtype=torch.float16)
         for rows in _row_chunks(n, k):
             groups = weight[rows].detach().float().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
-            scale = groups.abs().amax(-1) / 127
+            scale = _half(groups.abs().amax(-1) / 127, "Q8Linear").float()
             inv = torch.where(scale > 0, 1 / scale, 0.0)
             qweight[rows] = (groups * inv[..., None]).round_().clamp_(-127, 127).reshape(-1, k).to(torch.int8)
             d[rows] = scale
@@ -296,7 +311,7 @@ class Q8Linear(_NativeBlockLinear):
     def dequantized_weight(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
         qweight = _from_tiles(self.qweight, n, GROUP_SIZE)
-        return (qweight.view(n, -1, GROUP_SIZE).float() * _from_tiles(self.d, n, 1)[..., None]).view(n, k)
+        return (qweight.view(n, -1, GROUP_SIZE).float() * _from_tiles(self.d, n, 1).float()[..., None]).view(n, k)
 
 
 class Bf16Linear(nn.Module):

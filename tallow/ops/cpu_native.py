@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "kernels.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 
 _lock = threading.Lock()

@@ -8,7 +8,7 @@
 //   Q4: w = d * q + m, q in 0..15 (GGUF's Q4_1), 16 bytes of nibbles per block: byte j
 //       holds element j in its low nibble and element j + 16 in its high nibble.
 //   Q8: w = d * q, q in -127..127 (GGUF's Q8_0).
-// d and m are float32, one per (output channel, block). The weights are stored in tiles of
+// d and m are float16 (as in GGUF), one per (output channel, block). The weights are stored in tiles of
 // NT = 4 output channels (see linear() below).
 //
 // Every output (row, column) is computed by the same arithmetic whatever the number of rows
@@ -28,8 +28,9 @@
 
 #define QK 32
 #define NT 4
+#define PREFETCH 1024  // bytes of Q4 nibbles ahead of the one-row loop (Q8: twice that)
 
-int tl_abi_version(void) { return 5; }
+int tl_abi_version(void) { return 6; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -149,6 +150,9 @@ static inline __m128i q8_block_sums(const int8_t *wb, __m256i x0, __m256i x1) {
                         _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16))), x0, x1);
 }
 
+// 4 float16 values (the tile's channels) as float32.
+static inline __m128 half4(const uint16_t *h) { return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)); }
+
 static inline __m128 acc_block(__m128 acc, __m128i sums, const float *scale) {
     return _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_broadcast_ss(scale), acc);
 }
@@ -163,11 +167,11 @@ static inline __m128 tile_out(const __m128 *acc, __m128 m) {
 // One row against one tile: scales (prod[b][c] = d[b][c] * d_x[b]) and the m term first, then
 // the blocks from the packed weights (buf NULL) or from the tile unpacked to int16 (buf).
 static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *xs, int nb, const uint8_t *wt,
-                              const float *dt, const float *mt, const int16_t *buf, int q8, float *prod) {
+                              const uint16_t *dt, const uint16_t *mt, const int16_t *buf, int q8, float *prod) {
     __m128 m = _mm_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        _mm_store_ps(prod + NT * b, _mm_mul_ps(_mm_loadu_ps(dt + NT * b), _mm_broadcast_ss(xd + b)));
-        if (mt) m = _mm_fmadd_ps(_mm_loadu_ps(mt + NT * b), _mm_broadcast_ss(xs + b), m);
+        _mm_store_ps(prod + NT * b, _mm_mul_ps(half4(dt + NT * b), _mm_broadcast_ss(xd + b)));
+        if (mt) m = _mm_fmadd_ps(half4(mt + NT * b), _mm_broadcast_ss(xs + b), m);
     }
     __m128 acc[NT];
     for (int c = 0; c < NT; c++) acc[c] = _mm_setzero_ps();
@@ -187,6 +191,9 @@ static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *x
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
             const int8_t *wb = (const int8_t *)wt + (size_t)b * NT * QK;
+            _mm_prefetch((const char *)(wb + 2 * PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + 2 * PREFETCH + 64), _MM_HINT_T0);
+            if ((b & 7) == 0) _mm_prefetch((const char *)(dt + NT * b + PREFETCH / 16), _MM_HINT_T0);
 #pragma GCC unroll 4
             for (int c = 0; c < NT; c++) acc[c] = acc_block(acc[c], q8_block_sums(wb + c * QK, x0, x1), prod + NT * b + c);
         }
@@ -196,6 +203,9 @@ static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *x
             const __m128i xa = _mm_loadu_si128((const __m128i *)xb), xc = _mm_loadu_si128((const __m128i *)(xb + 8));
             const __m128i xb_ = _mm_loadu_si128((const __m128i *)(xb + 16)), xd_ = _mm_loadu_si128((const __m128i *)(xb + 24));
             const uint8_t *wb = wt + (size_t)b * NT * 16;
+            _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);  // the hardware's prefetch alone lags
+            if ((b & 7) == 0) _mm_prefetch((const char *)(dt + NT * b + PREFETCH / 16), _MM_HINT_T0),
+                              _mm_prefetch((const char *)(mt + NT * b + PREFETCH / 16), _MM_HINT_T0);
 #pragma GCC unroll 4
             for (int c = 0; c < NT; c++)
                 acc[c] = acc_block(acc[c], q4_block_sums(wb + c * 16, xa, xc, xb_, xd_), prod + NT * b + c);
@@ -204,12 +214,51 @@ static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *x
     return tile_out(acc, m);
 }
 
+// Rows m0 and m1 against a tile unpacked to int16: tile_row's arithmetic for each row, each
+// weight vector loaded once for both.
+static inline void tile_rows2(const qrows *r, int m0, int m1, int nb, const uint16_t *dt, const uint16_t *mt,
+                              const int16_t *buf, float *prod, __m128 *out0, __m128 *out1) {
+    const int16_t *xq0 = r->q + (size_t)m0 * nb * QK, *xq1 = r->q + (size_t)m1 * nb * QK;
+    const float *xd0 = r->d + (size_t)m0 * nb, *xd1 = r->d + (size_t)m1 * nb;
+    const float *xs0 = r->s + (size_t)m0 * nb, *xs1 = r->s + (size_t)m1 * nb;
+    float *prod0 = prod, *prod1 = prod + (size_t)NT * nb;
+    __m128 s0 = _mm_setzero_ps(), s1 = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m128 d = half4(dt + NT * b);
+        _mm_store_ps(prod0 + NT * b, _mm_mul_ps(d, _mm_broadcast_ss(xd0 + b)));
+        _mm_store_ps(prod1 + NT * b, _mm_mul_ps(d, _mm_broadcast_ss(xd1 + b)));
+        if (mt) {
+            const __m128 m = half4(mt + NT * b);
+            s0 = _mm_fmadd_ps(m, _mm_broadcast_ss(xs0 + b), s0);
+            s1 = _mm_fmadd_ps(m, _mm_broadcast_ss(xs1 + b), s1);
+        }
+    }
+    __m128 a0[NT], a1[NT];
+    for (int c = 0; c < NT; c++) a0[c] = a1[c] = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m256i x00 = _mm256_loadu_si256((const __m256i *)(xq0 + b * QK));
+        const __m256i x01 = _mm256_loadu_si256((const __m256i *)(xq0 + b * QK + 16));
+        const __m256i x10 = _mm256_loadu_si256((const __m256i *)(xq1 + b * QK));
+        const __m256i x11 = _mm256_loadu_si256((const __m256i *)(xq1 + b * QK + 16));
+        const int16_t *wb = buf + (size_t)b * NT * QK;
+#pragma GCC unroll 4
+        for (int c = 0; c < NT; c++) {
+            const __m256i w0 = _mm256_load_si256((const __m256i *)(wb + c * QK));
+            const __m256i w1 = _mm256_load_si256((const __m256i *)(wb + c * QK + 16));
+            a0[c] = acc_block(a0[c], block_sums16(w0, w1, x00, x01), prod0 + NT * b + c);
+            a1[c] = acc_block(a1[c], block_sums16(w0, w1, x10, x11), prod1 + NT * b + c);
+        }
+    }
+    *out0 = tile_out(a0, s0);
+    *out1 = tile_out(a1, s1);
+}
+
 // y[M, N] = x[M, K] @ W^T (+ bias), W in tiles (above): Q4: wq [N/NT][nb][NT][16] nibbles, wd and
 // wm [N/NT][nb][NT]; Q8: wq [N/NT][nb][NT][32] int8, wm NULL. K % 32 == 0, N % NT == 0.
 // Returns 0, or -1 out of memory. With 4 or more rows each thread unpacks a tile to int16 once
-// and runs every row against it.
-static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const float *wd,
-                  const float *wm, const float *bias, float *y, int nthreads, int q8) {
+// and runs every row against it, two rows at a time.
+static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd,
+                  const uint16_t *wm, const float *bias, float *y, int nthreads, int q8) {
     const int nb = K / QK;
     const size_t tile_bytes = (size_t)nb * NT * (q8 ? QK : QK / 2);
     const int buffered = M >= 4;
@@ -220,7 +269,7 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
 #pragma omp parallel num_threads(nthreads)
     {
         int16_t *buf = buffered ? (int16_t *)aligned_alloc(32, sizeof(int16_t) * NT * (size_t)K) : NULL;
-        float *prod = (float *)aligned_alloc(32, sizeof(float) * NT * ((size_t)nb + 8));
+        float *prod = (float *)aligned_alloc(32, sizeof(float) * 2 * NT * ((size_t)nb + 8));  // two rows' scales
         const int ok = prod && (buf || !buffered);
         if (!ok) {
 #pragma omp atomic write
@@ -230,7 +279,7 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
         for (int t = 0; t < tiles; t++) {
             if (!ok) continue;
             const uint8_t *wt = wq + (size_t)t * tile_bytes;
-            const float *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
+            const uint16_t *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
             if (buffered) {
                 for (int i = 0; i < nb * NT; i++) {  // block-major, as stored
                     int16_t *dst = buf + (size_t)i * QK;
@@ -244,7 +293,15 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
                 }
             }
             const __m128 bv = bias ? _mm_loadu_ps(bias + (size_t)t * NT) : _mm_setzero_ps();
-            for (int m = 0; m < M; m++) {
+            int m = 0;
+            if (buffered)
+                for (; m + 1 < M; m += 2) {
+                    __m128 out0, out1;
+                    tile_rows2(&r, m, m + 1, nb, dt, mt, buf, prod, &out0, &out1);
+                    _mm_storeu_ps(y + (size_t)m * N + (size_t)t * NT, bias ? _mm_add_ps(out0, bv) : out0);
+                    _mm_storeu_ps(y + (size_t)(m + 1) * N + (size_t)t * NT, bias ? _mm_add_ps(out1, bv) : out1);
+                }
+            for (; m < M; m++) {
                 const __m128 out = tile_row(r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb, nb, wt, dt,
                                             mt, buf, q8, prod);
                 _mm_storeu_ps(y + (size_t)m * N + (size_t)t * NT, bias ? _mm_add_ps(out, bv) : out);
@@ -257,12 +314,12 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
     return failed ? -1 : 0;
 }
 
-int tl_q4_linear(const float *x, int M, int K, int N, const uint8_t *wq, const float *wd, const float *wm,
+int tl_q4_linear(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
                  const float *bias, float *y, int nthreads) {
     return linear(x, M, K, N, wq, wd, wm, bias, y, nthreads, 0);
 }
 
-int tl_q8_linear(const float *x, int M, int K, int N, const int8_t *wq, const float *wd, const float *unused_wm,
+int tl_q8_linear(const float *x, int M, int K, int N, const int8_t *wq, const uint16_t *wd, const uint16_t *unused_wm,
                  const float *bias, float *y, int nthreads) {
     (void)unused_wm;  // the same signature as tl_q4_linear
     return linear(x, M, K, N, (const uint8_t *)wq, wd, NULL, bias, y, nthreads, 1);
@@ -373,133 +430,193 @@ void tl_kv_write(const float *k, long k_stride, const float *v, long v_stride, i
     }
 }
 
-// scores[g][j] = scale * q_g . k_j for the group's query heads over context tokens j < ctx.
-// Four partial sums per dot product keep the FMA latency chains short. Inlined with a
-// constant D (64, 128), the loops unroll.
-static inline __attribute__((always_inline)) void qk_scores(
-        const float *qh, const float *k_cache, const int32_t *table, int ctx, int block_size, size_t kv_row,
-        int kvh, int group, int D, float scale, float *scores, int ctx_pad) {
-    for (int j = 0; j < ctx; j++) {
-        const float *kr = k_cache + ((size_t)table[j / block_size] * block_size + j % block_size) * kv_row + (size_t)kvh * D;
-        for (int g = 0; g < group; g++) {
-            const float *qg = qh + (size_t)g * D;
-            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-            int i = 0;
-            for (; i + 32 <= D; i += 32) {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(kr + i + 8), s1);
-                s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 16), _mm256_loadu_ps(kr + i + 16), s2);
-                s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 24), _mm256_loadu_ps(kr + i + 24), s3);
-            }
-            for (; i < D; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kr + i), s0);
-            scores[(size_t)g * ctx_pad + j] = hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3))) * scale;
+// Attention works on chunks of ATT_CHUNK context keys: one work item is (query token, KV head,
+// chunk), the GROUP query heads sharing the KV head read its K and V rows from memory once. A chunk leaves per head its max score, its sum of
+// exp(score - max) and its unnormalized output; a token's chunks are then combined in order.
+// The chunks are fixed by the token's context length alone, so the arithmetic of a token does
+// not depend on the batch or the threads, and one decode token still spreads over the threads.
+#define ATT_CHUNK 64
+
+// The 8 horizontal sums of a0..a7 as one vector: [sum a0, sum a1, ..., sum a7].
+static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                             __m256 a7) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// q . k_r for 8 keys (rows at off[r] from k), one FMA chain per key, the eight sums
+// transposed at once. Inlined with a constant D (64, 128), the loops unroll.
+static inline __attribute__((always_inline)) __m256 qk8(const float *q, const float *k, const size_t *off, int D) {
+    __m256 a[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        const __m256 qi = _mm256_loadu_ps(q + i);
+        for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + off[r] + i), a[r]);
+    }
+    return hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+}
+
+static inline __attribute__((always_inline)) float qk1(const float *q, const float *k, int D) {
+    __m256 a = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+    return hsum8(a);
+}
+
+// acc[0..D) += sum_r p[r] v_r over n rows, the accumulator in registers 128 floats at a time.
+static inline __attribute__((always_inline)) void pv_acc(const float *v, const size_t *off, int n, int D,
+                                                          const float *p, float *acc) {
+    for (int i0 = 0; i0 < D; i0 += 128) {
+        const int w = (D - i0) < 128 ? (D - i0) / 8 : 16;
+        __m256 a[16];
+        for (int r = 0; r < 16; r++)
+            if (r < w) a[r] = _mm256_loadu_ps(acc + i0 + 8 * r);
+        for (int j = 0; j < n; j++) {
+            const float *vr = v + off[j] + i0;
+            const __m256 pj = _mm256_broadcast_ss(p + j);
+            for (int r = 0; r < 16; r++)
+                if (r < w) a[r] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * r), a[r]);
         }
+        for (int r = 0; r < 16; r++)
+            if (r < w) _mm256_storeu_ps(acc + i0 + 8 * r, a[r]);
     }
 }
 
-// acc[g] = sum_j p[g][j] v_j, head by head, the accumulator in registers for D <= 128.
-static inline __attribute__((always_inline)) void pv_sum(
-        const float *v_cache, const int32_t *table, int ctx, int block_size, size_t kv_row, int kvh, int group,
-        int D, const float *scores, int ctx_pad, float *acc) {
-    for (int g = 0; g < group; g++) {
-        const float *pg = scores + (size_t)g * ctx_pad;
-        float *ag = acc + (size_t)g * D;
-        for (int i0 = 0; i0 < D; i0 += 128) {  // 16 registers of 8 lanes at a time
-            const int n = (D - i0) < 128 ? (D - i0) / 8 : 16;
-            __m256 a[16];
-            for (int r = 0; r < 16; r++) a[r] = _mm256_setzero_ps();
-            for (int j = 0; j < ctx; j++) {
-                const float *vr = v_cache + ((size_t)table[j / block_size] * block_size + j % block_size) * kv_row
-                                  + (size_t)kvh * D + i0;
-                const __m256 p = _mm256_broadcast_ss(pg + j);
-                for (int r = 0; r < 16; r++)
-                    if (r < n) a[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * r), a[r]);
-            }
-            for (int r = 0; r < 16; r++)
-                if (r < n) _mm256_storeu_ps(ag + i0 + 8 * r, a[r]);
+// One chunk of n <= ATT_CHUNK keys (rows at off[] in the caches) for the group's heads q[g]:
+// part[g] = {max, sum, out[D]} with out unnormalized. Head by head: the chunk's K and V rows
+// (ATT_CHUNK * D floats each) come from memory for the first head and from L1 for the others.
+// scores: ATT_CHUNK floats of scratch.
+static inline __attribute__((always_inline)) void attend_chunk(const float *q, int group, int D, float scale,
+                                                                const float *k_cache, const float *v_cache,
+                                                                const size_t *off, int n, float *scores, float *part) {
+    const size_t part_len = (size_t)D + 2;
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int j = 0; j < n; j++)  // the rows are scattered over the cache: ask for all of them at once
+        for (int i = 0; i < D; i += 16) {
+            _mm_prefetch((const char *)(k_cache + off[j] + i), _MM_HINT_T1);
+            _mm_prefetch((const char *)(v_cache + off[j] + i), _MM_HINT_T1);
         }
+    for (int g = 0; g < group; g++) {
+        const float *qg = q + (size_t)g * D;
+        float *pg = part + g * part_len;
+        int j = 0;
+        for (; j + 8 <= n; j += 8) _mm256_storeu_ps(scores + j, _mm256_mul_ps(qk8(qg, k_cache, off + j, D), sv));
+        for (; j < n; j++) scores[j] = qk1(qg, k_cache + off[j], D) * scale;
+        float mx = scores[0];  // exp(s - max) in place, eight at a time, the tail padded with -inf
+        for (j = 1; j < n; j++) mx = scores[j] > mx ? scores[j] : mx;
+        const int n8 = n & ~7;
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 sum = _mm256_setzero_ps();
+        for (j = 0; j < n8; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mv));
+            _mm256_storeu_ps(scores + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        float total = hsum8(sum);
+        if (n8 < n) {
+            float tail[8];
+            for (j = 0; j < 8; j++) tail[j] = n8 + j < n ? scores[n8 + j] - mx : -INFINITY;
+            _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+            for (j = n8; j < n; j++) scores[j] = tail[j - n8], total += tail[j - n8];
+        }
+        pg[0] = mx, pg[1] = total;
+        memset(pg + 2, 0, sizeof(float) * (size_t)D);
+        pv_acc(v_cache, off, n, D, scores, pg + 2);
     }
 }
 
 // Causal attention of every query token over its sequence's paged context. q [T, H, D] and
 // out [T, H, D] with row strides in floats (heads at stride D); sequence b owns tokens
 // query_start_loc[b] .. query_start_loc[b+1] - 1, the last of its seq_lens[b] context
-// tokens. One work item is (token, KV head): the GROUP query heads that share the KV head
-// read each K/V row once. Each item's arithmetic is fixed by its own context alone, so a
-// token's result does not depend on the batch. Returns 0, or -1 out of memory.
+// tokens. Returns 0, or -1 out of memory.
 int tl_paged_attention(const float *q, long q_stride, float *out, long out_stride, const float *k_cache,
                        const float *v_cache, const int32_t *query_start_loc, const int32_t *seq_lens,
                        const int32_t *block_tables, long bt_stride, int B, int H, int kv_heads, int D,
                        int block_size, float scale, int nthreads) {
     const int T = query_start_loc[B];
     const int group = H / kv_heads;
-    int max_ctx = 1;
-    for (int b = 0; b < B; b++) max_ctx = seq_lens[b] > max_ctx ? seq_lens[b] : max_ctx;
-    const int ctx_pad = (max_ctx + 7) & ~7;
-    const size_t kv_row = (size_t)kv_heads * D;
+    const size_t kv_row = (size_t)kv_heads * D, part_len = (size_t)D + 2;
+    // token t: sequence seq[t], context ctx[t], chunks first[t] .. first[t + 1] - 1 (per KV head)
+    int *seq = (int *)malloc(sizeof(int) * ((size_t)T + 1) * 3);
+    if (!seq) return -1;
+    int *ctx = seq + T + 1, *first = ctx + T + 1;
+    first[0] = 0;
+    for (int b = 0; b < B; b++)
+        for (int t = query_start_loc[b]; t < query_start_loc[b + 1]; t++) {
+            seq[t] = b;
+            ctx[t] = seq_lens[b] - (query_start_loc[b + 1] - 1 - t);  // causal: up to itself
+            first[t + 1] = first[t] + (ctx[t] + ATT_CHUNK - 1) / ATT_CHUNK;
+        }
+    const long chunks = first[T];
+    float *parts = (float *)malloc(sizeof(float) * ((size_t)chunks * kv_heads * group * part_len + 1));
+    if (!parts) {
+        free(seq);
+        return -1;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)group * ctx_pad);
-        float *acc = (float *)malloc(sizeof(float) * (size_t)group * D);
-        if (!scores || !acc) {
+        float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK);
+        size_t *off = (size_t *)malloc(sizeof(size_t) * ATT_CHUNK);
+        if (!scores || !off) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < (long)T * kv_heads; item++) {
-            if (!scores || !acc) continue;
-            const int t = (int)(item / kv_heads), kvh = (int)(item % kv_heads);
-            int lo = 0, hi = B - 1;  // the sequence of token t: query_start_loc[b] <= t < [b + 1]
+        for (long item = 0; item < chunks * kv_heads; item++) {
+            if (!scores || !off) continue;
+            const long chunk = item / kv_heads;
+            const int kvh = (int)(item % kv_heads);
+            int lo = 0, hi = T - 1;  // the token of this chunk: first[t] <= chunk < first[t + 1]
             while (lo < hi) {
                 const int mid = (lo + hi + 1) / 2;
-                if (query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+                if (first[mid] <= chunk) lo = mid; else hi = mid - 1;
             }
-            const int b = lo;
-            const int ctx = seq_lens[b] - (query_start_loc[b + 1] - 1 - t);  // causal: up to itself
-            const int32_t *table = block_tables + (size_t)b * bt_stride;
+            const int t = lo;
+            const int j0 = (int)(chunk - first[t]) * ATT_CHUNK;
+            const int n = ctx[t] - j0 < ATT_CHUNK ? ctx[t] - j0 : ATT_CHUNK;
+            const int32_t *table = block_tables + (size_t)seq[t] * bt_stride;
+            for (int j = 0, blk = j0 / block_size, slot = j0 % block_size; j < n; j++) {  // no division per row
+                off[j] = ((size_t)table[blk] * block_size + slot) * kv_row + (size_t)kvh * D;
+                if (++slot == block_size) slot = 0, blk++;
+            }
             const float *qh = q + t * q_stride + (size_t)kvh * group * D;
+            float *part = parts + (size_t)item * group * part_len;
             if (D == 64)
-                qk_scores(qh, k_cache, table, ctx, block_size, kv_row, kvh, group, 64, scale, scores, ctx_pad);
+                attend_chunk(qh, group, 64, scale, k_cache, v_cache, off, n, scores, part);
             else if (D == 128)
-                qk_scores(qh, k_cache, table, ctx, block_size, kv_row, kvh, group, 128, scale, scores, ctx_pad);
+                attend_chunk(qh, group, 128, scale, k_cache, v_cache, off, n, scores, part);
             else
-                qk_scores(qh, k_cache, table, ctx, block_size, kv_row, kvh, group, D, scale, scores, ctx_pad);
-            for (int g = 0; g < group; g++) {
-                float *sg = scores + (size_t)g * ctx_pad;
-                float mx = sg[0];
-                for (int j = 1; j < ctx; j++) mx = sg[j] > mx ? sg[j] : mx;
-                const int ctx8 = ctx & ~7;
-                const __m256 mv = _mm256_set1_ps(mx);
-                __m256 sum = _mm256_setzero_ps();
-                for (int j = 0; j < ctx8; j += 8) {
-                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mv));
-                    _mm256_storeu_ps(sg + j, e);
-                    sum = _mm256_add_ps(sum, e);
-                }
-                float total = hsum8(sum);
-                if (ctx8 < ctx) {  // the tail through the same exp8, padded with -inf (exp 0)
-                    float tail[8];
-                    for (int j = 0; j < 8; j++) tail[j] = ctx8 + j < ctx ? sg[ctx8 + j] - mx : -INFINITY;
-                    __m256 e = exp8(_mm256_loadu_ps(tail));
-                    _mm256_storeu_ps(tail, e);
-                    for (int j = ctx8; j < ctx; j++) sg[j] = tail[j - ctx8], total += tail[j - ctx8];
-                }
-                const float inv = 1.0f / total;
-                for (int j = 0; j < ctx; j++) sg[j] *= inv;
+                attend_chunk(qh, group, D, scale, k_cache, v_cache, off, n, scores, part);
+        }
+        // (implicit barrier: every chunk is done) each (token, head)'s chunks combined in order
+#pragma omp for schedule(static)
+        for (long th = 0; th < (long)T * H; th++) {
+            const int t = (int)(th / H), h = (int)(th % H), kvh = h / group, g = h % group;
+            const int nc = first[t + 1] - first[t];
+            const size_t stride = (size_t)kv_heads * group * part_len;  // one chunk of t to the next
+            const float *p0 = parts + ((size_t)first[t] * kv_heads + kvh) * group * part_len + g * part_len;
+            float mx = p0[0];
+            for (int c = 1; c < nc; c++) mx = p0[c * stride] > mx ? p0[c * stride] : mx;
+            float total = 0.0f;
+            float *o = out + t * out_stride + (size_t)h * D;
+            memset(o, 0, sizeof(float) * (size_t)D);
+            for (int c = 0; c < nc; c++) {
+                const float *pc = p0 + c * stride;
+                const float w = expf(pc[0] - mx);
+                total += pc[1] * w;
+                const __m256 wv = _mm256_set1_ps(w);
+                for (int i = 0; i < D; i += 8)
+                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_loadu_ps(pc + 2 + i), wv, _mm256_loadu_ps(o + i)));
             }
-            if (D == 64)
-                pv_sum(v_cache, table, ctx, block_size, kv_row, kvh, group, 64, scores, ctx_pad, acc);
-            else if (D == 128)
-                pv_sum(v_cache, table, ctx, block_size, kv_row, kvh, group, 128, scores, ctx_pad, acc);
-            else
-                pv_sum(v_cache, table, ctx, block_size, kv_row, kvh, group, D, scores, ctx_pad, acc);
-            for (int g = 0; g < group; g++)
-                memcpy(out + t * out_stride + ((size_t)kvh * group + g) * D, acc + (size_t)g * D, sizeof(float) * D);
+            const __m256 inv = _mm256_set1_ps(1.0f / total);
+            for (int i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
         }
         free(scores);
-        free(acc);
+        free(off);
     }
+    free(parts);
+    free(seq);
     return failed ? -1 : 0;
 }
 
@@ -507,7 +624,8 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
 
 typedef struct {
     const void *w;  // Q4 nibbles [n, k/2] or Q8 int8 [n, k]
-    const float *d, *m, *bias;  // m: Q4 only; bias may be NULL
+    const uint16_t *d, *m;  // float16; m: Q4 only
+    const float *bias;  // may be NULL
     int q8, n, k;
 } tl_proj;
 
