@@ -174,6 +174,34 @@ def test_quantize_model_uses_the_native_layers_and_falls_back(monkeypatch):
     assert [type(m) for m in model] == [Int4Linear, Int8Linear]
 
 
+def test_scales_beyond_float16_are_refused_and_the_model_falls_back():
+    """The native layers hold scales in float16 (as GGUF does): a block whose minimum or scale
+    is beyond its range is refused with the reason, and quantize_model_ gives that layer to
+    torch's kernels instead of failing the load."""
+    w = random_weight(32, 64)
+    w[3, :32] += 1e5  # one block's minimum beyond float16
+    with pytest.raises(ValueError, match="beyond float16"):
+        Q4Linear(w)
+    with pytest.raises(ValueError, match="beyond float16"):
+        Q8Linear(w * 300)  # scales beyond float16 (|w| / 127 > 65504)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(64, 32))
+    with torch.no_grad():
+        model[1].weight.copy_(w)
+    assert quantize_model_(model, "int4") == "int4"
+    assert type(model[0]) is Q4Linear and type(model[1]) is Int4Linear
+
+
+def test_float16_scales_hold_q8_0_weights_exactly():
+    """A weight whose blocks are float16 scales times integers (a GGUF Q8_0 tensor) is held
+    exactly."""
+    g = torch.Generator().manual_seed(5)
+    d = (torch.rand(16, 4, 1, generator=g) * 0.01 + 1e-3).half().float()
+    q = torch.randint(-127, 128, (16, 4, 32), generator=g).float()
+    q[:, :, 0] = 127  # each block reaches the grid's end, as Q8_0's quantizer makes it
+    w = (d * q).view(16, 128)
+    assert torch.equal(Q8Linear(w).dequantized_weight(), w)
+
+
 def test_kernels_link_torchs_openmp_runtime():
     """The kernels bind the libgomp.so.1 torch loaded, not a second OpenMP runtime (whose
     threads would compete with torch's pool for the cores): a fresh process maps one."""

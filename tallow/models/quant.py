@@ -396,9 +396,12 @@ def _quantized(linear: nn.Linear, scheme: str, is_head: bool) -> nn.Module:
     if scheme == "bf16":
         return Bf16Linear(linear.weight, linear.bias)
     if scheme in ("int4", "int8") and native_fits(linear.weight) and cpu_native.lib() is not None:
-        if scheme == "int4" and not is_head:
-            return Q4Linear(linear.weight, linear.bias)
-        return Q8Linear(linear.weight, linear.bias)
+        try:
+            if scheme == "int4" and not is_head:
+                return Q4Linear(linear.weight, linear.bias)
+            return Q8Linear(linear.weight, linear.bias)
+        except ValueError:  # scales beyond float16: torch's kernels take float32 / bfloat16 scales
+            pass
     if scheme.startswith("int4") and not is_head and int4_fits(linear.weight):
         return Int4Linear(linear.weight, linear.bias)
     if int8_fits(linear.weight):
