@@ -243,7 +243,8 @@ def _to_tiles(t: torch.Tensor, per_block: int) -> torch.Tensor:
     return t.view(n // tiles, tiles, -1, per_block).transpose(1, 2).contiguous()
 
 
-def _from_tiles(t: torch.Tensor, n: int, per_block: int) -> torch.Tensor:
+def _from_tiles(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of _to_tiles: [n, blocks * per_block]."""
     return t.transpose(1, 2).reshape(n, -1)
 
 
@@ -263,11 +264,8 @@ class Q4Linear(_NativeBlockLinear):
         m = torch.empty(n, k // GROUP_SIZE, dtype=torch.float16)
         for rows in _row_chunks(n, k):
             w = weight[rows].detach().float()
-            _, d32, m32 = q4_fit(w)
-            d[rows], m[rows] = _half(d32, "Q4Linear"), _half(m32, "Q4Linear")
-            groups = w.view(w.shape[0], -1, GROUP_SIZE)
-            dr, mr = d[rows].float()[..., None], m[rows].float()[..., None]
-            q = ((groups - mr) * torch.where(dr > 0, 1 / dr, 0.0)).round_().clamp_(0, 15).view_as(w)
+            d[rows], m[rows] = (_half(t, "Q4Linear") for t in q4_scales(w))
+            q = q4_codes(w, d[rows].float(), m[rows].float())
             # Each block's 16 bytes: element j in the low nibble of byte j, element j + 16 in the high one.
             q = q.view(q.shape[0], k // GROUP_SIZE, 2, GROUP_SIZE // 2).to(torch.uint8)
             qweight[rows] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], k // 2)
@@ -278,10 +276,10 @@ class Q4Linear(_NativeBlockLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        qweight = _from_tiles(self.qweight, n, 16)
+        qweight = _from_tiles(self.qweight, n)
         lo, hi = qweight & 0x0F, qweight >> 4
         q = torch.stack((lo.view(n, -1, 16), hi.view(n, -1, 16)), dim=2).view(n, -1, GROUP_SIZE).float()
-        d, m = _from_tiles(self.d, n, 1).float(), _from_tiles(self.m, n, 1).float()
+        d, m = _from_tiles(self.d, n).float(), _from_tiles(self.m, n).float()
         return (q * d[..., None] + m[..., None]).view(n, k)
 
 
@@ -310,8 +308,8 @@ class Q8Linear(_NativeBlockLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        qweight = _from_tiles(self.qweight, n, GROUP_SIZE)
-        return (qweight.view(n, -1, GROUP_SIZE).float() * _from_tiles(self.d, n, 1).float()[..., None]).view(n, k)
+        qweight = _from_tiles(self.qweight, n)
+        return (qweight.view(n, -1, GROUP_SIZE).float() * _from_tiles(self.d, n).float()[..., None]).view(n, k)
 
 
 class Bf16Linear(nn.Module):
@@ -344,16 +342,25 @@ def int4_fits(weight: torch.Tensor) -> bool:
     return in_features % GROUP_SIZE == 0 and out_features % INT4_OUT_MULTIPLE == 0
 
 
-def q4_fit(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Min/max fit of a float32 [out, in] weight in groups of 32, as Q4_1 quantizes: (q int32
-    [out, in] in 0..15, d [out, in / 32], m [out, in / 32]) with w ~= d * q + m."""
-    out_features, in_features = w.shape
-    groups = w.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+def q4_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min/max fit of a float32 [out, in] weight in groups of 32, as Q4_1 quantizes: (d, m),
+    each [out, in / 32], with w ~= d * q + m for q in 0..15."""
+    groups = w.reshape(w.shape[0], -1, GROUP_SIZE)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = (hi - lo) / 15
-    inv_scale = torch.where(scale > 0, 1 / scale, 0.0)
-    q = (groups - lo[..., None]).mul_(inv_scale[..., None]).round_().clamp_(0, 15)
-    return q.to(torch.int32).reshape(out_features, in_features), scale, lo
+    return (hi - lo) / 15, lo
+
+
+def q4_codes(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """q (int32 [out, in], 0..15) nearest to (w - m) / d per group of 32."""
+    groups = w.reshape(w.shape[0], -1, GROUP_SIZE)
+    inv = torch.where(d > 0, 1 / d, 0.0)
+    return (groups - m[..., None]).mul_(inv[..., None]).round_().clamp_(0, 15).to(torch.int32).view_as(w)
+
+
+def q4_fit(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, d, m) of q4_scales and q4_codes."""
+    d, m = q4_scales(w)
+    return q4_codes(w, d, m), d, m
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

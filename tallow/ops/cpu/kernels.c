@@ -8,8 +8,8 @@
 //   Q4: w = d * q + m, q in 0..15 (GGUF's Q4_1), 16 bytes of nibbles per block: byte j
 //       holds element j in its low nibble and element j + 16 in its high nibble.
 //   Q8: w = d * q, q in -127..127 (GGUF's Q8_0).
-// d and m are float16 (as in GGUF), one per (output channel, block). The weights are stored in tiles of
-// NT = 4 output channels (see linear() below).
+// d and m are float16 (as in GGUF), one per (output channel, block). The weights are stored
+// in tiles of NT = 4 output channels (see linear() below).
 //
 // Every output (row, column) is computed by the same arithmetic whatever the number of rows
 // and threads: threads split the tiles of columns, never a dot product. So a row's result
@@ -164,29 +164,25 @@ static inline __m128 tile_out(const __m128 *acc, __m128 m) {
     return _mm_add_ps(_mm_add_ps(_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0)), m);
 }
 
-// One row against one tile: scales (prod[b][c] = d[b][c] * d_x[b]) and the m term first, then
-// the blocks from the packed weights (buf NULL) or from the tile unpacked to int16 (buf).
-static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *xs, int nb, const uint8_t *wt,
-                              const uint16_t *dt, const uint16_t *mt, const int16_t *buf, int q8, float *prod) {
+// One row's per-block float scales for a tile (prod[b][c] = d[b][c] * d_x[b]) and its m term
+// for the NT channels (Q4; mt NULL: zero).
+static inline __attribute__((always_inline)) __m128 row_scales(const uint16_t *dt, const uint16_t *mt,
+                                                                const float *xd, const float *xs, int nb, float *prod) {
     __m128 m = _mm_setzero_ps();
     for (int b = 0; b < nb; b++) {
         _mm_store_ps(prod + NT * b, _mm_mul_ps(half4(dt + NT * b), _mm_broadcast_ss(xd + b)));
         if (mt) m = _mm_fmadd_ps(half4(mt + NT * b), _mm_broadcast_ss(xs + b), m);
     }
+    return m;
+}
+
+// One row against one tile read from the packed weights, in registers.
+static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *xs, int nb, const uint8_t *wt,
+                              const uint16_t *dt, const uint16_t *mt, int q8, float *prod) {
+    const __m128 m = row_scales(dt, mt, xd, xs, nb, prod);
     __m128 acc[NT];
     for (int c = 0; c < NT; c++) acc[c] = _mm_setzero_ps();
-    if (buf) {
-        for (int b = 0; b < nb; b++) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
-            const int16_t *wb = buf + (size_t)b * NT * QK;
-#pragma GCC unroll 4
-            for (int c = 0; c < NT; c++)
-                acc[c] = acc_block(acc[c], block_sums16(_mm256_load_si256((const __m256i *)(wb + c * QK)),
-                                                        _mm256_load_si256((const __m256i *)(wb + c * QK + 16)), x0, x1),
-                                   prod + NT * b + c);
-        }
-    } else if (q8) {
+    if (q8) {
         for (int b = 0; b < nb; b++) {
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
@@ -214,14 +210,15 @@ static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *x
     return tile_out(acc, m);
 }
 
-// Rows m0 and m1 against a tile unpacked to int16: tile_row's arithmetic for each row, each
-// weight vector loaded once for both.
+// Rows m0 and m1 (they may be the same row) against a tile unpacked to int16 (buf), each
+// weight vector and scale loaded once for both: row_scales' and tile_row's arithmetic for each
+// row. prod: 2 * NT * nb floats.
 static inline void tile_rows2(const qrows *r, int m0, int m1, int nb, const uint16_t *dt, const uint16_t *mt,
                               const int16_t *buf, float *prod, __m128 *out0, __m128 *out1) {
     const int16_t *xq0 = r->q + (size_t)m0 * nb * QK, *xq1 = r->q + (size_t)m1 * nb * QK;
+    float *prod0 = prod, *prod1 = prod + (size_t)NT * nb;
     const float *xd0 = r->d + (size_t)m0 * nb, *xd1 = r->d + (size_t)m1 * nb;
     const float *xs0 = r->s + (size_t)m0 * nb, *xs1 = r->s + (size_t)m1 * nb;
-    float *prod0 = prod, *prod1 = prod + (size_t)NT * nb;
     __m128 s0 = _mm_setzero_ps(), s1 = _mm_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const __m128 d = half4(dt + NT * b);
@@ -256,7 +253,7 @@ static inline void tile_rows2(const qrows *r, int m0, int m1, int nb, const uint
 // y[M, N] = x[M, K] @ W^T (+ bias), W in tiles (above): Q4: wq [N/NT][nb][NT][16] nibbles, wd and
 // wm [N/NT][nb][NT]; Q8: wq [N/NT][nb][NT][32] int8, wm NULL. K % 32 == 0, N % NT == 0.
 // Returns 0, or -1 out of memory. With 4 or more rows each thread unpacks a tile to int16 once
-// and runs every row against it, two rows at a time.
+// and runs every row against it, two rows at a time (tile_rows2).
 static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd,
                   const uint16_t *wm, const float *bias, float *y, int nthreads, int q8) {
     const int nb = K / QK;
@@ -293,19 +290,21 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
                 }
             }
             const __m128 bv = bias ? _mm_loadu_ps(bias + (size_t)t * NT) : _mm_setzero_ps();
-            int m = 0;
-            if (buffered)
-                for (; m + 1 < M; m += 2) {
+#define STORE(m, out) _mm_storeu_ps(y + (size_t)(m) * N + (size_t)t * NT, bias ? _mm_add_ps(out, bv) : (out))
+            if (buffered) {
+                for (int m = 0; m < M; m += 2) {
+                    const int m1 = m + 1 < M ? m + 1 : m;  // an odd last row is computed twice, stored once
                     __m128 out0, out1;
-                    tile_rows2(&r, m, m + 1, nb, dt, mt, buf, prod, &out0, &out1);
-                    _mm_storeu_ps(y + (size_t)m * N + (size_t)t * NT, bias ? _mm_add_ps(out0, bv) : out0);
-                    _mm_storeu_ps(y + (size_t)(m + 1) * N + (size_t)t * NT, bias ? _mm_add_ps(out1, bv) : out1);
+                    tile_rows2(&r, m, m1, nb, dt, mt, buf, prod, &out0, &out1);
+                    STORE(m, out0);
+                    if (m1 != m) STORE(m1, out1);
                 }
-            for (; m < M; m++) {
-                const __m128 out = tile_row(r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb, nb, wt, dt,
-                                            mt, buf, q8, prod);
-                _mm_storeu_ps(y + (size_t)m * N + (size_t)t * NT, bias ? _mm_add_ps(out, bv) : out);
+            } else {
+                for (int m = 0; m < M; m++)
+                    STORE(m, tile_row(r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb, nb, wt, dt, mt, q8,
+                                      prod));
             }
+#undef STORE
         }
         free(buf);
         free(prod);
@@ -431,8 +430,9 @@ void tl_kv_write(const float *k, long k_stride, const float *v, long v_stride, i
 }
 
 // Attention works on chunks of ATT_CHUNK context keys: one work item is (query token, KV head,
-// chunk), the GROUP query heads sharing the KV head read its K and V rows from memory once. A chunk leaves per head its max score, its sum of
-// exp(score - max) and its unnormalized output; a token's chunks are then combined in order.
+// chunk); the GROUP query heads sharing the KV head read its K and V rows from memory once. A
+// chunk leaves per head its max score, its sum of exp(score - max) and its unnormalized
+// output; a token's chunks are then combined in order.
 // The chunks are fixed by the token's context length alone, so the arithmetic of a token does
 // not depend on the batch or the threads, and one decode token still spreads over the threads.
 #define ATT_CHUNK 64
@@ -623,7 +623,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
 // ---- one Llama decoder layer in one call ------------------------------------------------------
 
 typedef struct {
-    const void *w;  // Q4 nibbles [n, k/2] or Q8 int8 [n, k]
+    const void *w;  // Q4 nibbles or Q8 int8, in tiles (see linear())
     const uint16_t *d, *m;  // float16; m: Q4 only
     const float *bias;  // may be NULL
     int q8, n, k;
