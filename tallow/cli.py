@@ -20,6 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   help="auto (float16 on the CPU with int4/int8 weights, else the model's dtype) | float16 | float32 | bfloat16")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -35,7 +37,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, block_size=args.block_size,
+        max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3) if args.kv_cache_memory else None,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,

@@ -27,6 +27,9 @@ class EngineConfig:
 
     # KV cache
     block_size: int = 16
+    # "auto": float16 on the CPU where tallow's kernels run the model (int4/int8 weights: attention
+    # reads half the bytes), else the model's dtype; "float16" or the model's dtype by name.
+    kv_cache_dtype: str = "auto"
     # Bytes for the KV pool on the CPU (None: a share of free RAM, capped).
     kv_cache_memory_bytes: int | None = None
     cpu_kv_cache_fraction: float = 0.25

@@ -24,6 +24,18 @@ pytestmark = pytest.mark.skipif(cpu_native.lib() is None,
                                 reason=f"no CPU kernels: {cpu_native.unavailable_reason()}")
 
 
+@pytest.fixture(autouse=True, params=cpu_native.supported_variants() or ["none"])
+def kernels(request, monkeypatch):
+    """Every test once per instruction set this CPU runs (an AVX-512 machine checks the AVX2
+    build too): the layers built inside take the variant's kernels and weight layout."""
+    if cpu_native.lib() is None:
+        pytest.skip("no CPU kernels")
+    lib = cpu_native.load(request.param)
+    monkeypatch.setattr(cpu_native, "_lib", lib)
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    return lib
+
+
 def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g) * 0.1
@@ -110,6 +122,28 @@ def test_q4_holds_gguf_q4_1_weights_exactly():
     for name, (kind, w) in tensors.items():
         assert kind == gguf.GGMLQuantizationType.Q4_1, name
         assert torch.equal(Q4Linear(w).dequantized_weight(), w), name
+
+
+@pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
+def test_weight_layout_round_trips_and_pads_the_last_tile(cls, kernels):
+    """The tiles hold each weight once (dequantized_weight undoes the layout), a width that is
+    not a whole number of tiles is padded with zero channels the kernel computes but never
+    stores, and outputs next to the padding are right."""
+    tile = cpu_native.tile_channels(kernels)
+    n = 3 * tile + 4 if tile > 4 else 12  # AVX-512: a partial last tile
+    w = random_weight(n, 96, seed=3)
+    layer = cls(w, torch.randn(n))
+    assert layer.tile == tile and layer.qweight.shape[0] == -(-n // tile)
+    deq = layer.dequantized_weight()
+    assert deq.shape == (n, 96)
+    assert (deq - w).abs().max() <= (0.5 if cls is Q4Linear else 0.05) * w.abs().max()  # quantization error only
+    if tile > 4:
+        assert not layer.d[-1, :, n % tile:].any()  # padded channels: zero scales, so zero weights
+    x = torch.randn(6, 96)
+    y = layer(x)
+    assert y.shape == (6, n)
+    scale = (x.abs() @ deq.abs().T).max().item()
+    torch.testing.assert_close(y, emulated(layer, x), rtol=0, atol=1e-6 * scale)
 
 
 @pytest.mark.parametrize("cls,shape", [(Q4Linear, (16, 48)), (Q4Linear, (18, 64)), (Q8Linear, (16, 40))])

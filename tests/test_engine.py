@@ -80,6 +80,31 @@ def test_batching_invariance(core):
     assert core.kv.num_free_blocks == free0
 
 
+def test_kv_cache_is_float16_with_quantized_weights_and_keeps_the_answers(loaded, core):
+    """On the CPU with tallow's kernels and int4 weights the KV cache holds float16 (attention
+    reads half the bytes); the real model's greedy answers stay those of a float32 cache.
+    Dense weights keep a float32 cache; a dtype the cache cannot hold is refused by name."""
+    from tallow.engine.attention.cpu_backend import CpuAttentionBackend
+    from tallow.engine.core import resolve_kv_cache_dtype
+    from tallow.errors import TallowError
+
+    cpu = torch.device("cpu")
+    native = CpuAttentionBackend.supports(torch.float32, 64)
+    assert core.kv_dtype == (torch.float16 if native else torch.float32)
+    assert all(k.dtype == v.dtype == core.kv_dtype for k, v in core.runner.kv_caches)
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu, "none", 64) == torch.float32
+    assert resolve_kv_cache_dtype("float32", torch.float32, cpu, "int4", 64) == torch.float32
+    with pytest.raises(TallowError, match="kv_cache_dtype") as e:
+        resolve_kv_cache_dtype("bfloat16", torch.float32, cpu, "int4", 64)
+    assert e.value.param == "kv_cache_dtype"
+    if native:
+        assert core.kv_block_bytes * 2 == make_core(loaded, kv_cache_dtype="float32").kv_block_bytes
+        ids = [core.tokenizer.encode(p) for p in PROMPTS]
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        full = make_core(loaded, kv_cache_dtype="float32")
+        assert [s.output_ids for s in run_all(core, ids, params)] == [s.output_ids for s in run_all(full, ids, params)]
+
+
 def test_preemption_keeps_outputs(dense_loaded):
     dense = make_core(dense_loaded, quantization="none")
     ids = [dense.tokenizer.encode(p) for p in PROMPTS]

@@ -1,5 +1,6 @@
-"""The CPU attention backends (the torch reference and tallow's own kernel) against plain
-float64 attention, and a row's result bit for bit the same whatever it is batched with."""
+"""The CPU attention backends (the torch reference and tallow's own kernel, over float32 and
+float16 caches) against plain float64 attention, and a row's result bit for bit the same
+whatever it is batched with."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from tallow.ops import cpu_native
 native = pytest.mark.skipif(cpu_native.lib() is None, reason=f"no CPU kernels: {cpu_native.unavailable_reason()}")
 
 
-@pytest.fixture(params=[TorchAttentionBackend, pytest.param(CpuAttentionBackend, marks=native)],
-                ids=["torch", "native"])
+@pytest.fixture(params=[(TorchAttentionBackend, torch.float32), pytest.param((CpuAttentionBackend, torch.float32), marks=native),
+                        pytest.param((CpuAttentionBackend, torch.float16), marks=native)],
+                ids=["torch", "native", "native-fp16-cache"])
 def backend(request):
-    return request.param
+    """PagedKV's backend and cache dtype."""
+    cls, dtype = request.param
+    return {"backend": cls, "dtype": dtype}
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention
 NUM_BLOCKS = 128
@@ -28,11 +32,12 @@ class PagedKV:
     """A filled KV cache with shuffled block tables; each sequence's queries and K/V are fixed,
     so the same sequence can be put into different batches."""
 
-    def __init__(self, context_lens: list[int], seed: int = 0, backend=TorchAttentionBackend):
+    def __init__(self, context_lens: list[int], seed: int = 0, backend=TorchAttentionBackend,
+                 dtype: torch.dtype = torch.float32):
         self.backend = backend
         g = torch.Generator().manual_seed(seed)
         shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
-        self.k_cache, self.v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        self.k_cache, self.v_cache = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
         free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
         self.tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in context_lens]
         self.q = [torch.randn(n, HEADS, HEAD_DIM, generator=g) for n in context_lens]
@@ -47,7 +52,7 @@ class PagedKV:
         qs, ks, vs, slots, tables = [], [], [], [], []
         for seq, ctx, q_len in chunks:
             positions = range(ctx - q_len, ctx)
-            k, v = self.kv(seq, positions)
+            k, v = (x.float() for x in self.kv(seq, positions))  # the model's K/V are float32 rows
             qs.append(self.q[seq][ctx - q_len: ctx])
             ks.append(k)
             vs.append(v)
@@ -84,7 +89,7 @@ CONTEXTS = [37, 16, 1, 130, 48, 5, 100]
 
 
 def test_matches_float64_attention(backend):
-    kv = PagedKV(CONTEXTS, backend=backend)
+    kv = PagedKV(CONTEXTS, **backend)
     # Decode rows of several block counts, a prefill chunk over a cached prefix, a whole prompt.
     chunks = [(0, 37, 1), (1, 16, 1), (3, 130, 1), (4, 48, 20), (5, 5, 5), (6, 100, 1)]
     for (seq, ctx, q_len), out in zip(chunks, kv.attend(chunks)):
@@ -98,7 +103,7 @@ def test_matches_float64_attention(backend):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_row_does_not_depend_on_its_batch(threads, backend):
-    kv = PagedKV(CONTEXTS + [40, 45, 33, 700], backend=backend)
+    kv = PagedKV(CONTEXTS + [40, 45, 33, 700], **backend)
     decode = [(seq, n, 1) for seq, n in enumerate(CONTEXTS + [40, 45, 33, 700]) if n > 1]
     batches = [
         decode,  # every block count, five rows of 3 blocks
@@ -121,7 +126,7 @@ def test_decode_row_does_not_depend_on_its_batch(threads, backend):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_lone_row_on_consecutive_blocks_reads_them_in_place_with_the_same_result(threads, backend):
-    kv = PagedKV(CONTEXTS, backend=backend)
+    kv = PagedKV(CONTEXTS, **backend)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -139,11 +144,12 @@ def test_lone_row_on_consecutive_blocks_reads_them_in_place_with_the_same_result
 
 
 @native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_prefill_rows_do_not_depend_on_their_batch(threads):
+def test_native_prefill_rows_do_not_depend_on_their_batch(threads, dtype):
     """The kernel computes every query token from its own causal context: a prefill chunk's
     rows too are the same alone, with neighbours, or split into smaller chunks."""
-    kv = PagedKV(CONTEXTS, backend=CpuAttentionBackend)
+    kv = PagedKV(CONTEXTS, backend=CpuAttentionBackend, dtype=dtype)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -157,9 +163,11 @@ def test_native_prefill_rows_do_not_depend_on_their_batch(threads):
 
 
 @native
-def test_native_backend_writes_new_kv_and_skips_padding():
-    """tl_kv_write puts each token's K/V at its slot and leaves slot -1 (padding) unwritten."""
-    kv = PagedKV([20], backend=CpuAttentionBackend)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_native_backend_writes_new_kv_and_skips_padding(dtype):
+    """tl_kv_write puts each token's K/V at its slot (rounded to nearest in a float16 cache)
+    and leaves slot -1 (padding) unwritten."""
+    kv = PagedKV([20], backend=CpuAttentionBackend, dtype=dtype)
     q, k, v, meta = kv.batch([(0, 20, 4)])
     k_new, v_new = torch.randn_like(k), torch.randn_like(v)
     meta.slot_mapping = meta.slot_mapping.clone()
@@ -169,6 +177,6 @@ def test_native_backend_writes_new_kv_and_skips_padding():
     flat_k, flat_v = kv.k_cache.view(-1, KV_HEADS, HEAD_DIM), kv.v_cache.view(-1, KV_HEADS, HEAD_DIM)
     for i, slot in enumerate(meta.slot_mapping.tolist()):
         if slot >= 0:
-            assert torch.equal(flat_k[slot], k_new[i]) and torch.equal(flat_v[slot], v_new[i])
+            assert torch.equal(flat_k[slot], k_new[i].to(dtype)) and torch.equal(flat_v[slot], v_new[i].to(dtype))
     skipped = kv.tables[0][17 // BLOCK] * BLOCK + 17 % BLOCK  # position 17 is the chunk's second token
     assert torch.equal(flat_k[skipped], k_before.view(-1, KV_HEADS, HEAD_DIM)[skipped])

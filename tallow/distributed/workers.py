@@ -106,7 +106,7 @@ class TensorParallelWorkers:
 
 def run_worker(rank: int, port: int, config: EngineConfig, parent_pid: int, started) -> None:
     """The worker process: join the group, load this rank's shard, then run the steps rank 0 sends."""
-    from tallow.engine.core import resolve_device, resolve_dtype
+    from tallow.engine.core import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
     _exit_with(parent_pid)
@@ -128,8 +128,10 @@ def run_worker(rank: int, port: int, config: EngineConfig, parent_pid: int, star
 
     num_blocks = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(num_blocks, 0, group=parallel.control_group)
+    dtype = resolve_dtype(config.dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.quantization, model.config.head_dim)
     runner = ModelRunner(model, model.config, block_size=config.block_size, num_blocks=int(num_blocks),
-                         device=parallel.device, dtype=resolve_dtype(config.dtype, device),
+                         device=parallel.device, dtype=dtype, kv_dtype=kv_dtype,
                          max_num_seqs=config.max_num_seqs, cuda_graph_max_batch=config.cuda_graph_max_batch,
                          parallel=parallel)
     channel = StepChannel(parallel.control_group)

@@ -65,6 +65,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device, quantization: str,
+                           head_dim: int) -> torch.dtype:
+    """The KV cache's dtype. "auto": float16 on the CPU where tallow's kernels run a float32
+    model with int4/int8 weights (attention reads half the bytes; K and V round to float16's
+    11 significant bits, as llama.cpp's default cache does), else the model's dtype. A named
+    dtype must be the model's, or float16 on the CPU with tallow's attention kernels."""
+    from tallow.engine.attention.cpu_backend import CpuAttentionBackend
+
+    native = device.type == "cpu" and CpuAttentionBackend.supports(model_dtype, head_dim)
+    if name == "auto":
+        quantized = quantization in ("auto", "int4", "int8")
+        return torch.float16 if native and quantized else model_dtype
+    dtype = resolve_dtype(name, device)
+    if dtype != model_dtype and not (native and dtype == torch.float16):
+        raise TallowError(f"kv_cache_dtype {name!r}: the cache holds the model's dtype "
+                          f"({str(model_dtype).removeprefix('torch.')}), or float16 on the CPU with tallow's kernels",
+                          param="kv_cache_dtype")
+    return dtype
+
+
 class EngineCore:
     """Owns the model runner, the KV cache manager and the scheduler; step() advances all.
 
@@ -130,9 +150,12 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_id)
 
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device, config.quantization,
+                                               cfg.head_dim)
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
         self.runner = ModelRunner(loaded.model, cfg, block_size=config.block_size, num_blocks=num_blocks,
-                                  device=self.device, dtype=self.dtype, max_num_seqs=config.max_num_seqs,
+                                  device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype,
+                                  max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, enforce_eager=config.enforce_eager,
                                   cuda_graph_max_batch=config.cuda_graph_max_batch, parallel=parallel)
         # One block of every layer's K and V in this process (rank 0's heads with tensor parallelism).
@@ -171,7 +194,7 @@ class EngineCore:
 
     def _num_blocks_from_budget(self) -> int:
         cfg, c = self.model_config, self.config
-        per_block = kv_bytes_per_block(cfg, c.block_size, self.dtype)
+        per_block = kv_bytes_per_block(cfg, c.block_size, self.kv_dtype)
         if self.workers is not None:
             # Each rank caches its own KV heads (some replicated when there are fewer than
             # ranks); on the CPU every rank's cache is in the same host memory.

@@ -152,7 +152,8 @@ class ModelRunner:
     the model is this rank's shard and the KV cache holds this rank's KV heads."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, block_size: int,
-                 num_blocks: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256,
+                 num_blocks: int, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                 max_num_seqs: int = 256,
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  cuda_graph_max_batch: int = 256, parallel: ParallelContext | None = None):
         self.model = model
@@ -167,7 +168,8 @@ class ModelRunner:
         # Rank 0 of a tensor-parallel group sends each step's inputs to the others.
         self.step_channel = StepChannel(parallel.control_group) if parallel is not None and parallel.is_first else None
         shape = (num_blocks, block_size, shard.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [(zeroed_cache(shape, dtype, device), zeroed_cache(shape, dtype, device))
+        kv_dtype = kv_dtype or dtype
+        self.kv_caches = [(zeroed_cache(shape, kv_dtype, device), zeroed_cache(shape, kv_dtype, device))
                           for _ in range(model_config.num_hidden_layers)]
         self.sampler = Sampler(model_config.vocab_size, device)
         self.staging = None

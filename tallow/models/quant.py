@@ -196,6 +196,7 @@ class _NativeBlockLinear(nn.Module):
         if lib is None:
             raise RuntimeError(f"tallow's CPU kernels are unavailable: {cpu_native.unavailable_reason()}")
         self._fn = getattr(lib, self._kernel)
+        self.tile = cpu_native.tile_channels(lib)  # the kernels' weight layout
         self.out_features, self.in_features = weight.shape
         if not native_fits(weight):
             raise ValueError(f"{type(self).__name__} needs in_features divisible by {GROUP_SIZE} and "
@@ -235,17 +236,66 @@ def _half(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.half()
 
 
-def _to_tiles(t: torch.Tensor, per_block: int) -> torch.Tensor:
-    """[n, blocks * per_block] per output channel -> the kernels' tiles [n / 4, blocks, 4,
-    per_block]: the blocks of 4 neighbouring channels side by side (kernels.c)."""
-    n = t.shape[0]
-    tiles = NATIVE_OUT_MULTIPLE
-    return t.view(n // tiles, tiles, -1, per_block).transpose(1, 2).contiguous()
+# The kernels' weight layouts (tallow/ops/cpu/linear_avx2.h, linear_avx512.h): tiles of `tile`
+# output channels (the last one padded with zero channels), each tile's blocks in order, a
+# block's `tile` channels in one run of bytes; scales [tiles, blocks, tile].
+
+def _tiles_of(t: torch.Tensor, tile: int) -> torch.Tensor:
+    """[n, ...] -> [ceil(n / tile), tile, ...], zero channels appended."""
+    pad = -t.shape[0] % tile
+    if pad:
+        t = torch.cat((t, t.new_zeros(pad, *t.shape[1:])))
+    return t.view(-1, tile, *t.shape[1:])
 
 
-def _from_tiles(t: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of _to_tiles: [n, blocks * per_block]."""
-    return t.transpose(1, 2).reshape(n, -1)
+def _tile_scales(d: torch.Tensor, tile: int) -> torch.Tensor:
+    """[n, blocks] -> [tiles, blocks, tile]."""
+    return _tiles_of(d, tile).transpose(1, 2).contiguous()
+
+
+def _untile_scales(d: torch.Tensor, n: int) -> torch.Tensor:
+    return d.transpose(1, 2).reshape(-1, d.shape[1])[:n]
+
+
+def _tile_q4(q: torch.Tensor, tile: int) -> torch.Tensor:
+    """Q4 codes [n, k] (0..15) -> [tiles, blocks, tile * 16] bytes of nibbles. tile 4: each
+    channel's 16 bytes, byte j = element j | element j + 16 << 4. tile 16: 8 groups of 32
+    bytes, group g's byte 2c + e = element 4g + e of channel c | element 4g + 2 + e << 4."""
+    t = _tiles_of(q.to(torch.uint8), tile)
+    T, nb = t.shape[0], q.shape[1] // GROUP_SIZE
+    if tile == 4:
+        t = t.view(T, tile, nb, 2, 16)
+        return (t[:, :, :, 0] | (t[:, :, :, 1] << 4)).transpose(1, 2).reshape(T, nb, -1).contiguous()
+    t = t.view(T, tile, nb, 8, 2, 2)  # (c, b, g, half, e)
+    return (t[..., 0, :] | (t[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(T, nb, -1).contiguous()
+
+
+def _untile_q4(packed: torch.Tensor, n: int, tile: int) -> torch.Tensor:
+    """The inverse of _tile_q4: codes [n, k] as uint8."""
+    T, nb = packed.shape[:2]
+    lo, hi = packed & 0x0F, packed >> 4
+    if tile == 4:
+        q = torch.stack((lo.view(T, nb, tile, 16), hi.view(T, nb, tile, 16)), dim=3)  # (b, c, half, j)
+        return q.permute(0, 2, 1, 3, 4).reshape(T * tile, -1)[:n]
+    q = torch.stack((lo.view(T, nb, 8, tile, 2), hi.view(T, nb, 8, tile, 2)), dim=4)  # (b, g, c, half, e)
+    return q.permute(0, 3, 1, 2, 4, 5).reshape(T * tile, -1)[:n]
+
+
+def _tile_q8(q: torch.Tensor, tile: int) -> torch.Tensor:
+    """Q8 codes [n, k] int8 -> [tiles, blocks, tile * 32]. tile 4: each channel's 32 bytes in
+    order; tile 16: 16 groups of 32 bytes, group j's byte 2c + e = element 2j + e of channel c."""
+    t = _tiles_of(q, tile)
+    T, nb = t.shape[0], q.shape[1] // GROUP_SIZE
+    if tile == 4:
+        return t.view(T, tile, nb, GROUP_SIZE).transpose(1, 2).reshape(T, nb, -1).contiguous()
+    return t.view(T, tile, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(T, nb, -1).contiguous()
+
+
+def _untile_q8(packed: torch.Tensor, n: int, tile: int) -> torch.Tensor:
+    T, nb = packed.shape[:2]
+    if tile == 4:
+        return packed.view(T, nb, tile, GROUP_SIZE).transpose(1, 2).reshape(T * tile, -1)[:n]
+    return packed.view(T, nb, 16, tile, 2).permute(0, 3, 1, 2, 4).reshape(T * tile, -1)[:n]
 
 
 class Q4Linear(_NativeBlockLinear):
@@ -259,27 +309,22 @@ class Q4Linear(_NativeBlockLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight, bias)
         n, k = weight.shape
-        qweight = torch.empty(n, k // 2, dtype=torch.uint8)
+        q = torch.empty(n, k, dtype=torch.uint8)
         d = torch.empty(n, k // GROUP_SIZE, dtype=torch.float16)
         m = torch.empty(n, k // GROUP_SIZE, dtype=torch.float16)
         for rows in _row_chunks(n, k):
             w = weight[rows].detach().float()
             d[rows], m[rows] = (_half(t, "Q4Linear") for t in q4_scales(w))
-            q = q4_codes(w, d[rows].float(), m[rows].float())
-            # Each block's 16 bytes: element j in the low nibble of byte j, element j + 16 in the high one.
-            q = q.view(q.shape[0], k // GROUP_SIZE, 2, GROUP_SIZE // 2).to(torch.uint8)
-            qweight[rows] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], k // 2)
-        self.register_buffer("qweight", _to_tiles(qweight, 16))
-        self.register_buffer("d", _to_tiles(d, 1))
-        self.register_buffer("m", _to_tiles(m, 1))
+            q[rows] = q4_codes(w, d[rows].float(), m[rows].float())
+        self.register_buffer("qweight", _tile_q4(q, self.tile))
+        self.register_buffer("d", _tile_scales(d, self.tile))
+        self.register_buffer("m", _tile_scales(m, self.tile))
         self._set_pointers()
 
     def dequantized_weight(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        qweight = _from_tiles(self.qweight, n)
-        lo, hi = qweight & 0x0F, qweight >> 4
-        q = torch.stack((lo.view(n, -1, 16), hi.view(n, -1, 16)), dim=2).view(n, -1, GROUP_SIZE).float()
-        d, m = _from_tiles(self.d, n).float(), _from_tiles(self.m, n).float()
+        q = _untile_q4(self.qweight, n, self.tile).view(n, -1, GROUP_SIZE).float()
+        d, m = _untile_scales(self.d, n).float(), _untile_scales(self.m, n).float()
         return (q * d[..., None] + m[..., None]).view(n, k)
 
 
@@ -301,15 +346,15 @@ class Q8Linear(_NativeBlockLinear):
             inv = torch.where(scale > 0, 1 / scale, 0.0)
             qweight[rows] = (groups * inv[..., None]).round_().clamp_(-127, 127).reshape(-1, k).to(torch.int8)
             d[rows] = scale
-        self.register_buffer("qweight", _to_tiles(qweight, GROUP_SIZE))
-        self.register_buffer("d", _to_tiles(d, 1))
+        self.register_buffer("qweight", _tile_q8(qweight, self.tile))
+        self.register_buffer("d", _tile_scales(d, self.tile))
         self.m = None
         self._set_pointers()
 
     def dequantized_weight(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        qweight = _from_tiles(self.qweight, n)
-        return (qweight.view(n, -1, GROUP_SIZE).float() * _from_tiles(self.d, n).float()[..., None]).view(n, k)
+        q = _untile_q8(self.qweight, n, self.tile).view(n, -1, GROUP_SIZE).float()
+        return (q * _untile_scales(self.d, n).float()[..., None]).view(n, k)
 
 
 class Bf16Linear(nn.Module):
@@ -329,7 +374,7 @@ def int8_fits(weight: torch.Tensor) -> bool:
     return weight.shape[1] % INT8_IN_MULTIPLE == 0
 
 
-NATIVE_OUT_MULTIPLE = 4  # the native kernels work on tiles of 4 output channels
+NATIVE_OUT_MULTIPLE = 4  # the AVX2 kernels work on tiles of 4 output channels (AVX-512: 16, padded)
 
 
 def native_fits(weight: torch.Tensor) -> bool:

@@ -1,11 +1,14 @@
 """tallow's own CPU kernels (tallow/ops/cpu/kernels.c): built with the system C compiler on
 first use, cached by source hash, loaded through ctypes.
 
-The build needs a C compiler (gcc or cc on PATH) and a CPU with AVX2, FMA and F16C; without
-them `lib()` returns None and the model falls back to torch's kernels (the quantization schemes
-"int4-torch" and "int8-torch" ask for those directly). The
-shared object links the OpenMP runtime torch itself loaded (libgomp.so.1), so the kernels'
-threads are torch's intra-op pool, not a second one competing for the cores.
+The source compiles for one of two instruction sets, the best this CPU has: "avx512" (AVX-512
+with VNNI: the linear layers' tiles of 16 channels multiplied by vpdpwssd) or "avx2" (AVX2,
+FMA, F16C: tiles of 4 channels). The environment variable TALLOW_CPU_KERNELS=avx2 picks the
+AVX2 build on a machine that has both. Without a C compiler or AVX2 `lib()` returns None and
+the model falls back to torch's kernels (the quantization schemes "int4-torch" and
+"int8-torch" ask for those directly). The shared object links the OpenMP runtime torch
+itself loaded (libgomp.so.1), so the kernels' threads are torch's intra-op pool, not a second
+one competing for the cores.
 """
 
 from __future__ import annotations
@@ -24,15 +27,24 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "kernels.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-ABI_VERSION = 6
-_REQUIRED_FLAGS = ("avx2", "fma", "f16c")
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
+SOURCE = os.path.join(_DIR, "kernels.c")
+HEADERS = [os.path.join(_DIR, name) for name in ("linear_avx2.h", "linear_avx512.h")]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# instruction set -> (compiler flags, the /proc/cpuinfo flags it needs), best first
+VARIANTS = {
+    "avx512": (["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+               ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
+}
+ENV_VARIANT = "TALLOW_CPU_KERNELS"
+ABI_VERSION = 7
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_lib: ctypes.CDLL | None = None  # the variant lib() hands out
 _tried = False
 _error: str | None = None
+_loaded: dict[str, ctypes.CDLL] = {}
 
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
@@ -42,9 +54,10 @@ _SIGNATURES = {
     "tl_add_rms_norm": ([_p, _p, _p, _f, _i, _i, _p, _p, _i], None),
     "tl_silu_and_mul": ([_p, _i, _i, _p, _i], None),
     "tl_rotary": ([_p, _i, _i, _i, _l, _p, _p, _i], None),
-    "tl_kv_write": ([_p, _l, _p, _l, _i, _i, _i, _p, _p, _p], None),
-    "tl_paged_attention": ([_p, _l, _p, _l, _p, _p, _p, _p, _p, _l, _i, _i, _i, _i, _i, _f, _i], _i),
+    "tl_kv_write": ([_p, _l, _p, _l, _i, _i, _i, _p, _p, _p, _i], None),
+    "tl_paged_attention": ([_p, _l, _p, _l, _p, _p, _p, _p, _p, _l, _i, _i, _i, _i, _i, _f, _i, _i], _i),
     "tl_llama_layer": ([_p, _p, _p, _p, _p, _p, _i, _i], _i),
+    "tl_tile_channels": ([], _i),
 }
 
 
@@ -61,8 +74,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def supported_variants() -> list[str]:
+    """The instruction sets of VARIANTS this CPU can run, best first."""
+    return [name for name, (_, needs) in VARIANTS.items() if all(flag in cpu_flags() for flag in needs)]
+
+
 def cpu_supported() -> bool:
-    return all(flag in cpu_flags() for flag in _REQUIRED_FLAGS)
+    return bool(supported_variants())
 
 
 def _cache_dir() -> str:
@@ -71,7 +89,7 @@ def _cache_dir() -> str:
     return os.path.join(_default_cache_dir(), "kernels")
 
 
-def _build(path: str) -> None:
+def _build(path: str, flags: list[str]) -> None:
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -79,44 +97,66 @@ def _build(path: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *flags, "-o", tmp, SOURCE, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, path)  # atomic: concurrent builders leave one complete file
     except BaseException:
         os.unlink(tmp)
         raise
 
 
+def load(variant: str) -> ctypes.CDLL:
+    """The kernels built for one instruction set of VARIANTS (built on first use, cached);
+    raises where this CPU or machine cannot run or build them."""
+    with _lock:
+        if variant in _loaded:
+            return _loaded[variant]
+        if variant not in supported_variants():
+            raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS[variant][1])}" if variant in VARIANTS
+                               else f"unknown kernel variant {variant!r}; one of {', '.join(VARIANTS)}")
+        flags = FLAGS + VARIANTS[variant][0]
+        digest = hashlib.sha256()
+        for source in (SOURCE, *HEADERS):
+            with open(source, "rb") as f:
+                digest.update(f.read())
+        digest.update(" ".join(flags).encode())
+        path = os.path.join(_cache_dir(), f"tallow_cpu_{variant}_{digest.hexdigest()[:16]}.so")
+        if not os.path.exists(path):
+            _build(path, flags)
+        loaded = ctypes.CDLL(path)
+        if loaded.tl_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{path}: ABI {loaded.tl_abi_version()}, expected {ABI_VERSION}")
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(loaded, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        _loaded[variant] = loaded
+        return loaded
+
+
 def lib() -> ctypes.CDLL | None:
-    """The loaded kernels, or None where they cannot be built or loaded (the reason is logged once)."""
+    """The loaded kernels of the best instruction set here (or of $TALLOW_CPU_KERNELS), or None
+    where they cannot be built or loaded (the reason is logged once)."""
     global _lib, _tried, _error
     if _tried:
         return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        try:
-            if not cpu_supported():
-                raise RuntimeError(f"the CPU lacks one of {', '.join(_REQUIRED_FLAGS)}")
-            with open(SOURCE, "rb") as f:
-                digest = hashlib.sha256(f.read() + " ".join(FLAGS).encode()).hexdigest()[:16]
-            path = os.path.join(_cache_dir(), f"tallow_cpu_{digest}.so")
-            if not os.path.exists(path):
-                _build(path)
-            loaded = ctypes.CDLL(path)
-            if loaded.tl_abi_version() != ABI_VERSION:
-                raise RuntimeError(f"{path}: ABI {loaded.tl_abi_version()}, expected {ABI_VERSION}")
-            for name, (argtypes, restype) in _SIGNATURES.items():
-                fn = getattr(loaded, name)
-                fn.argtypes, fn.restype = argtypes, restype
-            _lib = loaded
-        except subprocess.CalledProcessError as e:
-            _error = f"build failed: {e.stderr.strip()[:2000]}"
-        except Exception as e:  # no compiler, unsupported CPU, load error: torch's kernels serve
-            _error = f"{type(e).__name__}: {e}"
-        if _error:
-            log.warning("tallow CPU kernels unavailable (%s); using torch's kernels", _error)
-        _tried = True
-        return _lib
+    variants = supported_variants()
+    wanted = os.environ.get(ENV_VARIANT) or (variants[0] if variants else None)
+    try:
+        if wanted is None:
+            raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS['avx2'][1])}")
+        _lib = load(wanted)
+    except subprocess.CalledProcessError as e:
+        _error = f"build failed: {e.stderr.strip()[:2000]}"
+    except Exception as e:  # no compiler, unsupported CPU, load error: torch's kernels serve
+        _error = f"{type(e).__name__}: {e}"
+    if _error:
+        log.warning("tallow CPU kernels unavailable (%s); using torch's kernels", _error)
+    _tried = True
+    return _lib
+
+
+def tile_channels(kernels: ctypes.CDLL | None = None) -> int:
+    """Output channels per weight tile of these kernels (default: lib()'s): 4 (AVX2) or 16."""
+    return (kernels or lib()).tl_tile_channels()
 
 
 def unavailable_reason() -> str | None:

@@ -34,16 +34,17 @@ class CpuAttentionBackend:
         kv_heads = k_cache.shape[2]
         for t in (q, k, v):
             assert t.stride(1) == D and t.stride(2) == 1, "heads must be contiguous"
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype in (torch.float32, torch.float16)
+        half = int(k_cache.dtype == torch.float16)
         lib = self._lib
         lib.tl_kv_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), T, kv_heads, D,
-                        meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+                        meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), half)
         out = q.new_empty(T, H, D)
         tables = meta.block_tables
         if lib.tl_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), H * D, k_cache.data_ptr(),
                                   v_cache.data_ptr(), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
                                   tables.data_ptr(), tables.stride(0), meta.seq_lens.shape[0], H, kv_heads, D,
-                                  k_cache.shape[1], scale, torch.get_num_threads()):
+                                  k_cache.shape[1], scale, half, torch.get_num_threads()):
             raise MemoryError("paged attention: out of memory for its workspace")
         return out
 

@@ -1,23 +1,20 @@
-// tallow's CPU kernels (AVX2 + FMA), loaded through ctypes by tallow/ops/cpu_native.py.
+// tallow's CPU kernels (AVX2 + FMA; the linear layers also on AVX-512 VNNI), loaded through
+// ctypes by tallow/ops/cpu_native.py, which compiles this file once per instruction set.
 //
 // Linear layers over block-quantized weights: the activations are quantized per block of 32
 // to int16 (scale = max|x| / 32767: a relative error of 2^-16 of the block's largest value,
-// finer than bfloat16), each block's integer dot product with the weights is exact (madd),
-// and is scaled into a float32 accumulator. (int8 activations, as llama.cpp's q8_1, cost
-// about as much on AVX2 but moved SmolLM2's greedy answers: 0.3-1.7% error per layer.)
-//   Q4: w = d * q + m, q in 0..15 (GGUF's Q4_1), 16 bytes of nibbles per block: byte j
-//       holds element j in its low nibble and element j + 16 in its high nibble.
+// finer than bfloat16), each block's integer dot product with the weights is exact (madd,
+// or vpdpwssd), and is scaled into a float32 accumulator. (int8 activations, as llama.cpp's
+// q8_1, moved SmolLM2's greedy answers: 0.3-1.7% error per layer.)
+//   Q4: w = d * q + m, q in 0..15 (GGUF's Q4_1).
 //   Q8: w = d * q, q in -127..127 (GGUF's Q8_0).
 // d and m are float16 (as in GGUF), one per (output channel, block). The weights are stored
-// in tiles of NT = 4 output channels (see linear() below).
+// in tiles of NT output channels whose layout is the instruction set's: linear_avx2.h (NT = 4)
+// or linear_avx512.h (NT = 16); tl_tile_channels() tells the Python side which.
 //
 // Every output (row, column) is computed by the same arithmetic whatever the number of rows
 // and threads: threads split the tiles of columns, never a dot product. So a row's result
 // does not depend on what it is batched with (greedy batching invariance).
-//
-// One row (decode) reads the nibbles straight into registers; with 4 or more rows each thread
-// unpacks a tile to int16 in a small buffer once and runs every row against it, so the
-// weights are read from memory once per call.
 
 #include <immintrin.h>
 #include <math.h>
@@ -27,10 +24,8 @@
 #include <string.h>
 
 #define QK 32
-#define NT 4
-#define PREFETCH 1024  // bytes of Q4 nibbles ahead of the one-row loop (Q8: twice that)
 
-int tl_abi_version(void) { return 6; }
+int tl_abi_version(void) { return 7; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -103,215 +98,14 @@ static int quantize_rows(const float *x, int M, int K, int nthreads, int q4_orde
 
 static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s); }
 
-// Weights are stored in tiles of NT = 4 output channels: for tile t and block b, the NT
-// channels' blocks lie side by side (Q4: 16 bytes of nibbles each, Q8: 32 int8 each), and
-// d [N/NT][nb][NT] (and Q4's m) alike, so a thread reads each tile as one sequential stream
-// and takes the NT channels' scales in one vector.
-//
-// A block's integer dot product is exact and kept as 4 int32 lanes, each the sum of a fixed
-// set of 8 of the 32 products, whichever path computes it:
-//   Q4: lane i holds elements 4i..4i+3 and 16+4i..19+4i (activations in Q4 order);
-//   Q8: lane i holds elements 2i, 2i+1, 8+2i, 9+2i and the same + 16 (natural order).
-// Each lane goes to float (exact for Q4: |sum| < 2^24) and into the channel's accumulator as
-// acc += lanes * (d_w * d_x); Q4's m term (sum_b m_b * d_x * sum(q_x)) is accumulated for the
-// NT channels in one vector; tile_out sums the lanes in a fixed order. So a row's result does
-// not depend on which path ran it, or on what else is in the batch.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include "linear_avx512.h"
+#else
+#include "linear_avx2.h"
+#endif
 
-// Q4 from its nibbles, in registers. t's int16 lane l holds elements 2l (bits 0-3), 16+2l
-// (4-7), 2l+1 (8-11) and 17+2l (12-15); the masks take them without widening, the odd
-// elements scaled by 256, which an exact shift removes from their sums.
-static inline __m128i q4_block_sums(const uint8_t *nib, __m128i xa, __m128i xc, __m128i xb, __m128i xd) {
-    const __m128i lo = _mm_set1_epi16(0x000F), hi = _mm_set1_epi16(0x0F00);
-    const __m128i t = _mm_loadu_si128((const __m128i *)nib), s = _mm_srli_epi16(t, 4);
-    const __m128i p1 = _mm_add_epi32(_mm_madd_epi16(_mm_and_si128(t, lo), xa), _mm_madd_epi16(_mm_and_si128(s, lo), xb));
-    const __m128i p2 = _mm_add_epi32(_mm_madd_epi16(_mm_and_si128(t, hi), xc), _mm_madd_epi16(_mm_and_si128(s, hi), xd));
-    return _mm_add_epi32(p1, _mm_srai_epi32(p2, 8));  // products of 256 * e: |p2| < 2^29
-}
-
-// A Q4 block unpacked for the buffered path: [e0 e2 .. e14 | e1 .. e15 | e16 .. e30 | e17 .. e31]
-// as int16, the activations' Q4 order.
-static inline void unpack_q4(const uint8_t *nib, int16_t *dst) {
-    const __m128i lo = _mm_set1_epi16(0x000F);
-    const __m128i t = _mm_loadu_si128((const __m128i *)nib);
-    _mm_store_si128((__m128i *)dst, _mm_and_si128(t, lo));
-    _mm_store_si128((__m128i *)(dst + 8), _mm_and_si128(_mm_srli_epi16(t, 8), lo));
-    _mm_store_si128((__m128i *)(dst + 16), _mm_and_si128(_mm_srli_epi16(t, 4), lo));
-    _mm_store_si128((__m128i *)(dst + 24), _mm_srli_epi16(t, 12));
-}
-
-// 32 int16 weights (two halves of 16, either path's layout) against the matching activations.
-static inline __m128i block_sums16(__m256i w0, __m256i w1, __m256i x0, __m256i x1) {
-    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
-    return _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-}
-
-static inline __m128i q8_block_sums(const int8_t *wb, __m256i x0, __m256i x1) {
-    return block_sums16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb)),
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16))), x0, x1);
-}
-
-// 4 float16 values (the tile's channels) as float32.
-static inline __m128 half4(const uint16_t *h) { return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)); }
-
-static inline __m128 acc_block(__m128 acc, __m128i sums, const float *scale) {
-    return _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_broadcast_ss(scale), acc);
-}
-
-// The NT channels' outputs: each accumulator's lanes summed as (l0 + l2) + (l1 + l3), plus m.
-static inline __m128 tile_out(const __m128 *acc, __m128 m) {
-    const __m128 t0 = _mm_add_ps(_mm_unpacklo_ps(acc[0], acc[1]), _mm_unpackhi_ps(acc[0], acc[1]));
-    const __m128 t1 = _mm_add_ps(_mm_unpacklo_ps(acc[2], acc[3]), _mm_unpackhi_ps(acc[2], acc[3]));
-    return _mm_add_ps(_mm_add_ps(_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0)), m);
-}
-
-// One row's per-block float scales for a tile (prod[b][c] = d[b][c] * d_x[b]) and its m term
-// for the NT channels (Q4; mt NULL: zero).
-static inline __attribute__((always_inline)) __m128 row_scales(const uint16_t *dt, const uint16_t *mt,
-                                                                const float *xd, const float *xs, int nb, float *prod) {
-    __m128 m = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        _mm_store_ps(prod + NT * b, _mm_mul_ps(half4(dt + NT * b), _mm_broadcast_ss(xd + b)));
-        if (mt) m = _mm_fmadd_ps(half4(mt + NT * b), _mm_broadcast_ss(xs + b), m);
-    }
-    return m;
-}
-
-// One row against one tile read from the packed weights, in registers.
-static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *xs, int nb, const uint8_t *wt,
-                              const uint16_t *dt, const uint16_t *mt, int q8, float *prod) {
-    const __m128 m = row_scales(dt, mt, xd, xs, nb, prod);
-    __m128 acc[NT];
-    for (int c = 0; c < NT; c++) acc[c] = _mm_setzero_ps();
-    if (q8) {
-        for (int b = 0; b < nb; b++) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
-            const int8_t *wb = (const int8_t *)wt + (size_t)b * NT * QK;
-            _mm_prefetch((const char *)(wb + 2 * PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wb + 2 * PREFETCH + 64), _MM_HINT_T0);
-            if ((b & 7) == 0) _mm_prefetch((const char *)(dt + NT * b + PREFETCH / 16), _MM_HINT_T0);
-#pragma GCC unroll 4
-            for (int c = 0; c < NT; c++) acc[c] = acc_block(acc[c], q8_block_sums(wb + c * QK, x0, x1), prod + NT * b + c);
-        }
-    } else {
-        for (int b = 0; b < nb; b++) {
-            const int16_t *xb = xq + b * QK;
-            const __m128i xa = _mm_loadu_si128((const __m128i *)xb), xc = _mm_loadu_si128((const __m128i *)(xb + 8));
-            const __m128i xb_ = _mm_loadu_si128((const __m128i *)(xb + 16)), xd_ = _mm_loadu_si128((const __m128i *)(xb + 24));
-            const uint8_t *wb = wt + (size_t)b * NT * 16;
-            _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);  // the hardware's prefetch alone lags
-            if ((b & 7) == 0) _mm_prefetch((const char *)(dt + NT * b + PREFETCH / 16), _MM_HINT_T0),
-                              _mm_prefetch((const char *)(mt + NT * b + PREFETCH / 16), _MM_HINT_T0);
-#pragma GCC unroll 4
-            for (int c = 0; c < NT; c++)
-                acc[c] = acc_block(acc[c], q4_block_sums(wb + c * 16, xa, xc, xb_, xd_), prod + NT * b + c);
-        }
-    }
-    return tile_out(acc, m);
-}
-
-// Rows m0 and m1 (they may be the same row) against a tile unpacked to int16 (buf), each
-// weight vector and scale loaded once for both: row_scales' and tile_row's arithmetic for each
-// row. prod: 2 * NT * nb floats.
-static inline void tile_rows2(const qrows *r, int m0, int m1, int nb, const uint16_t *dt, const uint16_t *mt,
-                              const int16_t *buf, float *prod, __m128 *out0, __m128 *out1) {
-    const int16_t *xq0 = r->q + (size_t)m0 * nb * QK, *xq1 = r->q + (size_t)m1 * nb * QK;
-    float *prod0 = prod, *prod1 = prod + (size_t)NT * nb;
-    const float *xd0 = r->d + (size_t)m0 * nb, *xd1 = r->d + (size_t)m1 * nb;
-    const float *xs0 = r->s + (size_t)m0 * nb, *xs1 = r->s + (size_t)m1 * nb;
-    __m128 s0 = _mm_setzero_ps(), s1 = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const __m128 d = half4(dt + NT * b);
-        _mm_store_ps(prod0 + NT * b, _mm_mul_ps(d, _mm_broadcast_ss(xd0 + b)));
-        _mm_store_ps(prod1 + NT * b, _mm_mul_ps(d, _mm_broadcast_ss(xd1 + b)));
-        if (mt) {
-            const __m128 m = half4(mt + NT * b);
-            s0 = _mm_fmadd_ps(m, _mm_broadcast_ss(xs0 + b), s0);
-            s1 = _mm_fmadd_ps(m, _mm_broadcast_ss(xs1 + b), s1);
-        }
-    }
-    __m128 a0[NT], a1[NT];
-    for (int c = 0; c < NT; c++) a0[c] = a1[c] = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const __m256i x00 = _mm256_loadu_si256((const __m256i *)(xq0 + b * QK));
-        const __m256i x01 = _mm256_loadu_si256((const __m256i *)(xq0 + b * QK + 16));
-        const __m256i x10 = _mm256_loadu_si256((const __m256i *)(xq1 + b * QK));
-        const __m256i x11 = _mm256_loadu_si256((const __m256i *)(xq1 + b * QK + 16));
-        const int16_t *wb = buf + (size_t)b * NT * QK;
-#pragma GCC unroll 4
-        for (int c = 0; c < NT; c++) {
-            const __m256i w0 = _mm256_load_si256((const __m256i *)(wb + c * QK));
-            const __m256i w1 = _mm256_load_si256((const __m256i *)(wb + c * QK + 16));
-            a0[c] = acc_block(a0[c], block_sums16(w0, w1, x00, x01), prod0 + NT * b + c);
-            a1[c] = acc_block(a1[c], block_sums16(w0, w1, x10, x11), prod1 + NT * b + c);
-        }
-    }
-    *out0 = tile_out(a0, s0);
-    *out1 = tile_out(a1, s1);
-}
-
-// y[M, N] = x[M, K] @ W^T (+ bias), W in tiles (above): Q4: wq [N/NT][nb][NT][16] nibbles, wd and
-// wm [N/NT][nb][NT]; Q8: wq [N/NT][nb][NT][32] int8, wm NULL. K % 32 == 0, N % NT == 0.
-// Returns 0, or -1 out of memory. With 4 or more rows each thread unpacks a tile to int16 once
-// and runs every row against it, two rows at a time (tile_rows2).
-static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd,
-                  const uint16_t *wm, const float *bias, float *y, int nthreads, int q8) {
-    const int nb = K / QK;
-    const size_t tile_bytes = (size_t)nb * NT * (q8 ? QK : QK / 2);
-    const int buffered = M >= 4;
-    qrows r;
-    if (quantize_rows(x, M, K, nthreads, !q8, &r)) return -1;
-    int failed = 0;
-    const int tiles = N / NT;
-#pragma omp parallel num_threads(nthreads)
-    {
-        int16_t *buf = buffered ? (int16_t *)aligned_alloc(32, sizeof(int16_t) * NT * (size_t)K) : NULL;
-        float *prod = (float *)aligned_alloc(32, sizeof(float) * 2 * NT * ((size_t)nb + 8));  // two rows' scales
-        const int ok = prod && (buf || !buffered);
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            if (!ok) continue;
-            const uint8_t *wt = wq + (size_t)t * tile_bytes;
-            const uint16_t *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
-            if (buffered) {
-                for (int i = 0; i < nb * NT; i++) {  // block-major, as stored
-                    int16_t *dst = buf + (size_t)i * QK;
-                    if (q8) {
-                        const int8_t *wb = (const int8_t *)wt + (size_t)i * QK;
-                        _mm256_store_si256((__m256i *)dst, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb)));
-                        _mm256_store_si256((__m256i *)(dst + 16), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16))));
-                    } else {
-                        unpack_q4(wt + (size_t)i * 16, dst);
-                    }
-                }
-            }
-            const __m128 bv = bias ? _mm_loadu_ps(bias + (size_t)t * NT) : _mm_setzero_ps();
-#define STORE(m, out) _mm_storeu_ps(y + (size_t)(m) * N + (size_t)t * NT, bias ? _mm_add_ps(out, bv) : (out))
-            if (buffered) {
-                for (int m = 0; m < M; m += 2) {
-                    const int m1 = m + 1 < M ? m + 1 : m;  // an odd last row is computed twice, stored once
-                    __m128 out0, out1;
-                    tile_rows2(&r, m, m1, nb, dt, mt, buf, prod, &out0, &out1);
-                    STORE(m, out0);
-                    if (m1 != m) STORE(m1, out1);
-                }
-            } else {
-                for (int m = 0; m < M; m++)
-                    STORE(m, tile_row(r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb, nb, wt, dt, mt, q8,
-                                      prod));
-            }
-#undef STORE
-        }
-        free(buf);
-        free(prod);
-    }
-    free_rows(&r);
-    return failed ? -1 : 0;
-}
+// The output channels of one weight tile: the layout the Python side packs (quant.py).
+int tl_tile_channels(void) { return NT; }
 
 int tl_q4_linear(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
                  const float *bias, float *y, int nthreads) {
@@ -414,19 +208,37 @@ void tl_rotary(float *x, int T, int heads, int D, long row_stride, const int64_t
     }
 }
 
-// ---- paged attention, float32 -----------------------------------------------------------
+// ---- paged attention: float32 queries, a float32 or float16 KV cache --------------------------
+
+// n floats to float16, rounded to nearest even (n % 8 == 0).
+static void to_half(const float *x, uint16_t *h, size_t n) {
+    for (size_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
 
 // k/v [T, kv_heads, D] (row strides in floats) into the caches [blocks, block_size, kv_heads, D]
-// at slot_mapping[t] (negative: padding, skipped).
+// at slot_mapping[t] (negative: padding, skipped); half: the caches hold float16.
 void tl_kv_write(const float *k, long k_stride, const float *v, long v_stride, int T, int kv_heads, int D,
-                 const int64_t *slot_mapping, float *k_cache, float *v_cache) {
+                 const int64_t *slot_mapping, void *k_cache, void *v_cache, int half) {
     const size_t n = (size_t)kv_heads * D;
     for (int t = 0; t < T; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        memcpy(k_cache + slot * n, k + t * k_stride, n * sizeof(float));
-        memcpy(v_cache + slot * n, v + t * v_stride, n * sizeof(float));
+        if (half) {
+            to_half(k + t * k_stride, (uint16_t *)k_cache + slot * n, n);
+            to_half(v + t * v_stride, (uint16_t *)v_cache + slot * n, n);
+        } else {
+            memcpy((float *)k_cache + slot * n, k + t * k_stride, n * sizeof(float));
+            memcpy((float *)v_cache + slot * n, v + t * v_stride, n * sizeof(float));
+        }
     }
+}
+
+// n float16 rows of D (at off[j] in cache) as float32 rows at dst + j * D (D % 8 == 0).
+static void gather_half(const uint16_t *cache, const size_t *off, int n, int D, float *dst) {
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < D; i += 8)
+            _mm256_storeu_ps(dst + (size_t)j * D + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cache + off[j] + i))));
 }
 
 // Attention works on chunks of ATT_CHUNK context keys: one work item is (query token, KV head,
@@ -482,20 +294,15 @@ static inline __attribute__((always_inline)) void pv_acc(const float *v, const s
     }
 }
 
-// One chunk of n <= ATT_CHUNK keys (rows at off[] in the caches) for the group's heads q[g]:
-// part[g] = {max, sum, out[D]} with out unnormalized. Head by head: the chunk's K and V rows
-// (ATT_CHUNK * D floats each) come from memory for the first head and from L1 for the others.
+// One chunk of n <= ATT_CHUNK keys (float32 rows at off[] in k and v) for the group's heads
+// q[g]: part[g] = {max, sum, out[D]} with out unnormalized. Head by head: the chunk's K and V
+// rows come from memory (or the float16 gather) for the first head and from L1 for the others.
 // scores: ATT_CHUNK floats of scratch.
 static inline __attribute__((always_inline)) void attend_chunk(const float *q, int group, int D, float scale,
                                                                 const float *k_cache, const float *v_cache,
                                                                 const size_t *off, int n, float *scores, float *part) {
     const size_t part_len = (size_t)D + 2;
     const __m256 sv = _mm256_set1_ps(scale);
-    for (int j = 0; j < n; j++)  // the rows are scattered over the cache: ask for all of them at once
-        for (int i = 0; i < D; i += 16) {
-            _mm_prefetch((const char *)(k_cache + off[j] + i), _MM_HINT_T1);
-            _mm_prefetch((const char *)(v_cache + off[j] + i), _MM_HINT_T1);
-        }
     for (int g = 0; g < group; g++) {
         const float *qg = q + (size_t)g * D;
         float *pg = part + g * part_len;
@@ -525,17 +332,47 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
     }
 }
 
+// Work item `item` = (chunk, KV head): its token (*t) and its n rows' element offsets in the
+// caches (off), whose lines are prefetched to L2. Returns n.
+static int item_rows(long item, int T, const int *first, const int *ctx, const int *seq, const int32_t *block_tables,
+                     long bt_stride, int block_size, int kv_heads, int D, const void *k_cache, const void *v_cache,
+                     size_t esize, size_t *off, int *t_out) {
+    const long chunk = item / kv_heads;
+    const int kvh = (int)(item % kv_heads);
+    int lo = 0, hi = T - 1;  // the token of this chunk: first[t] <= chunk < first[t + 1]
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= chunk) lo = mid; else hi = mid - 1;
+    }
+    const int t = lo;
+    const int j0 = (int)(chunk - first[t]) * ATT_CHUNK;
+    const int n = ctx[t] - j0 < ATT_CHUNK ? ctx[t] - j0 : ATT_CHUNK;
+    const int32_t *table = block_tables + (size_t)seq[t] * bt_stride;
+    const size_t kv_row = (size_t)kv_heads * D;
+    for (int j = 0, blk = j0 / block_size, slot = j0 % block_size; j < n; j++) {  // no division per row
+        off[j] = ((size_t)table[blk] * block_size + slot) * kv_row + (size_t)kvh * D;
+        if (++slot == block_size) slot = 0, blk++;
+    }
+    for (int j = 0; j < n; j++)
+        for (size_t i = 0; i < D * esize; i += 64) {
+            _mm_prefetch((const char *)k_cache + off[j] * esize + i, _MM_HINT_T1);
+            _mm_prefetch((const char *)v_cache + off[j] * esize + i, _MM_HINT_T1);
+        }
+    *t_out = t;
+    return n;
+}
+
 // Causal attention of every query token over its sequence's paged context. q [T, H, D] and
 // out [T, H, D] with row strides in floats (heads at stride D); sequence b owns tokens
 // query_start_loc[b] .. query_start_loc[b+1] - 1, the last of its seq_lens[b] context
-// tokens. Returns 0, or -1 out of memory.
-int tl_paged_attention(const float *q, long q_stride, float *out, long out_stride, const float *k_cache,
-                       const float *v_cache, const int32_t *query_start_loc, const int32_t *seq_lens,
+// tokens. The caches hold float32, or float16 where half is set. Returns 0, or -1 out of memory.
+int tl_paged_attention(const float *q, long q_stride, float *out, long out_stride, const void *k_cache,
+                       const void *v_cache, const int32_t *query_start_loc, const int32_t *seq_lens,
                        const int32_t *block_tables, long bt_stride, int B, int H, int kv_heads, int D,
-                       int block_size, float scale, int nthreads) {
+                       int block_size, float scale, int half, int nthreads) {
     const int T = query_start_loc[B];
     const int group = H / kv_heads;
-    const size_t kv_row = (size_t)kv_heads * D, part_len = (size_t)D + 2;
+    const size_t part_len = (size_t)D + 2;
     // token t: sequence seq[t], context ctx[t], chunks first[t] .. first[t + 1] - 1 (per KV head)
     int *seq = (int *)malloc(sizeof(int) * ((size_t)T + 1) * 3);
     if (!seq) return -1;
@@ -554,42 +391,56 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         return -1;
     }
     int failed = 0;
+    const long items = chunks * kv_heads;
+    const size_t esize = half ? 2 : 4;
+    long claimed = 0;  // items handed out
 #pragma omp parallel num_threads(nthreads)
     {
         float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK);
-        size_t *off = (size_t *)malloc(sizeof(size_t) * ATT_CHUNK);
-        if (!scores || !off) {
+        size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two items' row offsets; dense ones
+        float *rows = half ? (float *)malloc(sizeof(float) * 2 * ATT_CHUNK * (size_t)D) : NULL;  // K, V as float32
+        const int ok = scores && off && (rows || !half);
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < chunks * kv_heads; item++) {
-            if (!scores || !off) continue;
-            const long chunk = item / kv_heads;
-            const int kvh = (int)(item % kv_heads);
-            int lo = 0, hi = T - 1;  // the token of this chunk: first[t] <= chunk < first[t + 1]
-            while (lo < hi) {
-                const int mid = (lo + hi + 1) / 2;
-                if (first[mid] <= chunk) lo = mid; else hi = mid - 1;
-            }
-            const int t = lo;
-            const int j0 = (int)(chunk - first[t]) * ATT_CHUNK;
-            const int n = ctx[t] - j0 < ATT_CHUNK ? ctx[t] - j0 : ATT_CHUNK;
-            const int32_t *table = block_tables + (size_t)seq[t] * bt_stride;
-            for (int j = 0, blk = j0 / block_size, slot = j0 % block_size; j < n; j++) {  // no division per row
-                off[j] = ((size_t)table[blk] * block_size + slot) * kv_row + (size_t)kvh * D;
-                if (++slot == block_size) slot = 0, blk++;
-            }
-            const float *qh = q + t * q_stride + (size_t)kvh * group * D;
-            float *part = parts + (size_t)item * group * part_len;
-            if (D == 64)
-                attend_chunk(qh, group, 64, scale, k_cache, v_cache, off, n, scores, part);
-            else if (D == 128)
-                attend_chunk(qh, group, 128, scale, k_cache, v_cache, off, n, scores, part);
-            else
-                attend_chunk(qh, group, D, scale, k_cache, v_cache, off, n, scores, part);
+        // Items are claimed one ahead: while a thread works on one, the rows of the next it will
+        // take are already on their way from memory (the rows are scattered over the cache).
+        size_t *off_cur = off, *off_next = off + ATT_CHUNK, *dense = off + 2 * ATT_CHUNK;
+        int t_cur = 0, n_cur = 0, t_next = 0, n_next = 0;
+        long cur = ok ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : items;
+        if (ok) {
+            for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
+            if (cur < items) n_cur = item_rows(cur, T, first, ctx, seq, block_tables, bt_stride, block_size, kv_heads,
+                                               D, k_cache, v_cache, esize, off_cur, &t_cur);
         }
-        // (implicit barrier: every chunk is done) each (token, head)'s chunks combined in order
+        while (cur < items) {
+            const long next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            if (next < items)
+                n_next = item_rows(next, T, first, ctx, seq, block_tables, bt_stride, block_size, kv_heads, D, k_cache,
+                                   v_cache, esize, off_next, &t_next);
+            const int kvh = (int)(cur % kv_heads);
+            const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;
+            const size_t *rows_at = off_cur;
+            if (half) {  // the group's heads then read float32 rows (the conversion is exact)
+                gather_half((const uint16_t *)k_cache, off_cur, n_cur, D, rows);
+                gather_half((const uint16_t *)v_cache, off_cur, n_cur, D, rows + (size_t)ATT_CHUNK * D);
+                kc = rows, vc = rows + (size_t)ATT_CHUNK * D, rows_at = dense;
+            }
+            const float *qh = q + t_cur * q_stride + (size_t)kvh * group * D;
+            float *part = parts + (size_t)cur * group * part_len;
+            if (D == 64)
+                attend_chunk(qh, group, 64, scale, kc, vc, rows_at, n_cur, scores, part);
+            else if (D == 128)
+                attend_chunk(qh, group, 128, scale, kc, vc, rows_at, n_cur, scores, part);
+            else
+                attend_chunk(qh, group, D, scale, kc, vc, rows_at, n_cur, scores, part);
+            size_t *swap = off_cur;
+            off_cur = off_next, off_next = swap;
+            cur = next, t_cur = t_next, n_cur = n_next;
+        }
+#pragma omp barrier
+        // (every chunk is done) each (token, head)'s chunks combined in order
 #pragma omp for schedule(static)
         for (long th = 0; th < (long)T * H; th++) {
             const int t = (int)(th / H), h = (int)(th % H), kvh = h / group, g = h % group;
@@ -614,6 +465,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         }
         free(scores);
         free(off);
+        free(rows);
     }
     free(parts);
     free(seq);
@@ -637,7 +489,7 @@ typedef struct {
 } tl_layer;
 
 typedef struct {
-    int T, B, block_size;
+    int T, B, block_size, kv_half;  // kv_half: the KV cache holds float16
     long bt_stride;
     const int64_t *positions, *slot_mapping;
     const float *cos_sin;
@@ -651,7 +503,7 @@ static int proj(const tl_proj *p, const float *x, int M, float *y, int nthreads)
 
 // LlamaDecoderLayer.forward on float32 rows: (h, residual) -> (mlp output in h, residual).
 // first: residual is not yet set (the first layer): residual = h.
-int tl_llama_layer(const tl_layer *L, const tl_step *S, float *k_cache, float *v_cache, float *h, float *residual,
+int tl_llama_layer(const tl_layer *L, const tl_step *S, void *k_cache, void *v_cache, float *h, float *residual,
                    int first, int nthreads) {
     const int T = S->T, D = L->head_dim, q_dim = L->heads * D, kv_dim = L->kv_heads * D;
     const long qkv_stride = q_dim + 2 * kv_dim;
@@ -659,10 +511,10 @@ int tl_llama_layer(const tl_layer *L, const tl_step *S, float *k_cache, float *v
     if (proj(&L->qkv, S->x, T, S->qkv, nthreads)) return -1;
     tl_rotary(S->qkv, T, L->heads + L->kv_heads, D, qkv_stride, S->positions, S->cos_sin, nthreads);
     tl_kv_write(S->qkv + q_dim, qkv_stride, S->qkv + q_dim + kv_dim, qkv_stride, T, L->kv_heads, D, S->slot_mapping,
-                k_cache, v_cache);
+                k_cache, v_cache, S->kv_half);
     if (tl_paged_attention(S->qkv, qkv_stride, S->attn, q_dim, k_cache, v_cache, S->query_start_loc, S->seq_lens,
                            S->block_tables, S->bt_stride, S->B, L->heads, L->kv_heads, D, S->block_size, L->scale,
-                           nthreads))
+                           S->kv_half, nthreads))
         return -1;
     if (proj(&L->o, S->attn, T, h, nthreads)) return -1;
     tl_add_rms_norm(h, residual, L->post_norm, L->eps, T, L->hidden, S->x, residual, nthreads);
