@@ -139,11 +139,12 @@ def test_weight_layout_round_trips_and_pads_the_last_tile(cls, kernels):
     assert (deq - w).abs().max() <= (0.5 if cls is Q4Linear else 0.05) * w.abs().max()  # quantization error only
     if tile > 4:
         assert not layer.d[-1, :, n % tile:].any()  # padded channels: zero scales, so zero weights
-    x = torch.randn(6, 96)
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(4))
     y = layer(x)
     assert y.shape == (6, n)
     scale = (x.abs() @ deq.abs().T).max().item()
-    torch.testing.assert_close(y, emulated(layer, x), rtol=0, atol=1e-6 * scale)
+    # Q8's int32 block sums can pass float's 24 bits (rounded when scaled); Q4's cannot
+    torch.testing.assert_close(y, emulated(layer, x), rtol=0, atol=(1e-6 if cls is Q4Linear else 1e-5) * scale)
 
 
 @pytest.mark.parametrize("cls,shape", [(Q4Linear, (16, 48)), (Q4Linear, (18, 64)), (Q8Linear, (16, 40))])

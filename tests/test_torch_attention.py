@@ -180,3 +180,42 @@ def test_native_backend_writes_new_kv_and_skips_padding(dtype):
             assert torch.equal(flat_k[slot], k_new[i].to(dtype)) and torch.equal(flat_v[slot], v_new[i].to(dtype))
     skipped = kv.tables[0][17 // BLOCK] * BLOCK + 17 % BLOCK  # position 17 is the chunk's second token
     assert torch.equal(flat_k[skipped], k_before.view(-1, KV_HEADS, HEAD_DIM)[skipped])
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (8, 2, 128), (12, 2, 64), (16, 2, 64), (4, 2, 40),
+                                                     (2, 1, 272)],
+                         ids=["mha", "gqa4-d128", "gqa6", "gqa8", "d40", "d272"])
+def test_native_shapes_match_float64_attention(heads, kv_heads, head_dim, dtype):
+    """Other group sizes and head sizes than SmolLM2's: head dims that are and are not a
+    multiple of 16 (the AVX-512 kernel's vectors), groups that take one to four heads per pass
+    over V, a head dim past 256, decode rows and a prefill chunk over a cached prefix."""
+    g = torch.Generator().manual_seed(7)
+    block, num_blocks = 16, 40
+    shape = (num_blocks, block, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    contexts, q_lens = [70, 5, 130], [1, 5, 9]
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in contexts]
+    slots = [tables[s][p // block] * block + p % block for s, n in enumerate(contexts) for p in range(n - q_lens[s], n)]
+    flat = lambda c: c.view(-1, kv_heads, head_dim)  # noqa: E731
+    k, v = flat(k_cache)[slots].float(), flat(v_cache)[slots].float()
+    q = torch.randn(len(slots), heads, head_dim, generator=g)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, 1, 6, 15], dtype=torch.int32),
+        seq_lens=torch.tensor(contexts, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        max_query_len=max(q_lens), max_seq_len=max(contexts), query_lens_cpu=q_lens, seq_lens_cpu=contexts,
+        block_size=block)
+    scale = head_dim ** -0.5
+    out = CpuAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale).split(q_lens)
+    for s, (n, q_len) in enumerate(zip(contexts, q_lens)):
+        rows = [tables[s][p // block] * block + p % block for p in range(n)]
+        ks, vs = (flat(c)[rows].double().repeat_interleave(heads // kv_heads, dim=1) for c in (k_cache, v_cache))
+        qs = q[sum(q_lens[:s]): sum(q_lens[:s + 1])].double()
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        causal = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+        ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), vs).float()
+        torch.testing.assert_close(out[s], ref, atol=2e-5, rtol=1e-5)

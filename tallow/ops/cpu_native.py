@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
 SOURCE = os.path.join(_DIR, "kernels.c")
-HEADERS = [os.path.join(_DIR, name) for name in ("linear_avx2.h", "linear_avx512.h")]
+HEADERS = [os.path.join(_DIR, name) for name in ("linear_avx2.h", "linear_avx512.h", "attention_avx512.h")]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # instruction set -> (compiler flags, the /proc/cpuinfo flags it needs), best first
 VARIANTS = {

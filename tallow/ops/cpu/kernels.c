@@ -332,6 +332,13 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
     }
 }
 
+#if defined(__AVX512F__)
+#include "attention_avx512.h"
+#define ATTEND16 1  // attend_chunk16 serves D % 16 == 0
+#else
+#define ATTEND16 0
+#endif
+
 // Work item `item` = (chunk, KV head): its token (*t) and its n rows' element offsets in the
 // caches (off), whose lines are prefetched to L2. Returns n.
 static int item_rows(long item, int T, const int *first, const int *ctx, const int *seq, const int32_t *block_tables,
@@ -396,7 +403,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
     long claimed = 0;  // items handed out
 #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK);
+        float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)group);
         size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two items' row offsets; dense ones
         float *rows = half ? (float *)malloc(sizeof(float) * 2 * ATT_CHUNK * (size_t)D) : NULL;  // K, V as float32
         const int ok = scores && off && (rows || !half);
@@ -420,6 +427,24 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 n_next = item_rows(next, T, first, ctx, seq, block_tables, bt_stride, block_size, kv_heads, D, k_cache,
                                    v_cache, esize, off_next, &t_next);
             const int kvh = (int)(cur % kv_heads);
+            const float *qh = q + t_cur * q_stride + (size_t)kvh * group * D;
+            float *part = parts + (size_t)cur * group * part_len;
+#if ATTEND16
+            if (D % 16 == 0) {  // K and V rows read (and converted) in place
+#define ATTEND16_D(d) attend_chunk16(qh, group, d, scale, k_cache, v_cache, off_cur, half, n_cur, scores, part)
+                if (D == 64)
+                    ATTEND16_D(64);
+                else if (D == 128)
+                    ATTEND16_D(128);
+                else
+                    ATTEND16_D(D);
+#undef ATTEND16_D
+                size_t *swap = off_cur;
+                off_cur = off_next, off_next = swap;
+                cur = next, t_cur = t_next, n_cur = n_next;
+                continue;
+            }
+#endif
             const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;
             const size_t *rows_at = off_cur;
             if (half) {  // the group's heads then read float32 rows (the conversion is exact)
@@ -427,8 +452,6 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 gather_half((const uint16_t *)v_cache, off_cur, n_cur, D, rows + (size_t)ATT_CHUNK * D);
                 kc = rows, vc = rows + (size_t)ATT_CHUNK * D, rows_at = dense;
             }
-            const float *qh = q + t_cur * q_stride + (size_t)kvh * group * D;
-            float *part = parts + (size_t)cur * group * part_len;
             if (D == 64)
                 attend_chunk(qh, group, 64, scale, kc, vc, rows_at, n_cur, scores, part);
             else if (D == 128)
