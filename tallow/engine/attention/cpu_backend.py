@@ -1,4 +1,5 @@
-"""CpuAttentionBackend: paged attention on the CPU with tallow's own kernels (float32).
+"""CpuAttentionBackend: paged attention on the CPU with tallow's own kernels: float32 queries
+and outputs, a float32 or float16 KV cache (float16: K and V rounded to nearest on write).
 
 One call per layer writes the step's K/V into the cache (tl_kv_write) and one computes
 every query token's causal attention over its sequence's blocks in place (tl_paged_attention:
