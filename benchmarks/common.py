@@ -26,8 +26,17 @@ def machine() -> dict:
             for line in f:
                 if line.startswith("model name"):
                     info["cpu"] = line.split(":", 1)[1].strip()
+                elif line.startswith(("cpu family", "model\t")):
+                    info[line.split(":")[0].strip().replace(" ", "_")] = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
                     break
     except OSError:
+        pass
+    try:
+        from tallow.ops import cpu_native
+
+        info["cpu_kernels"] = cpu_native.variant()  # the build tallow's CPU kernels run (avx512, avx2)
+    except ImportError:
         pass
     return info
 

@@ -154,6 +154,12 @@ def lib() -> ctypes.CDLL | None:
     return _lib
 
 
+def variant() -> str | None:
+    """The instruction set of the kernels lib() hands out (a key of VARIANTS), or None."""
+    kernels = lib()
+    return next((name for name, loaded in _loaded.items() if loaded is kernels), None) if kernels else None
+
+
 def tile_channels(kernels: ctypes.CDLL | None = None) -> int:
     """Output channels per weight tile of these kernels (default: lib()'s): 4 (AVX2) or 16."""
     return (kernels or lib()).tl_tile_channels()
