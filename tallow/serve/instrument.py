@@ -87,6 +87,10 @@ class MeteredStream:
         self._trace = trace
         self._last: float | None = None  # when the previous token came
         self._ended = False
+        # the model's children of the per-token metrics, looked up once (labels() per token was
+        # a tuple, a lock and a dict lookup each)
+        self._generation_tokens = metrics.generation_tokens.labels(metrics.model_name)
+        self._itl = metrics.itl.labels(metrics.model_name)
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
@@ -97,14 +101,13 @@ class MeteredStream:
     async def __anext__(self):
         out = await self._stream.__anext__()
         now = time.monotonic()
-        metrics, label = self._metrics, self._metrics.model_name
         if out.token_ids:
             n = len(out.token_ids)
-            metrics.generation_tokens.labels(label).inc(n)
+            self._generation_tokens.inc(n)
             if self._last is None:
                 self._first_token(now)
             else:
-                metrics.itl.labels(label).observe(now - self._last)
+                self._itl.observe(now - self._last)
             self._last = now
             if self._record is not None:
                 self._record.completion_tokens += n
