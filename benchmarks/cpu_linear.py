@@ -120,6 +120,34 @@ CANDIDATES: dict[str, tuple[Callable[[torch.Tensor], tuple[Kernel, int]], bool]]
 }
 
 
+def _tallow(cls_name: str, variant: str) -> Callable[[torch.Tensor], tuple[Kernel, int]]:
+    """tallow's own Q4Linear / Q8Linear on the kernels of one instruction set (avx512, avx2)."""
+    def build(w: torch.Tensor) -> tuple[Kernel, int]:
+        from tallow.models import quant
+        from tallow.ops import cpu_native
+
+        saved = cpu_native._lib, cpu_native._tried
+        cpu_native._lib, cpu_native._tried = cpu_native.load(variant), True  # the layer takes this build's kernels
+        try:
+            layer = getattr(quant, cls_name)(w)
+        finally:
+            cpu_native._lib, cpu_native._tried = saved
+        nbytes = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.d, layer.m) if t is not None)
+        return layer, nbytes
+    return build
+
+
+def _add_tallow_candidates() -> None:
+    from tallow.ops import cpu_native
+
+    for variant in cpu_native.supported_variants():
+        CANDIDATES[f"tallow-q4-{variant}"] = (_tallow("Q4Linear", variant), False)
+        CANDIDATES[f"tallow-q8-{variant}"] = (_tallow("Q8Linear", variant), False)
+
+
+_add_tallow_candidates()
+
+
 def _calls_per_sample(kernel: Kernel, x: torch.Tensor, target_s: float) -> int:
     """How many calls fill target_s (counted, not extrapolated from one call that may stall)."""
     calls, start = 0, time.perf_counter()
