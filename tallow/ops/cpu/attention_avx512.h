@@ -27,21 +27,16 @@ static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 *a) {
                          _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// exp8's arithmetic on 16 lanes.
+// exp8's arithmetic (kernels.c) on 16 lanes.
 static inline __m512 exp16(__m512 x) {
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504f);
+    const __m512 hi = _mm512_set1_ps(EXP_HI), lo = _mm512_set1_ps(EXP_LO);
     const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
     x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201E-1f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), f);
+    __m512 p = _mm512_set1_ps(exp_poly[0]);
+    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(exp_poly[i]));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));

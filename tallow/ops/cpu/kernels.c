@@ -120,22 +120,26 @@ int tl_q8_linear(const float *x, int M, int K, int N, const int8_t *wq, const ui
 
 // ---- elementwise ops, float32 ------------------------------------------------------------
 
-// exp(x) for 8 floats: 2^n * p(f) with n = round(x / ln 2), f = x - n ln 2 (two-part ln 2),
-// p a degree-6 polynomial (Cephes expf); relative error ~2e-7. Below -87.3 gives 0.
+// exp(x): 2^n * p(f) with n = round(x / ln 2), f = x - n ln 2 (two-part ln 2), p a degree-6
+// polynomial (Cephes expf); relative error ~2e-7. Below -87.3 gives 0. The constants, shared by
+// exp8 and the AVX-512 exp16:
+#define EXP_HI 88.3762626647949f
+#define EXP_LO -87.3365447504f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+static const float exp_poly[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                                  4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
 static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+    const __m256 hi = _mm256_set1_ps(EXP_HI), lo = _mm256_set1_ps(EXP_LO);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201E-1f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), f);
+    __m256 p = _mm256_set1_ps(exp_poly[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(exp_poly[i]));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
@@ -405,8 +409,9 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
     {
         float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)group);
         size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two items' row offsets; dense ones
-        float *rows = half ? (float *)malloc(sizeof(float) * 2 * ATT_CHUNK * (size_t)D) : NULL;  // K, V as float32
-        const int ok = scores && off && (rows || !half);
+        const int gather = half && !(ATTEND16 && D % 16 == 0);  // float16 rows go through float32 scratch
+        float *rows = gather ? (float *)malloc(sizeof(float) * 2 * ATT_CHUNK * (size_t)D) : NULL;  // K, V as float32
+        const int ok = scores && off && (rows || !gather);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
