@@ -98,10 +98,10 @@ def test_kv_cache_is_float16_with_quantized_weights_and_keeps_the_answers(loaded
         resolve_kv_cache_dtype("bfloat16", torch.float32, cpu, "int4", 64)
     assert e.value.param == "kv_cache_dtype"
     if native:
-        assert core.kv_block_bytes * 2 == make_core(loaded, kv_cache_dtype="float32").kv_block_bytes
+        full = make_core(loaded, kv_cache_dtype="float32")
+        assert core.kv_block_bytes * 2 == full.kv_block_bytes
         ids = [core.tokenizer.encode(p) for p in PROMPTS]
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        full = make_core(loaded, kv_cache_dtype="float32")
         assert [s.output_ids for s in run_all(core, ids, params)] == [s.output_ids for s in run_all(full, ids, params)]
 
 

@@ -422,7 +422,8 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         int t_cur = 0, n_cur = 0, t_next = 0, n_next = 0;
         long cur = ok ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : items;
         if (ok) {
-            for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
+            if (gather)
+                for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
             if (cur < items) n_cur = item_rows(cur, T, first, ctx, seq, block_tables, bt_stride, block_size, kv_heads,
                                                D, k_cache, v_cache, esize, off_cur, &t_cur);
         }
@@ -444,25 +445,23 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 else
                     ATTEND16_D(D);
 #undef ATTEND16_D
-                size_t *swap = off_cur;
-                off_cur = off_next, off_next = swap;
-                cur = next, t_cur = t_next, n_cur = n_next;
-                continue;
-            }
+            } else
 #endif
-            const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;
-            const size_t *rows_at = off_cur;
-            if (half) {  // the group's heads then read float32 rows (the conversion is exact)
-                gather_half((const uint16_t *)k_cache, off_cur, n_cur, D, rows);
-                gather_half((const uint16_t *)v_cache, off_cur, n_cur, D, rows + (size_t)ATT_CHUNK * D);
-                kc = rows, vc = rows + (size_t)ATT_CHUNK * D, rows_at = dense;
+            {
+                const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;
+                const size_t *rows_at = off_cur;
+                if (gather) {  // the group's heads then read float32 rows (the conversion is exact)
+                    gather_half((const uint16_t *)k_cache, off_cur, n_cur, D, rows);
+                    gather_half((const uint16_t *)v_cache, off_cur, n_cur, D, rows + (size_t)ATT_CHUNK * D);
+                    kc = rows, vc = rows + (size_t)ATT_CHUNK * D, rows_at = dense;
+                }
+                if (D == 64)
+                    attend_chunk(qh, group, 64, scale, kc, vc, rows_at, n_cur, scores, part);
+                else if (D == 128)
+                    attend_chunk(qh, group, 128, scale, kc, vc, rows_at, n_cur, scores, part);
+                else
+                    attend_chunk(qh, group, D, scale, kc, vc, rows_at, n_cur, scores, part);
             }
-            if (D == 64)
-                attend_chunk(qh, group, 64, scale, kc, vc, rows_at, n_cur, scores, part);
-            else if (D == 128)
-                attend_chunk(qh, group, 128, scale, kc, vc, rows_at, n_cur, scores, part);
-            else
-                attend_chunk(qh, group, D, scale, kc, vc, rows_at, n_cur, scores, part);
             size_t *swap = off_cur;
             off_cur = off_next, off_next = swap;
             cur = next, t_cur = t_next, n_cur = n_next;
