@@ -253,6 +253,53 @@ def test_async_engine_concurrent_and_cancel(loaded):
     assert stats["kv_block_bytes"] * stats["kv_blocks_total"] == kv_bytes
 
 
+def test_async_abort_ends_the_stream_before_the_engine_step_ends(loaded):
+    """abort() ends the stream's iteration at once, while the engine thread is still inside a
+    step (a long prefill, say); the engine frees the sequence after that step, and what it
+    posts for it then is dropped."""
+    import threading
+
+    core = make_core(loaded)
+    engine = AsyncEngine(core)
+    free0 = core.kv.num_free_blocks
+    in_step, release = threading.Event(), threading.Event()
+    step = core.step
+
+    def slow_step():
+        outputs = step()
+        if outputs:
+            in_step.set()
+            release.wait(10)
+        return outputs
+
+    core.step = slow_step
+
+    async def main():
+        stream = engine.generate(core.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=500, ignore_eos=True))
+        await asyncio.to_thread(in_step.wait, 10)  # the engine thread is now held inside a step
+        stream.abort()
+        outs = await asyncio.wait_for(_drain(stream), 1.0)
+        held = not release.is_set()
+        release.set()
+        for _ in range(100):
+            if engine.stats()["running"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        stats = engine.stats()
+        await engine.shutdown()
+        return outs, held, stats
+
+    async def _drain(stream):
+        return [out async for out in stream]
+
+    outs, held, stats = asyncio.run(main())
+    assert held and outs and outs[-1].finish_reason == "abort"
+    assert all(o.finish_reason is None for o in outs[:-1])
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert core.kv.num_free_blocks == free0
+
+
+
 def test_async_engine_builds_its_core_in_the_engine_thread(loaded):
     """A builder function runs in the engine thread (torch's OpenMP pool then belongs to the
     thread that steps the model); its error reaches the caller and no thread is left behind."""

@@ -403,6 +403,7 @@ class RequestStream:
         self.request_id = seq.request_id
         self._queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._done = False
+        self._aborted = False
         # Prefill chunks (time, first position, tokens) when submitted with trace_prefill.
         self.prefill_chunks: list[tuple[float, int, int]] | None = None
 
@@ -418,7 +419,10 @@ class RequestStream:
         return out
 
     def abort(self) -> None:
-        if not self._done:
+        """Free the sequence (the engine thread does it before its next step) and end this
+        iteration at once with an "abort" output, not waiting for that step."""
+        if not self._done and not self._aborted:
+            self._aborted = True
             self._engine._abort(self)
 
     async def aclose(self) -> None:
@@ -509,8 +513,14 @@ class AsyncEngine:
         return self.submit(prompt_ids, params, request_id)[0]
 
     def _abort(self, stream: RequestStream) -> None:
-        self._commands.append(("abort", stream.seq))
+        """Runs on the event loop: the stream gets its final output now; whatever the engine
+        thread still posts for it is dropped."""
+        seq = stream.seq
+        self._commands.append(("abort", seq))
         self._wake.set()
+        if self._streams.pop(seq.seq_id, None) is not None:
+            stream._queue.put_nowait(TokenOutput([], None, None, "abort", seq.num_prompt_tokens,
+                                                 seq.num_cached_tokens))
 
     def stats(self) -> dict:
         return self.core.stats()
@@ -525,13 +535,13 @@ class AsyncEngine:
     def _deliver(self, batch: list[tuple[Sequence, TokenOutput]]) -> None:
         """Runs on the event loop: hand each output to its stream."""
         for seq, out in batch:
-            st = self._streams.get(seq.seq_id)
-            if st is None:
-                continue
-            st._queue.put_nowait(out)
-            if out.finish_reason is not None:
-                del self._streams[seq.seq_id]
+            if out.finish_reason is None:
+                st = self._streams.get(seq.seq_id)
+            else:
+                st = self._streams.pop(seq.seq_id, None)
                 self.core.prefill_log.pop(seq.seq_id, None)
+            if st is not None:
+                st._queue.put_nowait(out)
 
     def _post(self, batch: list[tuple[Sequence, TokenOutput]]) -> None:
         if batch and self._loop is not None and not self._loop.is_closed():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from tallow.errors import TallowError
@@ -87,21 +88,30 @@ class CompletionRun:
     _streams: list = field(init=False, default_factory=list)
     _pumps: list[asyncio.Task] = field(init=False, default_factory=list)
     _queue: asyncio.Queue = field(init=False, default_factory=asyncio.Queue)
+    _aborted: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.usage = Usage(prompt_tokens=sum(len(ids) for ids in self.plan.prompts))
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Every choice's updates as they come; raises CompletionAborted after abort()."""
-        queue = self._queue
-        n = self.plan.params.n
         try:
-            for p, prompt_ids in enumerate(self.plan.prompts):
-                request_id = self.request_id if len(self.plan.prompts) == 1 else f"{self.request_id}-{p}"
-                siblings = self.engine.submit(prompt_ids, self.plan.params_for(p), request_id)
-                for j, stream in enumerate(siblings):
-                    self._streams.append(stream)
-                    self._pumps.append(asyncio.create_task(self._pump(p * n + j, stream, j == 0, queue)))
+            self._submit()
+            if len(self._streams) == 1:
+                # One choice (the common case): consumed right here, without a task or a queue
+                # between the engine stream and the caller: each token wakes one task, not two.
+                async with aclosing(self._choice_updates(0, self._streams[0], True)) as updates:
+                    async for update in updates:
+                        if self._aborted:
+                            break
+                        yield update
+                if self._aborted:
+                    raise CompletionAborted()
+                return
+            queue = self._queue
+            n = self.plan.params.n
+            for k, stream in enumerate(self._streams):
+                self._pumps.append(asyncio.create_task(self._pump(k, stream, k % n == 0, queue)))
             unfinished = len(self._pumps)
             while unfinished:
                 update = await queue.get()
@@ -113,8 +123,17 @@ class CompletionRun:
         finally:
             self.abort()
 
+    def _submit(self) -> None:
+        """Submit every prompt: params.n sibling streams each, choice p * n + j at _streams[p * n + j]."""
+        for p, prompt_ids in enumerate(self.plan.prompts):
+            request_id = self.request_id if len(self.plan.prompts) == 1 else f"{self.request_id}-{p}"
+            self._streams += self.engine.submit(prompt_ids, self.plan.params_for(p), request_id)
+
     def abort(self) -> None:
-        """Stop at once: abort every engine stream and end updates() (idempotent; needs no await)."""
+        """Stop at once: abort every engine stream and end updates() (idempotent; needs no await).
+        An aborted engine stream ends its iteration at once, which ends a single choice's
+        updates(); with several choices the queue's CompletionAborted ends them."""
+        self._aborted = True
         for stream in self._streams:
             stream.abort()
         for pump in self._pumps:
@@ -126,24 +145,28 @@ class CompletionRun:
 
     async def _pump(self, index: int, stream, counts_cached: bool, queue: asyncio.Queue) -> None:
         try:
-            await self._consume(index, stream, counts_cached, queue)
+            async with aclosing(self._choice_updates(index, stream, counts_cached)) as updates:
+                async for update in updates:
+                    queue.put_nowait(update)
         except Exception as e:  # handed to the consumer, which raises it
             queue.put_nowait(e)
 
-    async def _consume(self, index: int, stream, counts_cached: bool, queue: asyncio.Queue) -> None:
+    async def _choice_updates(self, index: int, stream, counts_cached: bool) -> AsyncIterator[ChoiceUpdate]:
+        """One choice's updates: its engine stream through its sink; the last carries finish_reason."""
         sink = self._make_sink()
         want_logprobs = self.plan.params.logprobs is not None
         all_logprobs: list[TokenLogprob] = []
         pending: list[TokenLogprob] = []
         finish = "abort"
         first = True
+        usage = self.usage
         async for out in stream:
             if first and counts_cached:
-                self.usage.cached_tokens += out.num_cached_tokens
+                usage.cached_tokens += out.num_cached_tokens
             first = False
             events: list[Event] = []
             for k, token_id in enumerate(out.token_ids):
-                self.usage.completion_tokens += 1
+                usage.completion_tokens += 1
                 if want_logprobs:
                     top = out.top_logprobs[k] if out.top_logprobs else []
                     pending.append(TokenLogprob(token_id, out.logprobs[k], top))
@@ -151,9 +174,10 @@ class CompletionRun:
                 if sink.done:
                     break
             if events:
-                queue.put_nowait(ChoiceUpdate(index, events, pending))
+                update = ChoiceUpdate(index, events, pending)
                 all_logprobs += pending
                 pending = []
+                yield update
             if sink.done:
                 stream.abort()
                 break
@@ -166,7 +190,7 @@ class CompletionRun:
         reason = "tool_calls" if result.tool_calls else "stop" if result.stopped else finish
         self.results[index] = ChoiceResult(index, result.content, result.reasoning, result.tool_calls, reason,
                                            all_logprobs if want_logprobs else None, result.stop_string)
-        queue.put_nowait(ChoiceUpdate(index, result.events, pending, reason, result.stop_string))
+        yield ChoiceUpdate(index, result.events, pending, reason, result.stop_string)
 
     def _make_sink(self) -> CompletionSink:
         plan, tokenizer, params = self.plan, self.engine.tokenizer, self.plan.params
