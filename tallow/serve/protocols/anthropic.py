@@ -25,7 +25,7 @@ from tallow.serve.anthropic_schemas import MessagesInput, MessagesRequest
 from tallow.serve.chat_prompt import ChatPrompt, render_chat
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
-from tallow.serve.protocols.base import StreamProtocol
+from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.serve.schemas import SamplingFields
 from tallow.serve.sink import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
 
@@ -40,7 +40,7 @@ _STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_
 
 
 def event(name: str, payload: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"event: {name}\ndata: {to_json(payload)}\n\n"
 
 
 PING = event("ping", {"type": "ping"})

@@ -15,8 +15,40 @@ DONE = "data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0
 
 
+# One encoder for every frame (json.dumps with options builds a new encoder per call).
+to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# A str as to_json writes it.
+json_string = json.encoder.encode_basestring
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {to_json(payload)}\n\n"
+
+
+def usage_json(usage: Usage) -> str:
+    """to_json(usage.to_openai()), written directly: a streamed chunk carries it with every token
+    under continuous_usage_stats."""
+    return (f'{{"prompt_tokens":{usage.prompt_tokens},"completion_tokens":{usage.completion_tokens},'
+            f'"total_tokens":{usage.total_tokens},"prompt_tokens_details":{{"cached_tokens":{usage.cached_tokens}}}}}')
+
+
+class OpenAIChunks:
+    """Streamed chunks of the OpenAI protocols, {"id", "object", "created", "model", "choices"
+    [, "usage"]}: the constant head is rendered once per request, not once per token."""
+
+    plan: RequestPlan
+    _head: str | None = None
+
+    def chunk_frame(self, object_name: str, choices_json: str, usage: Usage | None, final: bool) -> str:
+        head = self._head
+        if head is None:
+            head = self._head = (f'data: {{"id":{json_string(self.request_id)},"object":"{object_name}",'
+                                 f'"created":{self.created},"model":{json_string(self.model_name)},"choices":')
+        plan = self.plan
+        if plan.include_usage or plan.continuous_usage_stats:
+            show = usage is not None and (final or plan.continuous_usage_stats)
+            return f'{head}{choices_json},"usage":{usage_json(usage) if show else "null"}}}\n\n'
+        return f"{head}{choices_json}}}\n\n"
 
 
 def finite(logprob: float) -> float:

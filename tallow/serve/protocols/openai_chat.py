@@ -9,12 +9,12 @@ from tallow.errors import TallowError
 from tallow.serve.chat_prompt import render_chat
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
-from tallow.serve.protocols.base import DONE, StreamProtocol, finite, sse
+from tallow.serve.protocols.base import DONE, OpenAIChunks, StreamProtocol, finite, json_string, to_json
 from tallow.serve.schemas import ChatCompletionRequest
 from tallow.serve.sink import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallDelta, ToolCallDeltaEvent
 
 
-class OpenAIChat(StreamProtocol):
+class OpenAIChat(OpenAIChunks, StreamProtocol):
     id_prefix = "chatcmpl-"
 
     @classmethod
@@ -50,6 +50,13 @@ class OpenAIChat(StreamProtocol):
                               "finish_reason": None}]) for i in range(self.num_choices)]
 
     def add_events(self, update: ChoiceUpdate, usage: Usage) -> list[str]:
+        events = update.events
+        if (len(events) == 1 and type(events[0]) is ContentEvent and update.finish_reason is None
+                and not (update.logprobs and self.plan.params.logprobs is not None)):
+            # the common case, a piece of content: its JSON written directly
+            return [self.chunk_frame("chat.completion.chunk",
+                                     f'[{{"index":{update.index},"delta":{{"content":{json_string(events[0].text)}}},'
+                                     f'"logprobs":null,"finish_reason":null}}]', usage, False)]
         frames = []
         logprobs = self._logprobs(update.logprobs)
         for delta in (d for event in update.events for d in _deltas(event)):
@@ -66,12 +73,7 @@ class OpenAIChat(StreamProtocol):
         return frames + [DONE]
 
     def _chunk(self, choices: list[dict], usage: Usage | None = None, final: bool = False) -> str:
-        chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.model_name, "choices": choices}
-        if self.plan.include_usage or self.plan.continuous_usage_stats:
-            show = usage is not None and (final or self.plan.continuous_usage_stats)
-            chunk["usage"] = usage.to_openai() if show else None
-        return sse(chunk)
+        return self.chunk_frame("chat.completion.chunk", to_json(choices), usage, final)
 
     # ---- one body ---------------------------------------------------------------------
     def response(self, summary: CompletionSummary) -> dict:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from tallow.config import ServerConfig
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
-from tallow.serve.protocols.base import DONE, StreamProtocol, finite, sse
+from tallow.serve.protocols.base import DONE, OpenAIChunks, StreamProtocol, finite, to_json
 from tallow.serve.schemas import CompletionRequest
 from tallow.serve.sink import ContentEvent
 
 
-class OpenAICompletions(StreamProtocol):
+class OpenAICompletions(OpenAIChunks, StreamProtocol):
     """Text completions; choice i answers prompt i // n. Echo prepends the prompt's text."""
 
     id_prefix = "cmpl-"
@@ -62,12 +62,7 @@ class OpenAICompletions(StreamProtocol):
         return frames + [DONE]
 
     def _chunk(self, choices: list[dict], usage: Usage | None = None, final: bool = False) -> str:
-        chunk = {"id": self.request_id, "object": "text_completion", "created": self.created,
-                 "model": self.model_name, "choices": choices}
-        if self.plan.include_usage or self.plan.continuous_usage_stats:
-            show = usage is not None and (final or self.plan.continuous_usage_stats)
-            chunk["usage"] = usage.to_openai() if show else None
-        return sse(chunk)
+        return self.chunk_frame("text_completion", to_json(choices), usage, final)
 
     @staticmethod
     def _choice(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:

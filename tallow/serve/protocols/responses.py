@@ -13,7 +13,6 @@ previous_response_id; the protocol class is bound to the app's ResponsesStore by
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from tallow.errors import TallowError
 from tallow.serve.chat_prompt import render_chat
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
-from tallow.serve.protocols.base import StreamProtocol
+from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.serve.responses_schemas import ResponsesRequest
 from tallow.serve.responses_store import ResponsesStore
 from tallow.serve.schemas import SamplingFields
@@ -175,7 +174,7 @@ class OpenAIResponses(StreamProtocol):
     def _event(self, type: str, **fields: Any) -> str:
         payload = {"type": type, "sequence_number": self._sequence_number, **fields}
         self._sequence_number += 1
-        return f"event: {type}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return f"event: {type}\ndata: {to_json(payload)}\n\n"
 
     def _open_item(self, key: str, make) -> list[str]:
         if self._open == key:
