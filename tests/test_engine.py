@@ -253,6 +253,35 @@ def test_async_engine_concurrent_and_cancel(loaded):
     assert stats["kv_block_bytes"] * stats["kv_blocks_total"] == kv_bytes
 
 
+def test_async_outputs_merge_while_the_consumer_is_behind(loaded):
+    """Outputs that pile up while nobody reads the stream come out as one: every token, its
+    logprob and top logprobs in order, and the last output's finish_reason."""
+    core = make_core(loaded)
+    engine = AsyncEngine(core)
+    ids = core.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    async def main():
+        steady = [out async for out in engine.generate(ids, params)]
+        late = engine.generate(ids, params)
+        while not late.seq.is_finished:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the final output has reached the stream
+        merged = [out async for out in late]
+        await engine.shutdown()
+        return steady, merged
+
+    steady, merged = asyncio.run(main())
+    assert len(steady) > 1 and len(merged) == 1
+    out = merged[0]
+    assert out.finish_reason == "length" == steady[-1].finish_reason
+    assert out.token_ids == [t for o in steady for t in o.token_ids] and len(out.token_ids) == 12
+    assert out.logprobs == pytest.approx([lp for o in steady for lp in o.logprobs])
+    assert [[t for t, _ in top] for top in out.top_logprobs] == [[t for t, _ in top] for o in steady
+                                                                 for top in o.top_logprobs]
+    assert out.num_prompt_tokens == len(ids)
+
+
 def test_async_abort_ends_the_stream_before_the_engine_step_ends(loaded):
     """abort() ends the stream's iteration at once, while the engine thread is still inside a
     step (a long prefill, say); the engine frees the sequence after that step, and what it

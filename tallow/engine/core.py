@@ -36,6 +36,16 @@ class TokenOutput:
     stop_token_id: int | None = None
 
 
+def merge_outputs(first: TokenOutput, then: TokenOutput) -> TokenOutput:
+    """One output for two consecutive ones of a sequence."""
+    def joined(a: list | None, b: list | None) -> list | None:
+        return None if a is None and b is None else (a or []) + (b or [])
+
+    return TokenOutput(first.token_ids + then.token_ids, joined(first.logprobs, then.logprobs),
+                       joined(first.top_logprobs, then.top_logprobs), then.finish_reason, then.num_prompt_tokens,
+                       first.num_cached_tokens, then.stop_token_id)
+
+
 def load_tokenizer(source):
     """A Tokenizer from the loader's TokenizerSource."""
     from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
@@ -395,17 +405,30 @@ class EngineCore:
 
 
 class RequestStream:
-    """Async iterator of one sequence's TokenOutputs. abort() (idempotent) frees it at once."""
+    """Async iterator of one sequence's TokenOutputs. abort() (idempotent) frees it at once.
+
+    Outputs that arrive while the consumer is busy are merged into one (their tokens, logprobs
+    and the last one's finish_reason), as vLLM's output collector does: a consumer that falls
+    behind catches up in one step instead of one wake-up per token."""
 
     def __init__(self, engine: "AsyncEngine", seq: Sequence):
         self._engine = engine
         self.seq = seq
         self.request_id = seq.request_id
-        self._queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        self._pending: TokenOutput | None = None  # what arrived and was not taken yet, merged
+        self._waiter: asyncio.Future | None = None
         self._done = False
         self._aborted = False
         # Prefill chunks (time, first position, tokens) when submitted with trace_prefill.
         self.prefill_chunks: list[tuple[float, int, int]] | None = None
+
+    def _put(self, out: TokenOutput) -> None:
+        """Runs on the event loop."""
+        pending = self._pending
+        self._pending = out if pending is None else merge_outputs(pending, out)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self):
         return self
@@ -413,7 +436,13 @@ class RequestStream:
     async def __anext__(self) -> TokenOutput:
         if self._done:
             raise StopAsyncIteration
-        out = await self._queue.get()
+        while self._pending is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        out, self._pending = self._pending, None
         if out.finish_reason is not None:
             self._done = True
         return out
@@ -519,8 +548,7 @@ class AsyncEngine:
         self._commands.append(("abort", seq))
         self._wake.set()
         if self._streams.pop(seq.seq_id, None) is not None:
-            stream._queue.put_nowait(TokenOutput([], None, None, "abort", seq.num_prompt_tokens,
-                                                 seq.num_cached_tokens))
+            stream._put(TokenOutput([], None, None, "abort", seq.num_prompt_tokens, seq.num_cached_tokens))
 
     def stats(self) -> dict:
         return self.core.stats()
@@ -541,7 +569,7 @@ class AsyncEngine:
                 st = self._streams.pop(seq.seq_id, None)
                 self.core.prefill_log.pop(seq.seq_id, None)
             if st is not None:
-                st._queue.put_nowait(out)
+                st._put(out)
 
     def _post(self, batch: list[tuple[Sequence, TokenOutput]]) -> None:
         if batch and self._loop is not None and not self._loop.is_closed():
