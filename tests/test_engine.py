@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -264,9 +265,9 @@ def test_async_outputs_merge_while_the_consumer_is_behind(loaded):
     async def main():
         steady = [out async for out in engine.generate(ids, params)]
         late = engine.generate(ids, params)
-        while not late.seq.is_finished:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # the final output has reached the stream
+        deadline = time.monotonic() + 30
+        while (late._pending is None or late._pending.finish_reason is None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # until the final output has reached the unread stream
         merged = [out async for out in late]
         await engine.shutdown()
         return steady, merged

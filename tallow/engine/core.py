@@ -418,7 +418,6 @@ class RequestStream:
         self._pending: TokenOutput | None = None  # what arrived and was not taken yet, merged
         self._waiter: asyncio.Future | None = None
         self._done = False
-        self._aborted = False
         # Prefill chunks (time, first position, tokens) when submitted with trace_prefill.
         self.prefill_chunks: list[tuple[float, int, int]] | None = None
 
@@ -450,8 +449,7 @@ class RequestStream:
     def abort(self) -> None:
         """Free the sequence (the engine thread does it before its next step) and end this
         iteration at once with an "abort" output, not waiting for that step."""
-        if not self._done and not self._aborted:
-            self._aborted = True
+        if not self._done:
             self._engine._abort(self)
 
     async def aclose(self) -> None:
@@ -543,12 +541,14 @@ class AsyncEngine:
 
     def _abort(self, stream: RequestStream) -> None:
         """Runs on the event loop: the stream gets its final output now; whatever the engine
-        thread still posts for it is dropped."""
+        thread still posts for it is dropped. A stream no longer registered (aborted already, or
+        its final output delivered) needs nothing."""
         seq = stream.seq
+        if self._streams.pop(seq.seq_id, None) is None:
+            return
         self._commands.append(("abort", seq))
         self._wake.set()
-        if self._streams.pop(seq.seq_id, None) is not None:
-            stream._put(TokenOutput([], None, None, "abort", seq.num_prompt_tokens, seq.num_cached_tokens))
+        stream._put(TokenOutput([], None, None, "abort", seq.num_prompt_tokens, seq.num_cached_tokens))
 
     def stats(self) -> dict:
         return self.core.stats()

@@ -51,14 +51,13 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
 
     def add_events(self, update: ChoiceUpdate, usage: Usage) -> list[str]:
         events = update.events
-        if (len(events) == 1 and type(events[0]) is ContentEvent and update.finish_reason is None
-                and not (update.logprobs and self.plan.params.logprobs is not None)):
+        logprobs = self._logprobs(update.logprobs)
+        if logprobs is None and len(events) == 1 and type(events[0]) is ContentEvent and update.finish_reason is None:
             # the common case, a piece of content: its JSON written directly
             return [self.chunk_frame("chat.completion.chunk",
                                      f'[{{"index":{update.index},"delta":{{"content":{json_string(events[0].text)}}},'
                                      f'"logprobs":null,"finish_reason":null}}]', usage, False)]
         frames = []
-        logprobs = self._logprobs(update.logprobs)
         for delta in (d for event in update.events for d in _deltas(event)):
             frames.append(self._chunk([{"index": update.index, "delta": delta, "logprobs": logprobs,
                                         "finish_reason": None}], usage))
