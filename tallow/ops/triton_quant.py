@@ -1,0 +1,276 @@
+"""Weight-only GGUF block-quantized linear layers in Triton: y[M, N] = x[M, K] @ W[N, K]^T.
+
+W is a `QuantWeight` (tallow/ops/triton_quant_layout.py: the GGUF blocks split into planes).
+Both kernels walk K one quant block at a time and, inside a block, one *piece* at a time: a run
+of PW consecutive columns whose quant bits are one contiguous byte run of every row and whose
+scale (and min) is one value per row, so a piece dequantizes as `q * scale[:, None] (+ min)`
+with only 2-D tiles and [BLOCK_N] vector loads of the scales. Bytes map to columns as in GGUF:
+
+- Q8_0: one piece of 32 (the block).
+- Q4_0/Q4_1/Q5_0/Q5_1: the block's 16 bytes twice: low nibbles are columns 0..15, high
+  nibbles 16..31 (Q5: fifth bit j of the block's 32-bit qh).
+- Q4_K/Q5_K: 8 pieces of 32, one per sub-block: sub-block 2g + s is nibble s of bytes
+  32g..32g+31 (Q5_K: bit 2g + s of the block's 32 qh bytes); scale d * sc, min dmin * mn.
+- Q6_K: 8 pieces of 32 (two 16-element sub-blocks each, the scale picked per column): column
+  128h + 64s + 32v + i is nibble s of ql byte 64h + 32v + i with bits 2(2s + v) of qh byte
+  32h + i as its high pair, minus 32.
+
+`quant_gemv` (decode: M up to 16): each program owns BLOCK_N rows and reads each of their
+blocks once for all M rows, float32 products accumulated per column slot and reduced once at
+the end; when there are too few row tiles to fill the GPU, K is split over programs and the
+float32 partials summed after. `quant_gemm` (prefill): tiles of BLOCK_M x BLOCK_N, each piece
+dequantized in registers, cast to bfloat16 and multiplied by the activation piece with tl.dot
+(tensor cores), float32 accumulation. `TritonQuantLinear` holds the planes and picks one by M.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tallow.ops.triton_quant_layout import BLOCK_SIZES, FORMATS, QuantWeight, repack
+
+_FMT_ID = {name: i for i, name in enumerate(FORMATS)}
+Q4_0: tl.constexpr = tl.constexpr(_FMT_ID["Q4_0"])
+Q4_1: tl.constexpr = tl.constexpr(_FMT_ID["Q4_1"])
+Q5_0: tl.constexpr = tl.constexpr(_FMT_ID["Q5_0"])
+Q5_1: tl.constexpr = tl.constexpr(_FMT_ID["Q5_1"])
+Q8_0: tl.constexpr = tl.constexpr(_FMT_ID["Q8_0"])
+Q4_K: tl.constexpr = tl.constexpr(_FMT_ID["Q4_K"])
+Q5_K: tl.constexpr = tl.constexpr(_FMT_ID["Q5_K"])
+Q6_K: tl.constexpr = tl.constexpr(_FMT_ID["Q6_K"])
+# format -> (piece width PW, pieces per block)
+_PIECES = {"Q8_0": (32, 1), "Q4_0": (16, 2), "Q4_1": (16, 2), "Q5_0": (16, 2), "Q5_1": (16, 2),
+           "Q4_K": (32, 8), "Q5_K": (32, 8), "Q6_K": (32, 8)}
+
+
+@triton.jit
+def _piece(FMT: tl.constexpr, P: tl.constexpr, PW: tl.constexpr,
+           qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows, rmask, NB, b):
+    """Piece P of block b of BLOCK_N rows (int64 row ids, mask) -> (weights [BLOCK_N, PW] float32,
+    the piece's first column). Masked rows read as zero."""
+    j = tl.arange(0, PW)
+    m2 = rmask[:, None]
+    d = tl.load(d_ptr + rows * NB + b, mask=rmask, other=0.0).to(tl.float32)
+    if FMT == Q8_0:
+        q = tl.load(qs_ptr + rows[:, None] * (NB * 32) + b * 32 + j[None, :], mask=m2, other=0).to(tl.float32)
+        w = q * d[:, None]
+        c0 = b * 32
+    elif FMT == Q4_0 or FMT == Q4_1 or FMT == Q5_0 or FMT == Q5_1:
+        byte = tl.load(qs_ptr + rows[:, None] * (NB * 16) + b * 16 + j[None, :], mask=m2, other=0).to(tl.int32)
+        if P == 0:
+            q = byte & 0xF
+        else:
+            q = byte >> 4
+        if FMT == Q5_0 or FMT == Q5_1:
+            qh = tl.load(qh_ptr + rows * NB + b, mask=rmask, other=0)
+            q = q | (((qh[:, None] >> (j[None, :] + 16 * P)) & 1) << 4)
+        if FMT == Q4_0:
+            w = (q - 8).to(tl.float32) * d[:, None]
+        elif FMT == Q5_0:
+            w = (q - 16).to(tl.float32) * d[:, None]
+        else:
+            mins = tl.load(m_ptr + rows * NB + b, mask=rmask, other=0.0).to(tl.float32)
+            w = q.to(tl.float32) * d[:, None] + mins[:, None]
+        c0 = b * 32 + 16 * P
+    elif FMT == Q4_K or FMT == Q5_K:
+        byte = tl.load(qs_ptr + rows[:, None] * (NB * 128) + b * 128 + 32 * (P // 2) + j[None, :],
+                       mask=m2, other=0).to(tl.int32)
+        if P % 2 == 0:
+            q = byte & 0xF
+        else:
+            q = byte >> 4
+        if FMT == Q5_K:
+            qh = tl.load(qh_ptr + rows[:, None] * (NB * 32) + b * 32 + j[None, :], mask=m2, other=0).to(tl.int32)
+            q = q | (((qh >> P) & 1) << 4)
+        dmin = tl.load(m_ptr + rows * NB + b, mask=rmask, other=0.0).to(tl.float32)
+        sc = tl.load(sc_ptr + rows * (NB * 8) + b * 8 + P, mask=rmask, other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + rows * (NB * 8) + b * 8 + P, mask=rmask, other=0).to(tl.float32)
+        w = q.to(tl.float32) * (d * sc)[:, None] - (dmin * mn)[:, None]
+        c0 = b * 256 + 32 * P
+    else:  # Q6_K: P = 4h + 2s + v
+        h: tl.constexpr = P // 4
+        s: tl.constexpr = (P // 2) % 2
+        v: tl.constexpr = P % 2
+        byte = tl.load(qs_ptr + rows[:, None] * (NB * 128) + b * 128 + (64 * h + 32 * v) + j[None, :],
+                       mask=m2, other=0).to(tl.int32)
+        if s == 0:
+            lo = byte & 0xF
+        else:
+            lo = byte >> 4
+        qh = tl.load(qh_ptr + rows[:, None] * (NB * 64) + b * 64 + 32 * h + j[None, :], mask=m2, other=0).to(tl.int32)
+        q = (lo | (((qh >> (2 * (2 * s + v))) & 3) << 4)) - 32
+        sc0 = tl.load(sc_ptr + rows * (NB * 16) + b * 16 + 2 * P, mask=rmask, other=0).to(tl.float32)
+        sc1 = tl.load(sc_ptr + rows * (NB * 16) + b * 16 + 2 * P + 1, mask=rmask, other=0).to(tl.float32)
+        scale = tl.where(j[None, :] < 16, sc0[:, None], sc1[:, None]) * d[:, None]
+        w = q.to(tl.float32) * scale
+        c0 = b * 256 + 32 * P
+    return w, c0
+
+
+@triton.jit
+def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                       M, N, NB, stride_xm, stride_ym, blocks_per_split,
+                       FMT: tl.constexpr, PW: tl.constexpr, PIECES: tl.constexpr, BPS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    ms = tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    j = tl.arange(0, PW)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, PW], dtype=tl.float32)
+    b_start = pid_k * blocks_per_split
+    b_end = tl.minimum(b_start + blocks_per_split, NB)
+    for b0 in range(b_start, b_end, BPS):
+        for u in tl.static_range(BPS):
+            for p in tl.static_range(PIECES):
+                w, c0 = _piece(FMT, p, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows64, rmask, NB, b0 + u)
+                x = tl.load(x_ptr + ms[:, None] * stride_xm + (c0 + j)[None, :], mask=mmask[:, None],
+                            other=0.0).to(tl.float32)
+                acc += x[:, None, :] * w[None, :, :]
+    y = tl.sum(acc, axis=2)
+    out_mask = mmask[:, None] & rmask[None, :]
+    if SPLIT:
+        tl.store(y_ptr + pid_k * M * N + ms[:, None] * N + rows[None, :], y, mask=out_mask)
+    else:
+        tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _quant_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                       M, N, NB, stride_xm, stride_ym,
+                       FMT: tl.constexpr, PW: tl.constexpr, PIECES: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Programs that share a weight tile are launched together (M tiles vary fastest), so the
+    # tile is read from DRAM once and from L2 by the others.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
+    j = tl.arange(0, PW)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for b in range(0, NB):
+        for p in tl.static_range(PIECES):
+            w, c0 = _piece(FMT, p, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows64, rmask, NB, b)
+            x = tl.load(x_rows + (c0 + j)[None, :], mask=mmask[:, None], other=0.0).to(tl.bfloat16)
+            acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
+    y_ptrs = y_ptr + ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+
+
+def _planes(w: QuantWeight) -> list[torch.Tensor]:
+    """The six plane arguments; absent planes are passed as qs (never read)."""
+    return [p if p is not None else w.qs for p in (w.qs, w.qh, w.d, w.m, w.sc, w.mn)]
+
+
+def _check(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != w.K:
+        raise ValueError(f"x must be [M, {w.K}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"unsupported activation dtype {x.dtype}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _default_split(n_tiles: int, steps: int, device: torch.device) -> int:
+    """Split K until there are about two programs per SM (CUDA); 1 elsewhere."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(steps, triton.cdiv(2 * sms, n_tiles)))
+
+
+def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int = 16, split_k: int | None = None,
+               num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """x[M, K] @ W^T for small M (<= 16): each weight block is read once for all rows.
+    Output [M, N] in x's dtype; products and sums in float32."""
+    x = _check(x, w)
+    M, N, NB = x.shape[0], w.N, w.blocks_per_row
+    if M > 16:
+        raise ValueError(f"quant_gemv takes up to 16 rows, got {M}")
+    pw, pieces = _PIECES[w.fmt]
+    bps = next(n for n in (4, 2, 1) if NB % n == 0) if pieces < 8 else 1
+    n_tiles = triton.cdiv(N, block_n)
+    steps = NB // bps
+    split = split_k if split_k is not None else _default_split(n_tiles, steps, x.device)
+    split = max(1, min(split, steps))
+    blocks_per_split = triton.cdiv(steps, split) * bps
+    split = triton.cdiv(NB, blocks_per_split)
+    block_m = max(1, triton.next_power_of_2(M))
+    if split > 1:
+        y = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _quant_gemv_kernel[(n_tiles, split)](
+        x, y, *_planes(w), M, N, NB, x.stride(0), N, blocks_per_split,
+        FMT=_FMT_ID[w.fmt], PW=pw, PIECES=pieces, BPS=bps, BLOCK_M=block_m, BLOCK_N=block_n,
+        SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages)
+    return y.sum(0).to(x.dtype) if split > 1 else y
+
+
+def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, block_n: int = 64,
+               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x[M, K] @ W^T for any M: bfloat16 tensor-core products of the activation and the weight
+    dequantized in registers, float32 accumulation. Output [M, N] in x's dtype."""
+    x = _check(x, w)
+    M, N = x.shape[0], w.N
+    if block_m is None:
+        block_m = 128 if M >= 128 else max(16, triton.next_power_of_2(M))
+    pw, pieces = _PIECES[w.fmt]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    _quant_gemm_kernel[grid](
+        x, y, *_planes(w), M, N, w.blocks_per_row, x.stride(0), N,
+        FMT=_FMT_ID[w.fmt], PW=pw, PIECES=pieces, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+class TritonQuantLinear(torch.nn.Module):
+    """A bias-free Linear whose weight [N, K] is GGUF blocks in planes: `quant_gemv` up to
+    `gemv_max_rows` rows, `quant_gemm` above."""
+
+    def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8):
+        super().__init__()
+        self.weight = weight
+        self.gemv_max_rows = gemv_max_rows
+
+    @classmethod
+    def from_gguf_bytes(cls, raw: torch.Tensor, fmt: str, in_features: int, device=None, **kwargs):
+        """raw: the tensor's block bytes as gguf.GGUFReader gives them ([N, row_bytes] uint8)."""
+        raw = torch.as_tensor(raw)
+        if device is not None:
+            raw = raw.to(device)
+        return cls(repack(raw, fmt, in_features), **kwargs)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.K
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.N
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] <= self.gemv_max_rows:
+            y = quant_gemv(x2, self.weight)
+        else:
+            y = quant_gemm(x2, self.weight)
+        return y.reshape(*shape[:-1], self.weight.N)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+__all__ = ["BLOCK_SIZES", "FORMATS", "QuantWeight", "TritonQuantLinear", "quant_gemm", "quant_gemv", "repack"]
