@@ -106,9 +106,12 @@ def test_quant_gemv_matches_float64(where, fmt):
         for dtype in dtypes:
             x = torch.randn(M, w.K, generator=g).to(where, dtype)
             _check(quant_gemv(x, w), x, reference, GEMV_TOL[dtype])
-    # K split over two programs (float32 partials summed after), and a strided activation view.
-    x = torch.randn(3, 2 * w.K, generator=g).to(where)[:, ::2]
-    _check(quant_gemv(x, w, split_k=2), x, reference, GEMV_TOL[torch.float32])
+    # K split over programs (float32 partials summed after, a ragged last split for the
+    # 32-element formats), other tile sizes, and a strided activation view.
+    for M in (1, 3):
+        x = torch.randn(M, 2 * w.K, generator=g).to(where)[:, ::2]
+        _check(quant_gemv(x, w, split_k=2, block_n=8), x, reference, GEMV_TOL[torch.float32])
+        _check(quant_gemv(x, w, split_k=3, block_n=64), x, reference, GEMV_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("where", [INTERP, CUDA])

@@ -31,58 +31,66 @@ import triton.language as tl
 
 from tallow.ops.triton_quant_layout import BLOCK_SIZES, FORMATS, QuantWeight, repack
 
-_FMT_ID = {name: i for i, name in enumerate(FORMATS)}
-Q4_0: tl.constexpr = tl.constexpr(_FMT_ID["Q4_0"])
-Q4_1: tl.constexpr = tl.constexpr(_FMT_ID["Q4_1"])
-Q5_0: tl.constexpr = tl.constexpr(_FMT_ID["Q5_0"])
-Q5_1: tl.constexpr = tl.constexpr(_FMT_ID["Q5_1"])
-Q8_0: tl.constexpr = tl.constexpr(_FMT_ID["Q8_0"])
-Q4_K: tl.constexpr = tl.constexpr(_FMT_ID["Q4_K"])
-Q5_K: tl.constexpr = tl.constexpr(_FMT_ID["Q5_K"])
-Q6_K: tl.constexpr = tl.constexpr(_FMT_ID["Q6_K"])
-# format -> (piece width PW, pieces per block)
-_PIECES = {"Q8_0": (32, 1), "Q4_0": (16, 2), "Q4_1": (16, 2), "Q5_0": (16, 2), "Q5_1": (16, 2),
-           "Q4_K": (32, 8), "Q5_K": (32, 8), "Q6_K": (32, 8)}
+# format -> (KIND, QH, ASYM, OFFSET, piece width PW, pieces per block); KIND 0: Q8_0, 1: the
+# 32-element nibble formats, 2: Q4_K/Q5_K, 3: Q6_K. QH: a fifth bit plane; ASYM: a min plane
+# (q * d + m); OFFSET: subtracted from the unsigned quant of the symmetric 32-element formats.
+_FORMAT_ARGS = {
+    "Q8_0": (0, False, False, 0, 32, 1),
+    "Q4_0": (1, False, False, 8, 16, 2), "Q4_1": (1, False, True, 0, 16, 2),
+    "Q5_0": (1, True, False, 16, 16, 2), "Q5_1": (1, True, True, 0, 16, 2),
+    "Q4_K": (2, False, True, 0, 32, 8), "Q5_K": (2, True, True, 0, 32, 8),
+    "Q6_K": (3, True, False, 32, 32, 8),
+}
+
+
+def _format_constexprs(fmt: str) -> dict:
+    kind, qh, asym, offset, pw, pieces = _FORMAT_ARGS[fmt]
+    return dict(KIND=kind, QH=qh, ASYM=asym, OFFSET=offset, PW=pw, PIECES=pieces)
 
 
 @triton.jit
-def _piece(FMT: tl.constexpr, P: tl.constexpr, PW: tl.constexpr,
-           qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows, rmask, NB, b):
+def _rows(rows, NB, BYTES: tl.constexpr):
+    """The byte offsets [BLOCK_N, 1] of row starts in a plane of BYTES per block, marked as
+    multiples of 16 so that a row's piece loads as 16-byte vectors."""
+    return tl.multiple_of(rows * (NB * BYTES), 16)[:, None]
+
+
+@triton.jit
+def _piece(KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
+           P: tl.constexpr, PW: tl.constexpr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows, rmask, NB, b):
     """Piece P of block b of BLOCK_N rows (int64 row ids, mask) -> (weights [BLOCK_N, PW] float32,
     the piece's first column). Masked rows read as zero."""
     j = tl.arange(0, PW)
     m2 = rmask[:, None]
     d = tl.load(d_ptr + rows * NB + b, mask=rmask, other=0.0).to(tl.float32)
-    if FMT == Q8_0:
-        q = tl.load(qs_ptr + rows[:, None] * (NB * 32) + b * 32 + j[None, :], mask=m2, other=0).to(tl.float32)
+    if KIND == 0:  # Q8_0
+        q = tl.load(qs_ptr + _rows(rows, NB, 32) + b * 32 + j[None, :], mask=m2, other=0).to(tl.float32)
         w = q * d[:, None]
         c0 = b * 32
-    elif FMT == Q4_0 or FMT == Q4_1 or FMT == Q5_0 or FMT == Q5_1:
-        byte = tl.load(qs_ptr + rows[:, None] * (NB * 16) + b * 16 + j[None, :], mask=m2, other=0).to(tl.int32)
+    elif KIND == 1:  # Q4_0, Q4_1, Q5_0, Q5_1
+        byte = tl.load(qs_ptr + _rows(rows, NB, 16) + b * 16 + j[None, :], mask=m2, other=0).to(tl.int32)
         if P == 0:
             q = byte & 0xF
         else:
             q = byte >> 4
-        if FMT == Q5_0 or FMT == Q5_1:
+        if QH:
             qh = tl.load(qh_ptr + rows * NB + b, mask=rmask, other=0)
             q = q | (((qh[:, None] >> (j[None, :] + 16 * P)) & 1) << 4)
-        if FMT == Q4_0:
-            w = (q - 8).to(tl.float32) * d[:, None]
-        elif FMT == Q5_0:
-            w = (q - 16).to(tl.float32) * d[:, None]
-        else:
+        if ASYM:
             mins = tl.load(m_ptr + rows * NB + b, mask=rmask, other=0.0).to(tl.float32)
             w = q.to(tl.float32) * d[:, None] + mins[:, None]
+        else:
+            w = (q - OFFSET).to(tl.float32) * d[:, None]
         c0 = b * 32 + 16 * P
-    elif FMT == Q4_K or FMT == Q5_K:
-        byte = tl.load(qs_ptr + rows[:, None] * (NB * 128) + b * 128 + 32 * (P // 2) + j[None, :],
+    elif KIND == 2:  # Q4_K, Q5_K
+        byte = tl.load(qs_ptr + _rows(rows, NB, 128) + b * 128 + 32 * (P // 2) + j[None, :],
                        mask=m2, other=0).to(tl.int32)
         if P % 2 == 0:
             q = byte & 0xF
         else:
             q = byte >> 4
-        if FMT == Q5_K:
-            qh = tl.load(qh_ptr + rows[:, None] * (NB * 32) + b * 32 + j[None, :], mask=m2, other=0).to(tl.int32)
+        if QH:  # Q5_K
+            qh = tl.load(qh_ptr + _rows(rows, NB, 32) + b * 32 + j[None, :], mask=m2, other=0).to(tl.int32)
             q = q | (((qh >> P) & 1) << 4)
         dmin = tl.load(m_ptr + rows * NB + b, mask=rmask, other=0.0).to(tl.float32)
         sc = tl.load(sc_ptr + rows * (NB * 8) + b * 8 + P, mask=rmask, other=0).to(tl.float32)
@@ -93,14 +101,14 @@ def _piece(FMT: tl.constexpr, P: tl.constexpr, PW: tl.constexpr,
         h: tl.constexpr = P // 4
         s: tl.constexpr = (P // 2) % 2
         v: tl.constexpr = P % 2
-        byte = tl.load(qs_ptr + rows[:, None] * (NB * 128) + b * 128 + (64 * h + 32 * v) + j[None, :],
+        byte = tl.load(qs_ptr + _rows(rows, NB, 128) + b * 128 + (64 * h + 32 * v) + j[None, :],
                        mask=m2, other=0).to(tl.int32)
         if s == 0:
             lo = byte & 0xF
         else:
             lo = byte >> 4
-        qh = tl.load(qh_ptr + rows[:, None] * (NB * 64) + b * 64 + 32 * h + j[None, :], mask=m2, other=0).to(tl.int32)
-        q = (lo | (((qh >> (2 * (2 * s + v))) & 3) << 4)) - 32
+        qh = tl.load(qh_ptr + _rows(rows, NB, 64) + b * 64 + 32 * h + j[None, :], mask=m2, other=0).to(tl.int32)
+        q = (lo | (((qh >> (2 * (2 * s + v))) & 3) << 4)) - OFFSET
         sc0 = tl.load(sc_ptr + rows * (NB * 16) + b * 16 + 2 * P, mask=rmask, other=0).to(tl.float32)
         sc1 = tl.load(sc_ptr + rows * (NB * 16) + b * 16 + 2 * P + 1, mask=rmask, other=0).to(tl.float32)
         scale = tl.where(j[None, :] < 16, sc0[:, None], sc1[:, None]) * d[:, None]
@@ -112,7 +120,8 @@ def _piece(FMT: tl.constexpr, P: tl.constexpr, PW: tl.constexpr,
 @triton.jit
 def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
                        M, N, NB, stride_xm, stride_ym, blocks_per_split,
-                       FMT: tl.constexpr, PW: tl.constexpr, PIECES: tl.constexpr, BPS: tl.constexpr,
+                       KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
+                       PW: tl.constexpr, PIECES: tl.constexpr, BPS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -122,17 +131,30 @@ def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
     ms = tl.arange(0, BLOCK_M)
     mmask = ms < M
     j = tl.arange(0, PW)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, PW], dtype=tl.float32)
+    # One row: a 2-D accumulator, so the weight loads keep their coalesced, vectorized layout
+    # (a 3-D one makes every thread own a single column).
+    if BLOCK_M == 1:
+        acc1 = tl.zeros([BLOCK_N, PW], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, PW], dtype=tl.float32)
     b_start = pid_k * blocks_per_split
     b_end = tl.minimum(b_start + blocks_per_split, NB)
     for b0 in range(b_start, b_end, BPS):
         for u in tl.static_range(BPS):
             for p in tl.static_range(PIECES):
-                w, c0 = _piece(FMT, p, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows64, rmask, NB, b0 + u)
-                x = tl.load(x_ptr + ms[:, None] * stride_xm + (c0 + j)[None, :], mask=mmask[:, None],
-                            other=0.0).to(tl.float32)
-                acc += x[:, None, :] * w[None, :, :]
-    y = tl.sum(acc, axis=2)
+                w, c0 = _piece(KIND, QH, ASYM, OFFSET, p, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                               rows64, rmask, NB, b0 + u)
+                if BLOCK_M == 1:
+                    x1 = tl.load(x_ptr + c0 + j).to(tl.float32)
+                    acc1 += w * x1[None, :]
+                else:
+                    x = tl.load(x_ptr + ms[:, None] * stride_xm + (c0 + j)[None, :], mask=mmask[:, None],
+                                other=0.0).to(tl.float32)
+                    acc += x[:, None, :] * w[None, :, :]
+    if BLOCK_M == 1:
+        y = tl.sum(acc1, axis=1)[None, :]
+    else:
+        y = tl.sum(acc, axis=2)
     out_mask = mmask[:, None] & rmask[None, :]
     if SPLIT:
         tl.store(y_ptr + pid_k * M * N + ms[:, None] * N + rows[None, :], y, mask=out_mask)
@@ -143,8 +165,8 @@ def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
 @triton.jit
 def _quant_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
                        M, N, NB, stride_xm, stride_ym,
-                       FMT: tl.constexpr, PW: tl.constexpr, PIECES: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
+                       PW: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Programs that share a weight tile are launched together (M tiles vary fastest), so the
     # tile is read from DRAM once and from L2 by the others.
     pid = tl.program_id(0)
@@ -161,11 +183,22 @@ def _quant_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for b in range(0, NB):
         for p in tl.static_range(PIECES):
-            w, c0 = _piece(FMT, p, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows64, rmask, NB, b)
+            w, c0 = _piece(KIND, QH, ASYM, OFFSET, p, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows64, rmask, NB, b)
             x = tl.load(x_rows + (c0 + j)[None, :], mask=mmask[:, None], other=0.0).to(tl.bfloat16)
             acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
     y_ptrs = y_ptr + ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y[i] = sum over s of part[s, i] (float32, in split order), cast to y's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _planes(w: QuantWeight) -> list[torch.Tensor]:
@@ -189,15 +222,20 @@ def _default_split(n_tiles: int, steps: int, device: torch.device) -> int:
     return max(1, min(steps, triton.cdiv(2 * sms, n_tiles)))
 
 
-def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int = 16, split_k: int | None = None,
-               num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, split_k: int | None = None,
+               num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """x[M, K] @ W^T for small M (<= 16): each weight block is read once for all rows.
-    Output [M, N] in x's dtype; products and sums in float32."""
+    Output [M, N] in x's dtype; products and sums in float32. The defaults: one row, tiles of
+    32 rows on 2 warps (a thread loads 16 contiguous bytes of a row); more rows, 16 on 4."""
     x = _check(x, w)
     M, N, NB = x.shape[0], w.N, w.blocks_per_row
     if M > 16:
         raise ValueError(f"quant_gemv takes up to 16 rows, got {M}")
-    pw, pieces = _PIECES[w.fmt]
+    if block_n is None:
+        block_n = 32 if M == 1 else 16
+    if num_warps is None:
+        num_warps = 2 if M == 1 else 4
+    pieces = _FORMAT_ARGS[w.fmt][5]
     bps = next(n for n in (4, 2, 1) if NB % n == 0) if pieces < 8 else 1
     n_tiles = triton.cdiv(N, block_n)
     steps = NB // bps
@@ -212,9 +250,13 @@ def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int = 16, split_k: i
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _quant_gemv_kernel[(n_tiles, split)](
         x, y, *_planes(w), M, N, NB, x.stride(0), N, blocks_per_split,
-        FMT=_FMT_ID[w.fmt], PW=pw, PIECES=pieces, BPS=bps, BLOCK_M=block_m, BLOCK_N=block_n,
+        **_format_constexprs(w.fmt), BPS=bps, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages)
-    return y.sum(0).to(x.dtype) if split > 1 else y
+    if split == 1:
+        return y
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](y, out, M * N, SPLIT=split, BLOCK=1024)
+    return out
 
 
 def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, block_n: int = 64,
@@ -225,12 +267,11 @@ def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, b
     M, N = x.shape[0], w.N
     if block_m is None:
         block_m = 128 if M >= 128 else max(16, triton.next_power_of_2(M))
-    pw, pieces = _PIECES[w.fmt]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _quant_gemm_kernel[grid](
         x, y, *_planes(w), M, N, w.blocks_per_row, x.stride(0), N,
-        FMT=_FMT_ID[w.fmt], PW=pw, PIECES=pieces, BLOCK_M=block_m, BLOCK_N=block_n,
+        **_format_constexprs(w.fmt), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages)
     return y
 
