@@ -57,9 +57,10 @@ def _rows(rows, NB, BYTES: tl.constexpr):
 
 @triton.jit
 def _piece(KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
-           P: tl.constexpr, PW: tl.constexpr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows, rmask, NB, b):
+           PW: tl.constexpr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows, rmask, NB, b, P):
     """Piece P of block b of BLOCK_N rows (int64 row ids, mask) -> (weights [BLOCK_N, PW] float32,
-    the piece's first column). Masked rows read as zero."""
+    the piece's first column). Masked rows read as zero. P may be a constant (the GEMV unrolls
+    a block's pieces) or a runtime value (the GEMM's K loop steps one piece at a time)."""
     j = tl.arange(0, PW)
     m2 = rmask[:, None]
     d = tl.load(d_ptr + rows * NB + b, mask=rmask, other=0.0).to(tl.float32)
@@ -69,10 +70,7 @@ def _piece(KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.
         c0 = b * 32
     elif KIND == 1:  # Q4_0, Q4_1, Q5_0, Q5_1
         byte = tl.load(qs_ptr + _rows(rows, NB, 16) + b * 16 + j[None, :], mask=m2, other=0).to(tl.int32)
-        if P == 0:
-            q = byte & 0xF
-        else:
-            q = byte >> 4
+        q = (byte >> (4 * P)) & 0xF
         if QH:
             qh = tl.load(qh_ptr + rows * NB + b, mask=rmask, other=0)
             q = q | (((qh[:, None] >> (j[None, :] + 16 * P)) & 1) << 4)
@@ -85,10 +83,7 @@ def _piece(KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.
     elif KIND == 2:  # Q4_K, Q5_K
         byte = tl.load(qs_ptr + _rows(rows, NB, 128) + b * 128 + 32 * (P // 2) + j[None, :],
                        mask=m2, other=0).to(tl.int32)
-        if P % 2 == 0:
-            q = byte & 0xF
-        else:
-            q = byte >> 4
+        q = (byte >> (4 * (P % 2))) & 0xF
         if QH:  # Q5_K
             qh = tl.load(qh_ptr + _rows(rows, NB, 32) + b * 32 + j[None, :], mask=m2, other=0).to(tl.int32)
             q = q | (((qh >> P) & 1) << 4)
@@ -98,15 +93,12 @@ def _piece(KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.
         w = q.to(tl.float32) * (d * sc)[:, None] - (dmin * mn)[:, None]
         c0 = b * 256 + 32 * P
     else:  # Q6_K: P = 4h + 2s + v
-        h: tl.constexpr = P // 4
-        s: tl.constexpr = (P // 2) % 2
-        v: tl.constexpr = P % 2
+        h = P // 4
+        s = (P // 2) % 2
+        v = P % 2
         byte = tl.load(qs_ptr + _rows(rows, NB, 128) + b * 128 + (64 * h + 32 * v) + j[None, :],
                        mask=m2, other=0).to(tl.int32)
-        if s == 0:
-            lo = byte & 0xF
-        else:
-            lo = byte >> 4
+        lo = (byte >> (4 * s)) & 0xF
         qh = tl.load(qh_ptr + _rows(rows, NB, 64) + b * 64 + 32 * h + j[None, :], mask=m2, other=0).to(tl.int32)
         q = (lo | (((qh >> (2 * (2 * s + v))) & 3) << 4)) - OFFSET
         sc0 = tl.load(sc_ptr + rows * (NB * 16) + b * 16 + 2 * P, mask=rmask, other=0).to(tl.float32)
@@ -142,8 +134,8 @@ def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
     for b0 in range(b_start, b_end, BPS):
         for u in tl.static_range(BPS):
             for p in tl.static_range(PIECES):
-                w, c0 = _piece(KIND, QH, ASYM, OFFSET, p, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
-                               rows64, rmask, NB, b0 + u)
+                w, c0 = _piece(KIND, QH, ASYM, OFFSET, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                               rows64, rmask, NB, b0 + u, p)
                 if BLOCK_M == 1:
                     x1 = tl.load(x_ptr + c0 + j).to(tl.float32)
                     acc1 += w * x1[None, :]
@@ -181,11 +173,13 @@ def _quant_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
     x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
     j = tl.arange(0, PW)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for b in range(0, NB):
-        for p in tl.static_range(PIECES):
-            w, c0 = _piece(KIND, QH, ASYM, OFFSET, p, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows64, rmask, NB, b)
-            x = tl.load(x_rows + (c0 + j)[None, :], mask=mmask[:, None], other=0.0).to(tl.bfloat16)
-            acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
+    # One piece per step (not a block's pieces unrolled): the pipeliner then buffers one
+    # [BLOCK_M, PW] activation tile per stage, not eight.
+    for t in range(0, NB * PIECES):
+        w, c0 = _piece(KIND, QH, ASYM, OFFSET, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows64, rmask, NB,
+                       t // PIECES, t % PIECES)
+        x = tl.load(x_rows + (c0 + j)[None, :], mask=mmask[:, None], other=0.0).to(tl.bfloat16)
+        acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
     y_ptrs = y_ptr + ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
 
