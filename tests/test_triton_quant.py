@@ -140,6 +140,8 @@ def test_quant_gemm_matches_float64(where, fmt):
     for M in (1, 17):
         x = torch.randn(M, w.K, generator=g).to(where)
         _check(quant_gemm(x, w, block_m=16, block_n=32), x, reference, GEMM_TOL)
+    # K split over programs (a ragged last split for the 32-element formats)
+    _check(quant_gemm(x, w, block_m=16, block_n=32, split_k=2), x, reference, GEMM_TOL)
     if where == "cuda":  # the default tiles, and 16-bit activations
         for dtype in (torch.bfloat16, torch.float16):
             x = torch.randn(17, w.K, generator=g).to(where, dtype)

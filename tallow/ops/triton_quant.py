@@ -156,12 +156,15 @@ def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
 
 @triton.jit
 def _quant_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
-                       M, N, NB, stride_xm, stride_ym,
+                       M, N, NB, stride_xm, stride_ym, blocks_per_split,
                        KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
-                       PW: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       PW: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLIT: tl.constexpr):
     # Programs that share a weight tile are launched together (M tiles vary fastest), so the
-    # tile is read from DRAM once and from L2 by the others.
+    # tile is read from DRAM once and from L2 by the others. Axis 1 splits K (SPLIT: float32
+    # partials [split, M, N], summed by _sum_splits_kernel).
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m
     pid_n = pid // num_m
@@ -175,13 +178,19 @@ def _quant_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # One piece per step (not a block's pieces unrolled): the pipeliner then buffers one
     # [BLOCK_M, PW] activation tile per stage, not eight.
-    for t in range(0, NB * PIECES):
+    t_start = pid_k * blocks_per_split * PIECES
+    t_end = tl.minimum(pid_k * blocks_per_split + blocks_per_split, NB) * PIECES
+    for t in range(t_start, t_end):
         w, c0 = _piece(KIND, QH, ASYM, OFFSET, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows64, rmask, NB,
                        t // PIECES, t % PIECES)
         x = tl.load(x_rows + (c0 + j)[None, :], mask=mmask[:, None], other=0.0).to(tl.bfloat16)
         acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
-    y_ptrs = y_ptr + ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+    out_mask = mmask[:, None] & rmask[None, :]
+    if SPLIT:
+        tl.store(y_ptr + (pid_k * M + ms.to(tl.int64))[:, None] * N + rows[None, :], acc, mask=out_mask)
+    else:
+        y_ptrs = y_ptr + ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -208,12 +217,33 @@ def _check(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def _default_split(n_tiles: int, steps: int, device: torch.device) -> int:
-    """Split K until there are about two programs per SM (CUDA); 1 elsewhere."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(steps, triton.cdiv(2 * sms, n_tiles)))
+def _split_plan(NB: int, bps: int, n_tiles: int, split_k: int | None, device: torch.device) -> tuple[int, int]:
+    """(number of K splits, blocks per split, a multiple of bps). By default (split_k None) K is
+    split until there are about two programs per SM on CUDA; not at all elsewhere."""
+    steps = NB // bps
+    if split_k is None:
+        split_k = 1
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            split_k = triton.cdiv(2 * sms, n_tiles)
+    split = max(1, min(split_k, steps))
+    blocks_per_split = triton.cdiv(steps, split) * bps
+    return triton.cdiv(NB, blocks_per_split), blocks_per_split
+
+
+def _output(split: int, M: int, N: int, x: torch.Tensor) -> torch.Tensor:
+    if split > 1:
+        return torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    return torch.empty(M, N, dtype=x.dtype, device=x.device)
+
+
+def _sum_splits(y: torch.Tensor, split: int, x: torch.Tensor) -> torch.Tensor:
+    if split == 1:
+        return y
+    M, N = y.shape[1:]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](y, out, M * N, SPLIT=split, BLOCK=1024)
+    return out
 
 
 def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, split_k: int | None = None,
@@ -232,42 +262,33 @@ def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, s
     pieces = _FORMAT_ARGS[w.fmt][5]
     bps = next(n for n in (4, 2, 1) if NB % n == 0) if pieces < 8 else 1
     n_tiles = triton.cdiv(N, block_n)
-    steps = NB // bps
-    split = split_k if split_k is not None else _default_split(n_tiles, steps, x.device)
-    split = max(1, min(split, steps))
-    blocks_per_split = triton.cdiv(steps, split) * bps
-    split = triton.cdiv(NB, blocks_per_split)
+    split, blocks_per_split = _split_plan(NB, bps, n_tiles, split_k, x.device)
     block_m = max(1, triton.next_power_of_2(M))
-    if split > 1:
-        y = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    else:
-        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = _output(split, M, N, x)
     _quant_gemv_kernel[(n_tiles, split)](
         x, y, *_planes(w), M, N, NB, x.stride(0), N, blocks_per_split,
         **_format_constexprs(w.fmt), BPS=bps, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages)
-    if split == 1:
-        return y
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](y, out, M * N, SPLIT=split, BLOCK=1024)
-    return out
+    return _sum_splits(y, split, x)
 
 
 def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, block_n: int = 64,
-               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+               split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x[M, K] @ W^T for any M: bfloat16 tensor-core products of the activation and the weight
-    dequantized in registers, float32 accumulation. Output [M, N] in x's dtype."""
+    dequantized in registers, float32 accumulation. Output [M, N] in x's dtype. K is split
+    (float32 partials summed after) when the tiles are too few to fill the GPU."""
     x = _check(x, w)
     M, N = x.shape[0], w.N
     if block_m is None:
         block_m = 128 if M >= 128 else max(16, triton.next_power_of_2(M))
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    _quant_gemm_kernel[grid](
-        x, y, *_planes(w), M, N, w.blocks_per_row, x.stride(0), N,
-        **_format_constexprs(w.fmt), BLOCK_M=block_m, BLOCK_N=block_n,
+    n_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split, blocks_per_split = _split_plan(w.blocks_per_row, 1, n_tiles, split_k, x.device)
+    y = _output(split, M, N, x)
+    _quant_gemm_kernel[(n_tiles, split)](
+        x, y, *_planes(w), M, N, w.blocks_per_row, x.stride(0), N, blocks_per_split,
+        **_format_constexprs(w.fmt), BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split > 1,
         num_warps=num_warps, num_stages=num_stages)
-    return y
+    return _sum_splits(y, split, x)
 
 
 class TritonQuantLinear(torch.nn.Module):
