@@ -20,7 +20,13 @@ blocks once for all M rows, float32 products accumulated per column slot and red
 the end; when there are too few row tiles to fill the GPU, K is split over programs and the
 float32 partials summed after. `quant_gemm` (prefill): tiles of BLOCK_M x BLOCK_N, each piece
 dequantized in registers, cast to bfloat16 and multiplied by the activation piece with tl.dot
-(tensor cores), float32 accumulation. `TritonQuantLinear` holds the planes and picks one by M.
+(tensor cores), float32 accumulation, one piece per K step (so the software pipeline buffers
+one activation tile per stage), K split the same way when the tiles are few.
+`TritonQuantLinear` holds the planes and picks one by M.
+
+Checked on the CPU only so far (interpreter; sm_90 compiles: 16-byte weight loads in the GEMV,
+wgmma in the GEMM); the defaults are reasoned, not tuned: benchmarks/gpu_quant_linear.py
+--sweep times the alternatives on a GPU.
 """
 
 from __future__ import annotations
@@ -123,8 +129,11 @@ def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
     ms = tl.arange(0, BLOCK_M)
     mmask = ms < M
     j = tl.arange(0, PW)
-    # One row: a 2-D accumulator, so the weight loads keep their coalesced, vectorized layout
-    # (a 3-D one makes every thread own a single column).
+    # One row: a 2-D accumulator, so the weight loads keep their coalesced, vectorized layout.
+    # More rows: a 3-D one [M, N, PW], whose layout gives every thread a single column (byte
+    # loads of the weights and a shared-memory conversion per piece in the sm_90 PTX); M
+    # multiply-adds per weight on CUDA cores besides. The benchmark times quant_gemm with one
+    # 16-row tile (tensor cores) against it at M = 8.
     if BLOCK_M == 1:
         acc1 = tl.zeros([BLOCK_N, PW], dtype=tl.float32)
     else:
