@@ -183,3 +183,45 @@ def test_repack_rejects_wrong_shapes():
     with pytest.raises(ValueError, match="unsupported"):
         repack(torch.zeros(2, 144, dtype=torch.uint8), "IQ4_XS", 256)
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_compile_for_hopper(fmt):
+    """Without a GPU: both kernels compile for sm_90 through Triton's own ptxas, the one-row GEMV
+    reads weights with 16-byte loads, the GEMM runs on wgmma, and the shared memory of the
+    default GEMM tiles fits an H100/H200 (227 KB; unrolling a block's pieces once took 254)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tallow.ops import triton_quant as tq
+
+    if INTERPRET:
+        pytest.skip("compiles real kernels: run without TRITON_INTERPRET")
+    types = {"x_ptr": "*bf16", "y_ptr": "*bf16", "qs_ptr": "*u8", "qh_ptr": "*u8", "d_ptr": "*fp16",
+             "m_ptr": "*fp16", "sc_ptr": "*u8", "mn_ptr": "*u8"}
+    types["qs_ptr"] = "*i8" if fmt == "Q8_0" else "*u8"
+    types["qh_ptr"] = "*i32" if fmt in ("Q5_0", "Q5_1") else "*u8"
+    types["sc_ptr"] = "*i8" if fmt == "Q6_K" else "*u8"
+
+    def compile_(kernel, consts, num_warps, num_stages):
+        consts = {**tq._format_constexprs(fmt), **consts}
+        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+        # What the launcher specializes on: 16-byte aligned tensors, sizes divisible by 16.
+        aligned = [n for n in kernel.arg_names if n.endswith("_ptr") or n in ("NB", "stride_xm", "stride_ym")]
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        try:
+            return triton.compile(ASTSource(kernel, signature, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        except RuntimeError as e:  # no ptxas for this platform
+            if "ptxas" in str(e).lower():
+                pytest.skip(f"no ptxas: {e}")
+            raise
+
+    bps = 1 if tq._FORMAT_ARGS[fmt][5] == 8 else 4
+    gemv = compile_(tq._quant_gemv_kernel, dict(BPS=bps, BLOCK_M=1, BLOCK_N=32, SPLIT=False), 2, 2)
+    assert "ld.global.v4.b32" in gemv.asm["ptx"]
+    gemm = compile_(tq._quant_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=64, SPLIT=False), 4, 3)
+    assert "wgmma.mma_async" in gemm.asm["ptx"]
+    assert gemm.metadata.shared <= 227 * 1024
