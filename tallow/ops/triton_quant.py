@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tallow.ops.triton_quant_layout import BLOCK_SIZES, FORMATS, QuantWeight, repack
+from tallow.ops.triton_quant_layout import QuantWeight, repack
 
 # format -> (KIND, QH, ASYM, OFFSET, piece width PW, pieces per block); KIND 0: Q8_0, 1: the
 # 32-element nibble formats, 2: Q4_K/Q5_K, 3: Q6_K. QH: a fifth bit plane; ASYM: a min plane
@@ -338,4 +338,4 @@ class TritonQuantLinear(torch.nn.Module):
         return f"{self.weight.fmt}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-__all__ = ["BLOCK_SIZES", "FORMATS", "QuantWeight", "TritonQuantLinear", "quant_gemm", "quant_gemv", "repack"]
+__all__ = ["TritonQuantLinear", "quant_gemm", "quant_gemv"]

@@ -104,7 +104,8 @@ def repack(raw: torch.Tensor, fmt: str, K: int) -> QuantWeight:
     nb = K // elems
     raw = raw.reshape(raw.shape[0], -1)
     if raw.dtype != torch.uint8 or raw.shape[1] != nb * nbytes:
-        raise ValueError(f"{fmt}: expected uint8 rows of {nb * nbytes} bytes for K={K}, got {raw.dtype} {tuple(raw.shape)}")
+        raise ValueError(f"{fmt}: expected uint8 rows of {nb * nbytes} bytes for K={K}, "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
     N = raw.shape[0]
     blocks = raw.reshape(N, nb, nbytes)
     if fmt == "Q8_0":
