@@ -1,9 +1,12 @@
 """tallow.ops.triton_quant (GGUF block-quantized GEMV / GEMM in Triton) against float64 matmuls
-with the weight dequantized by gguf's own code (gguf.quants.dequantize).
+with the weight dequantized by gguf's own code (gguf.quants.dequantize; where gguf is not
+installed, as on the GPU image, by the planes' torch dequantize, which the fast tier holds
+equal to gguf's).
 
 Runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1, marked triton_interp: not in
-the fast tier) and on CUDA (marked gpu). Random valid blocks: random quant bits and packed
-scales, finite fp16 d / dmin / m. Odd N (a partial row tile), K of a few blocks, M in {1, 3, 17}.
+the fast tier) and on CUDA (marked gpu); a slow-tier test compiles the kernels for sm_90
+without a GPU. Random valid blocks: random quant bits and packed scales, finite fp16
+d / dmin / m. Odd N (a partial row tile), K of a few blocks, M in {1, 3, 17}.
 
 Tolerances, as a fraction of the largest |reference| output:
 - GEMV: products and sums in float32 from the exact dequantized weight: 1e-5 for float32
