@@ -1,0 +1,341 @@
+"""Weight-only GGUF block-quantized linear layers in Triton: y[M, N] = x[M, K] @ W[N, K]^T.
+
+W is a `QuantWeight` (tallow/ops/triton_quant_layout.py: the GGUF blocks split into planes).
+Both kernels walk K one quant block at a time and, inside a block, one *piece* at a time: a run
+of PW consecutive columns whose quant bits are one contiguous byte run of every row and whose
+scale (and min) is one value per row, so a piece dequantizes as `q * scale[:, None] (+ min)`
+with only 2-D tiles and [BLOCK_N] vector loads of the scales. Bytes map to columns as in GGUF:
+
+- Q8_0: one piece of 32 (the block).
+- Q4_0/Q4_1/Q5_0/Q5_1: the block's 16 bytes twice: low nibbles are columns 0..15, high
+  nibbles 16..31 (Q5: fifth bit j of the block's 32-bit qh).
+- Q4_K/Q5_K: 8 pieces of 32, one per sub-block: sub-block 2g + s is nibble s of bytes
+  32g..32g+31 (Q5_K: bit 2g + s of the block's 32 qh bytes); scale d * sc, min dmin * mn.
+- Q6_K: 8 pieces of 32 (two 16-element sub-blocks each, the scale picked per column): column
+  128h + 64s + 32v + i is nibble s of ql byte 64h + 32v + i with bits 2(2s + v) of qh byte
+  32h + i as its high pair, minus 32.
+
+`quant_gemv` (decode: M up to 16): each program owns BLOCK_N rows and reads each of their
+blocks once for all M rows, float32 products accumulated per column slot and reduced once at
+the end; when there are too few row tiles to fill the GPU, K is split over programs and the
+float32 partials summed after. `quant_gemm` (prefill): tiles of BLOCK_M x BLOCK_N, each piece
+dequantized in registers, cast to bfloat16 and multiplied by the activation piece with tl.dot
+(tensor cores), float32 accumulation, one piece per K step (so the software pipeline buffers
+one activation tile per stage), K split the same way when the tiles are few.
+`TritonQuantLinear` holds the planes and picks one by M.
+
+Checked on the CPU only so far (interpreter; sm_90 compiles: 16-byte weight loads in the GEMV,
+wgmma in the GEMM); the defaults are reasoned, not tuned: benchmarks/gpu_quant_linear.py
+--sweep times the alternatives on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tallow.ops.triton_quant_layout import QuantWeight, repack
+
+# format -> (KIND, QH, ASYM, OFFSET, piece width PW, pieces per block); KIND 0: Q8_0, 1: the
+# 32-element nibble formats, 2: Q4_K/Q5_K, 3: Q6_K. QH: a fifth bit plane; ASYM: a min plane
+# (q * d + m); OFFSET: subtracted from the unsigned quant of the symmetric 32-element formats.
+_FORMAT_ARGS = {
+    "Q8_0": (0, False, False, 0, 32, 1),
+    "Q4_0": (1, False, False, 8, 16, 2), "Q4_1": (1, False, True, 0, 16, 2),
+    "Q5_0": (1, True, False, 16, 16, 2), "Q5_1": (1, True, True, 0, 16, 2),
+    "Q4_K": (2, False, True, 0, 32, 8), "Q5_K": (2, True, True, 0, 32, 8),
+    "Q6_K": (3, True, False, 32, 32, 8),
+}
+
+
+def _format_constexprs(fmt: str) -> dict:
+    kind, qh, asym, offset, pw, pieces = _FORMAT_ARGS[fmt]
+    return dict(KIND=kind, QH=qh, ASYM=asym, OFFSET=offset, PW=pw, PIECES=pieces)
+
+
+@triton.jit
+def _rows(rows, NB, BYTES: tl.constexpr):
+    """The byte offsets [BLOCK_N, 1] of row starts in a plane of BYTES per block, marked as
+    multiples of 16 so that a row's piece loads as 16-byte vectors."""
+    return tl.multiple_of(rows * (NB * BYTES), 16)[:, None]
+
+
+@triton.jit
+def _piece(KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
+           PW: tl.constexpr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows, rmask, NB, b, P):
+    """Piece P of block b of BLOCK_N rows (int64 row ids, mask) -> (weights [BLOCK_N, PW] float32,
+    the piece's first column). Masked rows read as zero. P may be a constant (the GEMV unrolls
+    a block's pieces) or a runtime value (the GEMM's K loop steps one piece at a time)."""
+    j = tl.arange(0, PW)
+    m2 = rmask[:, None]
+    d = tl.load(d_ptr + rows * NB + b, mask=rmask, other=0.0).to(tl.float32)
+    if KIND == 0:  # Q8_0
+        q = tl.load(qs_ptr + _rows(rows, NB, 32) + b * 32 + j[None, :], mask=m2, other=0).to(tl.float32)
+        w = q * d[:, None]
+        c0 = b * 32
+    elif KIND == 1:  # Q4_0, Q4_1, Q5_0, Q5_1
+        byte = tl.load(qs_ptr + _rows(rows, NB, 16) + b * 16 + j[None, :], mask=m2, other=0).to(tl.int32)
+        q = (byte >> (4 * P)) & 0xF
+        if QH:
+            qh = tl.load(qh_ptr + rows * NB + b, mask=rmask, other=0)
+            q = q | (((qh[:, None] >> (j[None, :] + 16 * P)) & 1) << 4)
+        if ASYM:
+            mins = tl.load(m_ptr + rows * NB + b, mask=rmask, other=0.0).to(tl.float32)
+            w = q.to(tl.float32) * d[:, None] + mins[:, None]
+        else:
+            w = (q - OFFSET).to(tl.float32) * d[:, None]
+        c0 = b * 32 + 16 * P
+    elif KIND == 2:  # Q4_K, Q5_K
+        byte = tl.load(qs_ptr + _rows(rows, NB, 128) + b * 128 + 32 * (P // 2) + j[None, :],
+                       mask=m2, other=0).to(tl.int32)
+        q = (byte >> (4 * (P % 2))) & 0xF
+        if QH:  # Q5_K
+            qh = tl.load(qh_ptr + _rows(rows, NB, 32) + b * 32 + j[None, :], mask=m2, other=0).to(tl.int32)
+            q = q | (((qh >> P) & 1) << 4)
+        dmin = tl.load(m_ptr + rows * NB + b, mask=rmask, other=0.0).to(tl.float32)
+        sc = tl.load(sc_ptr + rows * (NB * 8) + b * 8 + P, mask=rmask, other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + rows * (NB * 8) + b * 8 + P, mask=rmask, other=0).to(tl.float32)
+        w = q.to(tl.float32) * (d * sc)[:, None] - (dmin * mn)[:, None]
+        c0 = b * 256 + 32 * P
+    else:  # Q6_K: P = 4h + 2s + v
+        h = P // 4
+        s = (P // 2) % 2
+        v = P % 2
+        byte = tl.load(qs_ptr + _rows(rows, NB, 128) + b * 128 + (64 * h + 32 * v) + j[None, :],
+                       mask=m2, other=0).to(tl.int32)
+        lo = (byte >> (4 * s)) & 0xF
+        qh = tl.load(qh_ptr + _rows(rows, NB, 64) + b * 64 + 32 * h + j[None, :], mask=m2, other=0).to(tl.int32)
+        q = (lo | (((qh >> (2 * (2 * s + v))) & 3) << 4)) - OFFSET
+        sc0 = tl.load(sc_ptr + rows * (NB * 16) + b * 16 + 2 * P, mask=rmask, other=0).to(tl.float32)
+        sc1 = tl.load(sc_ptr + rows * (NB * 16) + b * 16 + 2 * P + 1, mask=rmask, other=0).to(tl.float32)
+        scale = tl.where(j[None, :] < 16, sc0[:, None], sc1[:, None]) * d[:, None]
+        w = q.to(tl.float32) * scale
+        c0 = b * 256 + 32 * P
+    return w, c0
+
+
+@triton.jit
+def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                       M, N, NB, stride_xm, stride_ym, blocks_per_split,
+                       KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
+                       PW: tl.constexpr, PIECES: tl.constexpr, BPS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    ms = tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    j = tl.arange(0, PW)
+    # One row: a 2-D accumulator, so the weight loads keep their coalesced, vectorized layout.
+    # More rows: a 3-D one [M, N, PW], whose layout gives every thread a single column (byte
+    # loads of the weights and a shared-memory conversion per piece in the sm_90 PTX); M
+    # multiply-adds per weight on CUDA cores besides. The benchmark times quant_gemm with one
+    # 16-row tile (tensor cores) against it at M = 8.
+    if BLOCK_M == 1:
+        acc1 = tl.zeros([BLOCK_N, PW], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, PW], dtype=tl.float32)
+    b_start = pid_k * blocks_per_split
+    b_end = tl.minimum(b_start + blocks_per_split, NB)
+    for b0 in range(b_start, b_end, BPS):
+        for u in tl.static_range(BPS):
+            for p in tl.static_range(PIECES):
+                w, c0 = _piece(KIND, QH, ASYM, OFFSET, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                               rows64, rmask, NB, b0 + u, p)
+                if BLOCK_M == 1:
+                    x1 = tl.load(x_ptr + c0 + j).to(tl.float32)
+                    acc1 += w * x1[None, :]
+                else:
+                    x = tl.load(x_ptr + ms[:, None] * stride_xm + (c0 + j)[None, :], mask=mmask[:, None],
+                                other=0.0).to(tl.float32)
+                    acc += x[:, None, :] * w[None, :, :]
+    if BLOCK_M == 1:
+        y = tl.sum(acc1, axis=1)[None, :]
+    else:
+        y = tl.sum(acc, axis=2)
+    out_mask = mmask[:, None] & rmask[None, :]
+    if SPLIT:
+        tl.store(y_ptr + pid_k * M * N + ms[:, None] * N + rows[None, :], y, mask=out_mask)
+    else:
+        tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _quant_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                       M, N, NB, stride_xm, stride_ym, blocks_per_split,
+                       KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
+                       PW: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLIT: tl.constexpr):
+    # Programs that share a weight tile are launched together (M tiles vary fastest), so the
+    # tile is read from DRAM once and from L2 by the others. Axis 1 splits K (SPLIT: float32
+    # partials [split, M, N], summed by _sum_splits_kernel).
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
+    j = tl.arange(0, PW)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # One piece per step (not a block's pieces unrolled): the pipeliner then buffers one
+    # [BLOCK_M, PW] activation tile per stage, not eight.
+    t_start = pid_k * blocks_per_split * PIECES
+    t_end = tl.minimum(pid_k * blocks_per_split + blocks_per_split, NB) * PIECES
+    for t in range(t_start, t_end):
+        w, c0 = _piece(KIND, QH, ASYM, OFFSET, PW, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rows64, rmask, NB,
+                       t // PIECES, t % PIECES)
+        x = tl.load(x_rows + (c0 + j)[None, :], mask=mmask[:, None], other=0.0).to(tl.bfloat16)
+        acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
+    out_mask = mmask[:, None] & rmask[None, :]
+    if SPLIT:
+        tl.store(y_ptr + (pid_k * M + ms.to(tl.int64))[:, None] * N + rows[None, :], acc, mask=out_mask)
+    else:
+        y_ptrs = y_ptr + ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y[i] = sum over s of part[s, i] (float32, in split order), cast to y's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _planes(w: QuantWeight) -> list[torch.Tensor]:
+    """The six plane arguments; absent planes are passed as qs (never read)."""
+    return [p if p is not None else w.qs for p in (w.qs, w.qh, w.d, w.m, w.sc, w.mn)]
+
+
+def _check(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != w.K:
+        raise ValueError(f"x must be [M, {w.K}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"unsupported activation dtype {x.dtype}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _split_plan(NB: int, bps: int, n_tiles: int, split_k: int | None, device: torch.device) -> tuple[int, int]:
+    """(number of K splits, blocks per split, a multiple of bps). By default (split_k None) K is
+    split until there are about two programs per SM on CUDA; not at all elsewhere."""
+    steps = NB // bps
+    if split_k is None:
+        split_k = 1
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            split_k = triton.cdiv(2 * sms, n_tiles)
+    split = max(1, min(split_k, steps))
+    blocks_per_split = triton.cdiv(steps, split) * bps
+    return triton.cdiv(NB, blocks_per_split), blocks_per_split
+
+
+def _output(split: int, M: int, N: int, x: torch.Tensor) -> torch.Tensor:
+    if split > 1:
+        return torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    return torch.empty(M, N, dtype=x.dtype, device=x.device)
+
+
+def _sum_splits(y: torch.Tensor, split: int, x: torch.Tensor) -> torch.Tensor:
+    if split == 1:
+        return y
+    M, N = y.shape[1:]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](y, out, M * N, SPLIT=split, BLOCK=1024)
+    return out
+
+
+def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, split_k: int | None = None,
+               num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+    """x[M, K] @ W^T for small M (<= 16): each weight block is read once for all rows.
+    Output [M, N] in x's dtype; products and sums in float32. The defaults: one row, tiles of
+    32 rows on 2 warps (a thread loads 16 contiguous bytes of a row); more rows, 16 on 4."""
+    x = _check(x, w)
+    M, N, NB = x.shape[0], w.N, w.blocks_per_row
+    if M > 16:
+        raise ValueError(f"quant_gemv takes up to 16 rows, got {M}")
+    if block_n is None:
+        block_n = 32 if M == 1 else 16
+    if num_warps is None:
+        num_warps = 2 if M == 1 else 4
+    pieces = _FORMAT_ARGS[w.fmt][5]
+    bps = next(n for n in (4, 2, 1) if NB % n == 0) if pieces < 8 else 1
+    n_tiles = triton.cdiv(N, block_n)
+    split, blocks_per_split = _split_plan(NB, bps, n_tiles, split_k, x.device)
+    block_m = max(1, triton.next_power_of_2(M))
+    y = _output(split, M, N, x)
+    _quant_gemv_kernel[(n_tiles, split)](
+        x, y, *_planes(w), M, N, NB, x.stride(0), N, blocks_per_split,
+        **_format_constexprs(w.fmt), BPS=bps, BLOCK_M=block_m, BLOCK_N=block_n,
+        SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages)
+    return _sum_splits(y, split, x)
+
+
+def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, block_n: int = 64,
+               split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x[M, K] @ W^T for any M: bfloat16 tensor-core products of the activation and the weight
+    dequantized in registers, float32 accumulation. Output [M, N] in x's dtype. K is split
+    (float32 partials summed after) when the tiles are too few to fill the GPU."""
+    x = _check(x, w)
+    M, N = x.shape[0], w.N
+    if block_m is None:
+        block_m = 128 if M >= 128 else max(16, triton.next_power_of_2(M))
+    n_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split, blocks_per_split = _split_plan(w.blocks_per_row, 1, n_tiles, split_k, x.device)
+    y = _output(split, M, N, x)
+    _quant_gemm_kernel[(n_tiles, split)](
+        x, y, *_planes(w), M, N, w.blocks_per_row, x.stride(0), N, blocks_per_split,
+        **_format_constexprs(w.fmt), BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split > 1,
+        num_warps=num_warps, num_stages=num_stages)
+    return _sum_splits(y, split, x)
+
+
+class TritonQuantLinear(torch.nn.Module):
+    """A bias-free Linear whose weight [N, K] is GGUF blocks in planes: `quant_gemv` up to
+    `gemv_max_rows` rows, `quant_gemm` above."""
+
+    def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8):
+        super().__init__()
+        self.weight = weight
+        self.gemv_max_rows = gemv_max_rows
+
+    @classmethod
+    def from_gguf_bytes(cls, raw: torch.Tensor, fmt: str, in_features: int, device=None, **kwargs):
+        """raw: the tensor's block bytes as gguf.GGUFReader gives them ([N, row_bytes] uint8)."""
+        raw = torch.as_tensor(raw)
+        if device is not None:
+            raw = raw.to(device)
+        return cls(repack(raw, fmt, in_features), **kwargs)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.K
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.N
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] <= self.gemv_max_rows:
+            y = quant_gemv(x2, self.weight)
+        else:
+            y = quant_gemm(x2, self.weight)
+        return y.reshape(*shape[:-1], self.weight.N)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+__all__ = ["TritonQuantLinear", "quant_gemm", "quant_gemv"]

@@ -1,0 +1,230 @@
+"""tallow.ops.triton_quant (GGUF block-quantized GEMV / GEMM in Triton) against float64 matmuls
+with the weight dequantized by gguf's own code (gguf.quants.dequantize; where gguf is not
+installed, as on the GPU image, by the planes' torch dequantize, which the fast tier holds
+equal to gguf's).
+
+Runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1, marked triton_interp: not in
+the fast tier) and on CUDA (marked gpu); a slow-tier test compiles the kernels for sm_90
+without a GPU. Random valid blocks: random quant bits and packed scales, finite fp16
+d / dmin / m. Odd N (a partial row tile), K of a few blocks, M in {1, 3, 17}.
+
+Tolerances, as a fraction of the largest |reference| output:
+- GEMV: products and sums in float32 from the exact dequantized weight: 1e-5 for float32
+  activations; bfloat16 / float16 activations only add the output's rounding (2^-8, 2^-11).
+- GEMM: the activation and the dequantized weight rounded to bfloat16 (2^-9 each), float32
+  accumulation: 1e-2.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from triton_test_devices import CUDA, INTERPRET, INTERPRETER
+
+try:
+    import gguf
+except ImportError:  # e.g. a GPU machine without it: the kernel tests fall back (see _case)
+    gguf = None
+
+# The interpreter runs are the triton_interp tier (slow: not in the fast tier); CUDA runs are gpu.
+INTERP = pytest.param(*INTERPRETER.values, marks=[*INTERPRETER.marks, pytest.mark.triton_interp])
+
+GEMV_TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+GEMM_TOL = 1e-2
+
+
+def _dot_bfloat16_as_float32() -> None:
+    """Triton 3.6's interpreter keeps bfloat16 as raw uint16 bits and tl.dot multiplies those
+    bits as integers; convert bfloat16 operands to float32 first (what the MMA computes)."""
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+    if getattr(create_dot, "tallow_bf16", False):
+        return
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            data = interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return h
+
+    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    patched.tallow_bf16 = True
+    interpreter.InterpreterBuilder.create_dot = patched
+
+
+if INTERPRET:
+    _dot_bfloat16_as_float32()
+
+# Small shapes (the interpreter runs every tile op in numpy): K of 2 blocks for the K-quants,
+# 3 for the 32-element formats; N = 37 leaves a partial tile of rows.
+FORMATS = ["Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+N = 37
+
+
+def _dequantized(raw: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The reference weight in float64: gguf's own dequantize; where gguf is not installed,
+    the torch dequantize of the planes (test_layout_dequantizes_like_gguf holds it equal)."""
+    from tallow.ops.triton_quant_layout import BLOCK_SIZES, dequantize, repack
+
+    if gguf is not None:
+        return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[fmt])).double()
+    K = raw.shape[1] // BLOCK_SIZES[fmt][1] * BLOCK_SIZES[fmt][0]
+    return dequantize(repack(raw, fmt, K)).double()
+
+
+def _case(fmt: str, device: str, seed: int = 0):
+    from tallow.ops.triton_quant_layout import BLOCK_SIZES, random_blocks, repack
+
+    elems = BLOCK_SIZES[fmt][0]
+    K = 2 * elems if elems == 256 else 3 * elems
+    g = torch.Generator().manual_seed(seed)
+    raw = random_blocks(fmt, N, K, generator=g)
+    reference = _dequantized(raw, fmt)
+    assert reference.shape == (N, K) and torch.isfinite(reference).all()
+    return repack(raw.to(device), fmt, K), reference, g
+
+
+def _check(y, x, reference, tol):
+    want = x.double().cpu() @ reference.T
+    assert y.shape == want.shape and y.dtype == x.dtype
+    err = (y.double().cpu() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= tol * scale, (err, scale)
+
+
+@pytest.mark.parametrize("where", ["cpu", CUDA])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_layout_dequantizes_like_gguf(where, fmt):
+    """The planes hold exactly the file's values (the torch dequantize of the planes equals
+    gguf's), and take about the file's bytes. Plain torch: in the fast tier."""
+    from tallow.ops.triton_quant_layout import dequantize
+
+    if gguf is None:
+        pytest.skip("needs gguf")
+    w, reference, _ = _case(fmt, where)
+    assert torch.equal(dequantize(w).double().cpu(), reference)
+    file_bytes = w.blocks_per_row * N * {"Q4_K": 144, "Q5_K": 176}.get(fmt, 0)
+    if file_bytes:
+        assert w.nbytes() <= file_bytes * 1.03
+
+
+@pytest.mark.parametrize("where", [INTERP, CUDA])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_gemv_matches_float64(where, fmt):
+    from tallow.ops.triton_quant import quant_gemv
+
+    w, reference, g = _case(fmt, where)
+    # (Each case is a compile on CUDA: few of them. The interpreter has no bf16/fp16 rounding.)
+    cases = [(1, torch.float32), (3, torch.float32)]
+    if where == "cuda":
+        cases += [(1, torch.bfloat16), (3, torch.bfloat16), (3, torch.float16)]
+    for M, dtype in cases:
+        x = torch.randn(M, w.K, generator=g).to(where, dtype)
+        _check(quant_gemv(x, w), x, reference, GEMV_TOL[dtype])
+    # K split over programs (float32 partials summed after, a ragged last split for the
+    # 32-element formats), other tile sizes, and a strided activation view.
+    x = torch.randn(3, 2 * w.K, generator=g).to(where)[:, ::2]
+    _check(quant_gemv(x[:1], w, split_k=2, block_n=8), x[:1], reference, GEMV_TOL[torch.float32])
+    _check(quant_gemv(x, w, split_k=3, block_n=64), x, reference, GEMV_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("where", [INTERP, CUDA])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_gemm_matches_float64(where, fmt):
+    from tallow.ops.triton_quant import quant_gemm
+
+    w, reference, g = _case(fmt, where)
+    for M in (1, 17):
+        x = torch.randn(M, w.K, generator=g).to(where)
+        _check(quant_gemm(x, w, block_m=16, block_n=32), x, reference, GEMM_TOL)
+    # K split over programs (a ragged last split for the 32-element formats)
+    _check(quant_gemm(x, w, block_m=16, block_n=32, split_k=2), x, reference, GEMM_TOL)
+    if where == "cuda":  # the default tiles, and 16-bit activations
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.randn(17, w.K, generator=g).to(where, dtype)
+            _check(quant_gemm(x, w), x, reference, GEMM_TOL)
+
+
+@pytest.mark.parametrize("where", [INTERP, CUDA])
+def test_triton_quant_linear_dispatches_by_rows(where):
+    """Up to gemv_max_rows rows take the float32 GEMV (tight tolerance), more the bf16 GEMM; the
+    layer takes the GGUF bytes directly and keeps leading dimensions."""
+    from tallow.ops.triton_quant import TritonQuantLinear
+    from tallow.ops.triton_quant_layout import random_blocks
+
+    K = 256
+    g = torch.Generator().manual_seed(3)
+    raw = random_blocks("Q4_K", N, K, generator=g)
+    reference = _dequantized(raw, "Q4_K")
+    layer = TritonQuantLinear.from_gguf_bytes(raw.numpy(), "Q4_K", K, device=where, gemv_max_rows=4)
+    assert (layer.in_features, layer.out_features) == (K, N)
+    x = torch.randn(1, 3, K, generator=g).to(where)
+    y = layer(x)
+    assert y.shape == (1, 3, N)
+    _check(y.reshape(3, N), x.reshape(3, K), reference, GEMV_TOL[torch.float32])
+    x = torch.randn(17, K, generator=g).to(where)
+    y = layer(x)
+    _check(y, x, reference, GEMM_TOL)
+    want = x.double().cpu() @ reference.T
+    # The bf16 path is measurably less exact than the float32 one: proof it was taken.
+    assert (y.double().cpu() - want).abs().max().item() > 1e-5 * want.abs().max().item()
+
+
+def test_repack_rejects_wrong_shapes():
+    from tallow.ops.triton_quant_layout import repack
+
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        repack(torch.zeros(2, 144, dtype=torch.uint8), "Q4_K", 128)
+    with pytest.raises(ValueError, match="bytes"):
+        repack(torch.zeros(2, 140, dtype=torch.uint8), "Q4_K", 256)
+    with pytest.raises(ValueError, match="unsupported"):
+        repack(torch.zeros(2, 144, dtype=torch.uint8), "IQ4_XS", 256)
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_compile_for_hopper(fmt):
+    """Without a GPU: both kernels compile for sm_90 through Triton's own ptxas, the one-row GEMV
+    reads weights with 16-byte loads, the GEMM runs on wgmma, and the shared memory of the
+    default GEMM tiles fits an H100/H200 (227 KB; unrolling a block's pieces once took 254)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tallow.ops import triton_quant as tq
+
+    if INTERPRET:
+        pytest.skip("compiles real kernels: run without TRITON_INTERPRET")
+    types = {"x_ptr": "*bf16", "y_ptr": "*bf16", "qs_ptr": "*u8", "qh_ptr": "*u8", "d_ptr": "*fp16",
+             "m_ptr": "*fp16", "sc_ptr": "*u8", "mn_ptr": "*u8"}
+    types["qs_ptr"] = "*i8" if fmt == "Q8_0" else "*u8"
+    types["qh_ptr"] = "*i32" if fmt in ("Q5_0", "Q5_1") else "*u8"
+    types["sc_ptr"] = "*i8" if fmt == "Q6_K" else "*u8"
+
+    def compile_(kernel, consts, num_warps, num_stages):
+        consts = {**tq._format_constexprs(fmt), **consts}
+        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+        # What the launcher specializes on: 16-byte aligned tensors, sizes divisible by 16.
+        aligned = [n for n in kernel.arg_names if n.endswith("_ptr") or n in ("NB", "stride_xm", "stride_ym")]
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        try:
+            return triton.compile(ASTSource(kernel, signature, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        except RuntimeError as e:  # no ptxas for this platform
+            if "ptxas" in str(e).lower():
+                pytest.skip(f"no ptxas: {e}")
+            raise
+
+    bps = 1 if tq._FORMAT_ARGS[fmt][5] == 8 else 4
+    gemv = compile_(tq._quant_gemv_kernel, dict(BPS=bps, BLOCK_M=1, BLOCK_N=32, SPLIT=False), 2, 2)
+    assert "ld.global.v4.b32" in gemv.asm["ptx"]
+    gemm = compile_(tq._quant_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=64, SPLIT=False), 4, 3)
+    assert "wgmma.mma_async" in gemm.asm["ptx"]
+    assert gemm.metadata.shared <= 227 * 1024
