@@ -206,18 +206,19 @@ def select(wanted: str | None) -> ctypes.CDLL | None:
         return _lib
     variants = supported_variants()
     wanted = wanted or (variants[0] if variants else None)
-    try:
-        if wanted is None:
-            raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS['avx2'][1])}")
-        if wanted == "none":
-            raise RuntimeError("TALLOW_CPU_KERNELS=none")
-        _lib = load(wanted)
-    except OpenMPRuntimeConflict:
-        raise
-    except subprocess.CalledProcessError as e:
-        _error = f"build failed: {e.stderr.strip()[:2000]}"
-    except Exception as e:  # no build and no compiler, unsupported CPU, load error: torch's kernels serve
-        _error = f"{type(e).__name__}: {e}"
+    if wanted == "none":
+        _error = "TALLOW_CPU_KERNELS=none"
+    else:
+        try:
+            if wanted is None:
+                raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS['avx2'][1])}")
+            _lib = load(wanted)
+        except OpenMPRuntimeConflict:
+            raise
+        except subprocess.CalledProcessError as e:
+            _error = f"build failed: {e.stderr.strip()[:2000]}"
+        except Exception as e:  # no build and no compiler, unsupported CPU, load error: torch's kernels serve
+            _error = f"{type(e).__name__}: {e}"
     if _error:
         log.warning("tallow CPU kernels unavailable (%s): the slow torch path is in use", _error)
     _tried = True
