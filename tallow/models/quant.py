@@ -190,19 +190,28 @@ class _NativeBlockLinear(nn.Module):
     _kernel = ""  # the C function's name
     _weight_buffers: tuple[str, ...] = ()  # buffers passed to it, in order (None entries: NULL)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor | tuple[int, int], bias: torch.Tensor | None):
+        """weight: the float weight, or only its shape (out, in) where a subclass packs codes
+        it was given (from_codes)."""
         super().__init__()
         lib = cpu_native.lib()
         if lib is None:
             raise RuntimeError(f"tallow's CPU kernels are unavailable: {cpu_native.unavailable_reason()}")
         self._fn = getattr(lib, self._kernel)
-        self.tile = cpu_native.tile_channels(lib)  # the kernels' weight layout
-        self.out_features, self.in_features = weight.shape
-        if not native_fits(weight):
-            raise ValueError(f"{type(self).__name__} needs in_features divisible by {GROUP_SIZE} and "
-                             f"out_features by {NATIVE_OUT_MULTIPLE}, got {tuple(weight.shape)}")
+        self.tile = self._tile_channels(lib)  # the kernels' weight layout
+        self.out_features, self.in_features = shape = tuple(weight if isinstance(weight, tuple) else weight.shape)
+        self._check_shape(shape)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._ptrs: tuple[int | None, ...] = ()
+
+    @staticmethod
+    def _tile_channels(lib) -> int:
+        return cpu_native.tile_channels(lib)
+
+    def _check_shape(self, shape: tuple[int, int]) -> None:
+        if not native_fits(torch.empty(shape, device="meta")):
+            raise ValueError(f"{type(self).__name__} needs in_features divisible by {GROUP_SIZE} and "
+                             f"out_features by {NATIVE_OUT_MULTIPLE}, got {shape}")
 
     def _set_pointers(self) -> None:
         tensors = [getattr(self, name) for name in self._weight_buffers] + [self.bias]
@@ -316,6 +325,19 @@ class Q4Linear(_NativeBlockLinear):
             w = weight[rows].detach().float()
             d[rows], m[rows] = (_half(t, "Q4Linear") for t in q4_scales(w))
             q[rows] = q4_codes(w, d[rows].float(), m[rows].float())
+        self._pack(q, d, m)
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> "Q4Linear":
+        """The layer of w = d * q + m as given: codes q [out, in] (uint8, 0..15), d and m
+        float16 [out, in / 32] (a GGUF Q4_1 tensor's own values; Q4_0's are m = -8 d)."""
+        layer = cls.__new__(cls)
+        _NativeBlockLinear.__init__(layer, tuple(q.shape), bias)
+        layer._pack(q, d, m)
+        return layer
+
+    def _pack(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         self.register_buffer("qweight", _tile_q4(q, self.tile))
         self.register_buffer("d", _tile_scales(d, self.tile))
         self.register_buffer("m", _tile_scales(m, self.tile))
@@ -346,7 +368,19 @@ class Q8Linear(_NativeBlockLinear):
             inv = torch.where(scale > 0, 1 / scale, 0.0)
             qweight[rows] = (groups * inv[..., None]).round_().clamp_(-127, 127).reshape(-1, k).to(torch.int8)
             d[rows] = scale
-        self.register_buffer("qweight", _tile_q8(qweight, self.tile))
+        self._pack(qweight, d)
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> "Q8Linear":
+        """The layer of w = d * q as given: q [out, in] int8, d float16 [out, in / 32] (a GGUF
+        Q8_0 tensor's own values)."""
+        layer = cls.__new__(cls)
+        _NativeBlockLinear.__init__(layer, tuple(q.shape), bias)
+        layer._pack(q, d)
+        return layer
+
+    def _pack(self, q: torch.Tensor, d: torch.Tensor) -> None:
+        self.register_buffer("qweight", _tile_q8(q, self.tile))
         self.register_buffer("d", _tile_scales(d, self.tile))
         self.m = None
         self._set_pointers()

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
 SOURCE = os.path.join(_DIR, "kernels.c")
-HEADERS = [os.path.join(_DIR, name) for name in ("linear_avx2.h", "linear_avx512.h", "attention_avx512.h")]
+HEADERS = [os.path.join(_DIR, name) for name in ("linear_avx2.h", "linear_avx512.h", "linear_gguf.h", "attention_avx512.h")]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # instruction set -> (compiler flags, the /proc/cpuinfo flags it needs), best first
 VARIANTS = {
@@ -38,7 +38,7 @@ VARIANTS = {
     "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
 }
 ENV_VARIANT = "TALLOW_CPU_KERNELS"
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None  # the variant lib() hands out
@@ -58,6 +58,8 @@ _SIGNATURES = {
     "tl_paged_attention": ([_p, _l, _p, _l, _p, _p, _p, _p, _p, _l, _i, _i, _i, _i, _i, _f, _i, _i], _i),
     "tl_llama_layer": ([_p, _p, _p, _p, _p, _p, _i, _i], _i),
     "tl_tile_channels": ([], _i),
+    "tl_gguf_linear": ([_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _i], _i),
+    "tl_gguf_tile_channels": ([], _i),
 }
 
 

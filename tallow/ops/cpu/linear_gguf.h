@@ -1,0 +1,229 @@
+// Linear layers over GGUF's 5- and 6-bit and K-quant block formats (included by kernels.c after
+// the Q4/Q8 kernels, in both builds): Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. (Q4_0, Q4_1 and Q8_0 run on
+// the Q4/Q8 kernels: Q4_0 is Q4_1 with m = -8 d.)
+//
+// The file's integer codes and scales are kept; only their order changes (tallow/models/
+// gguf_linear.py repacks at load). Weights are in tiles of GT = 16 output channels in both
+// builds (the last tile padded with zero channels); for tile t and sub-block b of 32 inputs:
+//   nib  256 bytes: the codes' low 4 bits, linear_avx512.h's Q4 order: 8 groups of 32 bytes,
+//        group g's byte 2c + e = q(c, 4g + e) & 15 | (q(c, 4g + 2 + e) & 15) << 4;
+//   then `planes` (0, 1 or 2) bit planes of 16 uint32 each: plane p's word j holds bit 4 + p of
+//        q(c, 2j + e) at bit 2c + e.
+// So a block is 256, 320 or 384 bytes for 512 weights: 4, 5 or 6 bits per weight, as in the file.
+// Widened to int16, pair vector j (j = 0..15) holds (q(c, 2j), q(c, 2j + 1)) - zero in the
+// 32-bit lane of channel c, zero = 16 (Q5_0), 32 (Q6_K) or 0.
+//
+// Scales, float16 unless said otherwise, channels side by side:
+//   Q5_0: d [tiles][nb][GT]                    w = d * (q - 16)
+//   Q5_1: d, m [tiles][nb][GT]                 w = d * q + m
+//   Q4_K, Q5_K: d, dmin [tiles][nb/8][GT]; sc, mn uint8 [tiles][nb][GT] (the 6-bit scales and
+//         mins unpacked)                       w = (d * sc) * q - dmin * mn
+//   Q6_K: d [tiles][nb/8][GT]; sc int8 [tiles][nb][2][GT] (one per 16 inputs)
+//                                              w = (d * sc) * (q - 32)
+// The integer dot product of a sub-block (Q6_K: of each half of 16) with the int16 activations
+// (quantize_rows, natural order) is exact in int32 (|sum| < 2^26). Per output channel the
+// float math then runs in this fixed order, block by block:
+//   acc = fma(float(isum), dw * dx, acc)     dw = d (Q5_x) or d * sc (K: exact in float)
+//   acc = fma(float(isum1), dw1 * dx, acc)   Q6_K's second half
+//   acc = fma(mw, sx, acc)                   mw = m or -(dmin * mn); sx = dx * sum(q_x)
+// whatever the rows around it and the threads (threads split the tiles), so a row's result does
+// not depend on the batch, and both builds compute the same floats (lanes are channels in both).
+
+#define GT 16
+#define GCHUNK 64
+
+enum { TL_Q5_0 = 0, TL_Q5_1 = 1, TL_Q4_K = 2, TL_Q5_K = 3, TL_Q6_K = 4 };
+
+static inline int gguf_planes(int fmt) { return fmt == TL_Q6_K ? 2 : fmt == TL_Q4_K ? 0 : 1; }
+static inline int gguf_zero(int fmt) { return fmt == TL_Q5_0 ? 16 : fmt == TL_Q6_K ? 32 : 0; }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+
+typedef struct {
+    __m512i w[16];
+} gblock;
+
+static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk, int planes, int zero, gblock *W) {
+    const __m512i lo = _mm512_set1_epi16(0x0F), z = _mm512_set1_epi16((short)zero);
+    for (int g = 0; g < 8; g++) {
+        const __m512i t = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * g)));
+        W->w[2 * g] = _mm512_and_si512(t, lo);
+        W->w[2 * g + 1] = _mm512_srli_epi16(t, 4);
+    }
+    const uint32_t *pl = (const uint32_t *)(blk + 256);
+    for (int p = 0; p < planes; p++) {
+        const __m512i bit = _mm512_set1_epi16((short)(16 << p));
+        for (int j = 0; j < 16; j++)
+            W->w[j] = _mm512_mask_add_epi16(W->w[j], _cvtu32_mask32(pl[16 * p + j]), W->w[j], bit);
+    }
+    if (zero)
+        for (int j = 0; j < 16; j++) W->w[j] = _mm512_sub_epi16(W->w[j], z);
+}
+
+// The block's integer dot products with one row's 32 activations, per channel: s0 over pairs
+// 0..7 and 8..15 together (halves 0) or s0 over 0..7 and s1 over 8..15 (halves 1).
+static inline __attribute__((always_inline)) void gguf_dots(const gblock *W, const int16_t *xb, int halves,
+                                                             int32_t *s0, int32_t *s1) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+        a0 = dpwssd_bcast(a0, W->w[j], xb + 2 * j);
+        a1 = dpwssd_bcast(a1, W->w[j + 1], xb + 2 * j + 2);
+        b0 = dpwssd_bcast(b0, W->w[j + 8], xb + 2 * j + 16);
+        b1 = dpwssd_bcast(b1, W->w[j + 9], xb + 2 * j + 18);
+    }
+    const __m512i a = _mm512_add_epi32(a0, a1), b = _mm512_add_epi32(b0, b1);
+    if (halves) {
+        _mm512_storeu_si512(s0, a);
+        _mm512_storeu_si512(s1, b);
+    } else {
+        _mm512_storeu_si512(s0, _mm512_add_epi32(a, b));
+    }
+}
+
+#else
+
+typedef struct {
+    __m256i w[2][16];  // channels 0..7, 8..15
+} gblock;
+
+static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk, int planes, int zero, gblock *W) {
+    const __m256i lo = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16((short)zero);
+    const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                           (short)0x8000);
+    for (int h = 0; h < 2; h++) {
+        for (int g = 0; g < 8; g++) {
+            const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * g + 16 * h)));
+            W->w[h][2 * g] = _mm256_and_si256(t, lo);
+            W->w[h][2 * g + 1] = _mm256_srli_epi16(t, 4);
+        }
+        const uint32_t *pl = (const uint32_t *)(blk + 256);
+        for (int p = 0; p < planes; p++) {
+            const __m256i bit = _mm256_set1_epi16((short)(16 << p));
+            for (int j = 0; j < 16; j++) {
+                const __m256i v = _mm256_set1_epi16((short)(pl[16 * p + j] >> (16 * h)));
+                const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(v, bits), bits);
+                W->w[h][j] = _mm256_add_epi16(W->w[h][j], _mm256_and_si256(set, bit));
+            }
+        }
+        if (zero)
+            for (int j = 0; j < 16; j++) W->w[h][j] = _mm256_sub_epi16(W->w[h][j], z);
+    }
+}
+
+static inline __attribute__((always_inline)) void gguf_dots(const gblock *W, const int16_t *xb, int halves,
+                                                             int32_t *s0, int32_t *s1) {
+    typedef int32_t __attribute__((may_alias)) pair;
+    for (int h = 0; h < 2; h++) {
+        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+        __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(W->w[h][j], _mm256_set1_epi32(*(const pair *)(xb + 2 * j))));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(W->w[h][j + 1], _mm256_set1_epi32(*(const pair *)(xb + 2 * j + 2))));
+            b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(W->w[h][j + 8], _mm256_set1_epi32(*(const pair *)(xb + 2 * j + 16))));
+            b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(W->w[h][j + 9], _mm256_set1_epi32(*(const pair *)(xb + 2 * j + 18))));
+        }
+        const __m256i a = _mm256_add_epi32(a0, a1), b = _mm256_add_epi32(b0, b1);
+        if (halves) {
+            _mm256_storeu_si256((__m256i *)(s0 + 8 * h), a);
+            _mm256_storeu_si256((__m256i *)(s1 + 8 * h), b);
+        } else {
+            _mm256_storeu_si256((__m256i *)(s0 + 8 * h), _mm256_add_epi32(a, b));
+        }
+    }
+}
+
+#endif
+
+// The GT channels' float scales of block b of a tile: dw0 (and Q6_K's dw1), mw (has_m formats).
+static inline void gguf_block_scales(int fmt, int b, const uint16_t *d, const uint16_t *m, const uint8_t *sc,
+                                     const uint8_t *mn, float *dw0, float *dw1, float *mw) {
+    if (fmt == TL_Q5_0 || fmt == TL_Q5_1) {
+        for (int c = 0; c < GT; c++) dw0[c] = _cvtsh_ss(d[GT * b + c]);
+        if (fmt == TL_Q5_1)
+            for (int c = 0; c < GT; c++) mw[c] = _cvtsh_ss(m[GT * b + c]);
+        return;
+    }
+    const int sb = b / 8;  // the super-block of 256
+    if (fmt == TL_Q6_K) {
+        const int8_t *s = (const int8_t *)sc + (size_t)2 * GT * b;
+        for (int c = 0; c < GT; c++) {
+            const float dd = _cvtsh_ss(d[GT * sb + c]);
+            dw0[c] = dd * (float)s[c];
+            dw1[c] = dd * (float)s[GT + c];
+        }
+        return;
+    }
+    for (int c = 0; c < GT; c++) {  // Q4_K, Q5_K
+        dw0[c] = _cvtsh_ss(d[GT * sb + c]) * (float)sc[GT * b + c];
+        mw[c] = -(_cvtsh_ss(m[GT * sb + c]) * (float)mn[GT * b + c]);
+    }
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias), W of format fmt in tiles (above); K % 32 == 0 (K formats:
+// K % 256 == 0), tiles = ceil(N / GT). Returns 0, or -1 out of memory.
+int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *wq, const uint16_t *wd,
+                   const uint16_t *wm, const uint8_t *wsc, const uint8_t *wmn, const float *bias, float *y,
+                   int nthreads) {
+    const int nb = K / QK, tiles = (N + GT - 1) / GT, chunk = M < GCHUNK ? M : GCHUNK;
+    const int planes = gguf_planes(fmt), zero = gguf_zero(fmt), halves = fmt == TL_Q6_K;
+    const int has_m = fmt != TL_Q5_0 && fmt != TL_Q6_K, kq = fmt >= TL_Q4_K;
+    const size_t block_bytes = 256 + (size_t)64 * planes, tile_bytes = (size_t)nb * block_bytes;
+    const size_t d_per_tile = (size_t)(kq ? nb / 8 : nb) * GT;  // d (and m/dmin) entries per tile
+    const size_t sc_per_tile = (size_t)nb * GT * (halves ? 2 : 1);
+    qrows r;
+    if (quantize_rows(x, M, K, nthreads, 0, &r)) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *acc = (float *)aligned_alloc(64, sizeof(float) * GT * (size_t)chunk);
+        if (!acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            if (!acc) continue;
+            const uint8_t *wt = wq + (size_t)t * tile_bytes;
+            const uint16_t *dt = wd + (size_t)t * d_per_tile, *mt = wm ? wm + (size_t)t * d_per_tile : NULL;
+            const uint8_t *sct = wsc ? wsc + (size_t)t * sc_per_tile : NULL;
+            const uint8_t *mnt = wmn ? wmn + (size_t)t * nb * GT : NULL;
+            const int cols = N - t * GT < GT ? N - t * GT : GT;
+            for (int m0 = 0; m0 < M; m0 += chunk) {
+                const int rows = M - m0 < chunk ? M - m0 : chunk;
+                memset(acc, 0, sizeof(float) * GT * (size_t)rows);
+                for (int b = 0; b < nb; b++) {
+                    const uint8_t *wb = wt + (size_t)b * block_bytes;
+                    for (size_t p = 0; p < block_bytes; p += 64)
+                        _mm_prefetch((const char *)(wb + 4 * block_bytes + p), _MM_HINT_T0);
+                    gblock W;
+                    gguf_unpack(wb, planes, zero, &W);
+                    float dw0[GT], dw1[GT], mw[GT];
+                    gguf_block_scales(fmt, b, dt, mt, sct, mnt, dw0, dw1, mw);
+                    for (int i = 0; i < rows; i++) {
+                        const size_t row = (size_t)(m0 + i);
+                        int32_t s0[GT], s1[GT];
+                        gguf_dots(&W, r.q + row * K + (size_t)b * QK, halves, s0, s1);
+                        const float dx = r.d[row * nb + b], sx = r.s[row * nb + b];
+                        float *a = acc + (size_t)i * GT;
+                        for (int c = 0; c < GT; c++) a[c] = fmaf((float)s0[c], dw0[c] * dx, a[c]);
+                        if (halves)
+                            for (int c = 0; c < GT; c++) a[c] = fmaf((float)s1[c], dw1[c] * dx, a[c]);
+                        if (has_m)
+                            for (int c = 0; c < GT; c++) a[c] = fmaf(mw[c], sx, a[c]);
+                    }
+                }
+                for (int i = 0; i < rows; i++) {
+                    float *yr = y + (size_t)(m0 + i) * N + (size_t)t * GT;
+                    const float *a = acc + (size_t)i * GT;
+                    for (int c = 0; c < cols; c++) yr[c] = bias ? a[c] + bias[(size_t)t * GT + c] : a[c];
+                }
+            }
+        }
+        free(acc);
+    }
+    free_rows(&r);
+    return failed ? -1 : 0;
+}
+
+int tl_gguf_tile_channels(void) { return GT; }
