@@ -127,6 +127,15 @@ def dequantize_codes(codes: dict[str, np.ndarray], qtype) -> torch.Tensor:
     return d * (q.float() - zero)
 
 
+def dequantize_raw(raw: np.ndarray, qtype) -> torch.Tensor:
+    """float32 [rows, in] of a tensor's raw rows [rows, row_bytes] in any supported type."""
+    name = type_name(qtype)
+    if name in FLOAT_TYPES:
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
+        return torch.from_numpy(np.ascontiguousarray(raw).copy()).view(dtype).float().view(raw.shape[0], -1)
+    return dequantize_codes(decode_blocks(raw, qtype), qtype)
+
+
 # ---- the kernels' layout (tallow/ops/cpu/linear_gguf.h) -------------------------------------
 
 def _tile_planes(q: torch.Tensor, planes: int, tile: int) -> torch.Tensor:
@@ -318,13 +327,7 @@ class GgufEmbedding(nn.Module):
             raise ValueError(f"GGUF embedding type {self.type} is not supported")
 
     def rows(self, ids: np.ndarray) -> torch.Tensor:
-        raw = self.table[ids]
-        if self.type in FLOAT_TYPES:
-            dtype = {"F32": np.float32, "F16": np.float16}.get(self.type)
-            if dtype is not None:
-                return torch.from_numpy(raw.view(dtype).astype(np.float32))
-            return torch.from_numpy(raw.copy()).view(torch.bfloat16).float()
-        return dequantize_codes(decode_blocks(raw, self.type), self.type)
+        return dequantize_raw(self.table[ids], self.type)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).cpu().numpy()
