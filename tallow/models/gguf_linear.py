@@ -178,11 +178,11 @@ class GgufLinear(quant._NativeBlockLinear):
     _weight_buffers = ("qweight", "d", "m", "sc", "mn")
 
     def __init__(self, codes: dict[str, np.ndarray], qtype, bias: torch.Tensor | None = None):
-        self.type = type_name(qtype)
-        if self.type not in GGUF_KERNEL_FORMATS:
-            raise ValueError(f"GgufLinear takes {', '.join(GGUF_KERNEL_FORMATS)}, not {self.type}")
-        self.fmt = GGUF_KERNEL_FORMATS[self.type]
-        self.planes = {"Q4_K": 0, "Q6_K": 2}.get(self.type, 1)
+        self.gguf_type = type_name(qtype)
+        if self.gguf_type not in GGUF_KERNEL_FORMATS:
+            raise ValueError(f"GgufLinear takes {', '.join(GGUF_KERNEL_FORMATS)}, not {self.gguf_type}")
+        self.fmt = GGUF_KERNEL_FORMATS[self.gguf_type]
+        self.planes = {"Q4_K": 0, "Q6_K": 2}.get(self.gguf_type, 1)
         super().__init__(tuple(codes["q"].shape), bias)
         tile = self.tile
         q = torch.from_numpy(np.ascontiguousarray(codes["q"]))
@@ -191,7 +191,7 @@ class GgufLinear(quant._NativeBlockLinear):
         m = codes.get("m", codes.get("dmin"))
         self.register_buffer("m", None if m is None else _tile_k(torch.from_numpy(m.copy()), tile))
         sc, mn = codes.get("sc"), codes.get("mn")
-        if sc is not None and self.type == "Q6_K":  # [n, blocks * 2] -> [tiles, blocks, 2, tile]
+        if sc is not None and self.gguf_type == "Q6_K":  # [n, blocks * 2] -> [tiles, blocks, 2, tile]
             s = quant._tiles_of(torch.from_numpy(sc.copy()), tile)
             sc_t = s.view(s.shape[0], tile, -1, 2).permute(0, 2, 3, 1).contiguous()
         else:
@@ -205,9 +205,9 @@ class GgufLinear(quant._NativeBlockLinear):
         return lib.tl_gguf_tile_channels()
 
     def _check_shape(self, shape: tuple[int, int]) -> None:
-        per = QK_K if self.type.endswith("_K") else QK
+        per = QK_K if self.gguf_type.endswith("_K") else QK
         if shape[1] % per:
-            raise ValueError(f"GgufLinear {self.type} needs in_features divisible by {per}, got {shape}")
+            raise ValueError(f"GgufLinear {self.gguf_type} needs in_features divisible by {per}, got {shape}")
 
     def _set_pointers(self) -> None:
         super()._set_pointers()
@@ -219,8 +219,8 @@ class GgufLinear(quant._NativeBlockLinear):
         out = {"q": _untile_planes(self.qweight, n, self.planes, tile).numpy(),
                "d": quant._untile_scales(self.d, n).numpy()}
         if self.m is not None:
-            out["m" if self.type == "Q5_1" else "dmin"] = quant._untile_scales(self.m, n).numpy()
-        if self.type == "Q6_K":
+            out["m" if self.gguf_type == "Q5_1" else "dmin"] = quant._untile_scales(self.m, n).numpy()
+        if self.gguf_type == "Q6_K":
             out["sc"] = self.sc.permute(0, 3, 1, 2).reshape(-1, self.sc.shape[1] * 2)[:n].numpy()
         elif self.sc is not None:
             out["sc"] = quant._untile_scales(self.sc, n).numpy()
@@ -229,10 +229,10 @@ class GgufLinear(quant._NativeBlockLinear):
         return out
 
     def dequantized_weight(self) -> torch.Tensor:
-        return dequantize_codes(self.codes(), self.type)
+        return dequantize_codes(self.codes(), self.gguf_type)
 
     def extra_repr(self) -> str:
-        return f"{self.type}, in_features={self.in_features}, out_features={self.out_features}"
+        return f"{self.gguf_type}, in_features={self.in_features}, out_features={self.out_features}"
 
 
 class HalfLinear(nn.Module):
@@ -321,13 +321,13 @@ class GgufEmbedding(nn.Module):
 
     def __init__(self, table: np.ndarray, qtype, embedding_dim: int):
         super().__init__()
-        self.table, self.type = table, type_name(qtype)
+        self.table, self.gguf_type = table, type_name(qtype)
         self.num_embeddings, self.embedding_dim = table.shape[0], embedding_dim
-        if self.type not in SUPPORTED_TYPES:
-            raise ValueError(f"GGUF embedding type {self.type} is not supported")
+        if self.gguf_type not in SUPPORTED_TYPES:
+            raise ValueError(f"GGUF embedding type {self.gguf_type} is not supported")
 
     def rows(self, ids: np.ndarray) -> torch.Tensor:
-        return dequantize_raw(self.table[ids], self.type)
+        return dequantize_raw(self.table[ids], self.gguf_type)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).cpu().numpy()
@@ -335,7 +335,7 @@ class GgufEmbedding(nn.Module):
         return out.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.type}, {self.num_embeddings}, {self.embedding_dim}"
+        return f"{self.gguf_type}, {self.num_embeddings}, {self.embedding_dim}"
 
 
 def from_readonly(array: np.ndarray) -> torch.Tensor:
