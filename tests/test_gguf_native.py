@@ -87,6 +87,33 @@ def test_layers_hold_the_files_weights_exactly(name, kernels):
     assert held <= raw.nbytes * 48 / 40 * 1.13, (held, raw.nbytes)
 
 
+@needs_kernels
+@pytest.mark.parametrize("name", FORMATS)
+def test_c_repacking_equals_the_python_packing(name, kernels):
+    """tl_gguf_repack (C, from the file's blocks) lays out every byte as the Python packing of
+    gguf_linear.decode_blocks' codes does (quant._tile_q4 / _tile_q8 / _tile_scales,
+    GgufLinear.tile_codes): two implementations of one layout, 36 rows (a partial last tile)."""
+    raw = random_raw(name, 36, 512, seed=2)
+    codes = gl.decode_blocks(raw, name)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    if name in ("Q4_0", "Q4_1", "Q8_0"):
+        tile = cpu_native.tile_channels()
+        d = t(codes["d"])
+        if name == "Q8_0":
+            expected = quant.Q8Linear.tile_codes(t(codes["q"]), d, tile)
+        else:
+            m = t(codes["m"]) if name == "Q4_1" else (d.float() * -8).half()
+            expected = quant.Q4Linear.tile_codes(t(codes["q"]), d, m, tile)
+    else:
+        tile = cpu_native.lib().tl_gguf_tile_channels()
+        expected = gl.GgufLinear.tile_codes(codes, name, tile)
+    got = gl.repacked(raw, name, 512, tile)
+    for key, want in expected.items():
+        assert (got[key] is None) == (want is None), key
+        if want is not None:
+            assert got[key].dtype == want.dtype and torch.equal(got[key], want), key
+
+
 # ---- the kernels' products --------------------------------------------------------------------
 
 @needs_kernels
@@ -155,7 +182,7 @@ def test_both_builds_compute_the_same_floats(name):
 @needs_kernels
 def test_k_formats_need_whole_super_blocks():
     with pytest.raises(ValueError, match="divisible by 256"):
-        gl.GgufLinear({"q": np.zeros((16, 288), np.uint8)}, "Q4_K")
+        gl.GgufLinear.from_codes({"q": np.zeros((16, 288), np.uint8)}, "Q4_K")
 
 
 def test_without_kernels_a_layer_is_dequantized_on_its_own(monkeypatch):

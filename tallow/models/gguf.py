@@ -112,14 +112,17 @@ def load_native(path: str, reader=None):
             t = tensors[name]
             return gl.dequantize_raw(raw(name), t.tensor_type).reshape(-1)
 
-        def rows(name: str, n_head: int | None = None) -> tuple[np.ndarray, object]:
-            """(raw rows, type) of a projection; n_head: undo llama.cpp's q/k row interleave,
-            which moves whole rows (a row is a whole number of blocks)."""
-            data = raw(name)
+        def rows_into(name: str, data: np.ndarray, n_head: int | None) -> None:
+            """A projection's raw rows read into data [rows, row_bytes]; n_head: undo
+            llama.cpp's q/k row interleave, which moves whole rows (a row is a whole number of
+            blocks)."""
+            t = tensors[name]
+            f.seek(t.data_offset)
+            if f.readinto(memoryview(data.reshape(-1))) != data.nbytes:
+                raise ValueError(f"tensor {name} is cut short")
             if n_head is not None and config.architecture == "llama":
                 out = data.shape[0]
-                data = data[np.arange(out).reshape(n_head, out // n_head // 2, 2).swapaxes(1, 2).reshape(-1)]
-            return data, tensors[name].tensor_type
+                data[:] = data[np.arange(out).reshape(n_head, out // n_head // 2, 2).swapaxes(1, 2).reshape(-1)]
 
         def bias(names: list[str]) -> torch.Tensor | None:
             if f"{names[0]}.bias" not in tensors:
@@ -127,15 +130,25 @@ def load_native(path: str, reader=None):
             return torch.cat([floats(f"{n}.bias") for n in names])
 
         def projection(names: list[str], heads: list[int | None]) -> torch.nn.Module:
-            parts = [rows(f"{n}.weight", h) for n, h in zip(names, heads)]
+            """One Linear of the parts' rows side by side (q/k/v, gate/up): one layer where they
+            share a type (their rows read into one buffer), else a ConcatLinear."""
+            ts = [tensors[f"{n}.weight"] for n in names]
             b = bias(names)
-            if len({gl.type_name(kind) for _, kind in parts}) == 1:
-                data = parts[0][0] if len(parts) == 1 else np.concatenate([p for p, _ in parts])
-                return gl.linear_from_raw(data, parts[0][1], _in_features(tensors[f"{names[0]}.weight"]), b)
-            sizes = [p.shape[0] for p, _ in parts]
-            biases = [None] * len(parts) if b is None else list(b.split(sizes))
-            return gl.ConcatLinear([gl.linear_from_raw(p, kind, _in_features(tensors[f"{n}.weight"]), bb)
-                                    for (p, kind), n, bb in zip(parts, names, biases)])
+            in_features = _in_features(ts[0])
+            if len({t.tensor_type for t in ts}) == 1:
+                data = np.empty((sum(_rows(t) for t in ts), int(ts[0].n_bytes) // _rows(ts[0])), np.uint8)
+                start = 0
+                for n, t, h in zip(names, ts, heads):
+                    rows_into(f"{n}.weight", data[start:start + _rows(t)], h)
+                    start += _rows(t)
+                return gl.linear_from_raw(data, ts[0].tensor_type, in_features, b)
+            biases = [None] * len(ts) if b is None else list(b.split([_rows(t) for t in ts]))
+            parts = []
+            for n, t, h, bb in zip(names, ts, heads, biases):
+                data = np.empty((_rows(t), int(t.n_bytes) // _rows(t)), np.uint8)
+                rows_into(f"{n}.weight", data, h)
+                parts.append(gl.linear_from_raw(data, t.tensor_type, in_features, bb))
+            return gl.ConcatLinear(parts)
 
         def norm_weight(name: str) -> torch.nn.Parameter:
             return torch.nn.Parameter(floats(name).float().contiguous(), requires_grad=False)

@@ -172,42 +172,62 @@ class GgufLinear(quant._NativeBlockLinear):
     """A GGUF Q5_0, Q5_1, Q4_K, Q5_K or Q6_K weight, its codes and scales as in the file,
     repacked into tiles of 16 output channels (both builds; linear_gguf.h): 5, 6 or 4.x bits
     per weight. float32 in and out, activations int16 per block of 32, exact integer dot
-    products per block, float scale math in a fixed order per output (batch invariant)."""
+    products per block, float scale math in a fixed order per output (batch invariant).
+    Build with from_codes (or linear_from_raw, which packs a large tensor a chunk of rows at
+    a time)."""
 
     _kernel = "tl_gguf_linear"
     _weight_buffers = ("qweight", "d", "m", "sc", "mn")
 
-    def __init__(self, codes: dict[str, np.ndarray], qtype, bias: torch.Tensor | None = None):
-        self.gguf_type = type_name(qtype)
-        if self.gguf_type not in GGUF_KERNEL_FORMATS:
-            raise ValueError(f"GgufLinear takes {', '.join(GGUF_KERNEL_FORMATS)}, not {self.gguf_type}")
-        self.fmt = GGUF_KERNEL_FORMATS[self.gguf_type]
-        self.planes = {"Q4_K": 0, "Q6_K": 2}.get(self.gguf_type, 1)
-        super().__init__(tuple(codes["q"].shape), bias)
-        tile = self.tile
-        q = torch.from_numpy(np.ascontiguousarray(codes["q"]))
-        self.register_buffer("qweight", _tile_planes(q, self.planes, tile))
-        self.register_buffer("d", _tile_k(torch.from_numpy(codes["d"].copy()), tile))
-        m = codes.get("m", codes.get("dmin"))
-        self.register_buffer("m", None if m is None else _tile_k(torch.from_numpy(m.copy()), tile))
-        sc, mn = codes.get("sc"), codes.get("mn")
-        if sc is not None and self.gguf_type == "Q6_K":  # [n, blocks * 2] -> [tiles, blocks, 2, tile]
-            s = quant._tiles_of(torch.from_numpy(sc.copy()), tile)
-            sc_t = s.view(s.shape[0], tile, -1, 2).permute(0, 2, 3, 1).contiguous()
+    def __init__(self, *args, **kwargs):
+        raise TypeError("build a GgufLinear with GgufLinear.from_codes or gguf_linear.linear_from_raw")
+
+    @staticmethod
+    def format_attrs(qtype) -> dict:
+        name = type_name(qtype)
+        if name not in GGUF_KERNEL_FORMATS:
+            raise ValueError(f"GgufLinear takes {', '.join(GGUF_KERNEL_FORMATS)}, not {name}")
+        return {"gguf_type": name, "fmt": GGUF_KERNEL_FORMATS[name], "planes": {"Q4_K": 0, "Q6_K": 2}.get(name, 1)}
+
+    @classmethod
+    def from_codes(cls, codes: dict[str, np.ndarray], qtype, bias: torch.Tensor | None = None) -> "GgufLinear":
+        attrs = cls.format_attrs(qtype)
+        cls.check_shape(attrs["gguf_type"], codes["q"].shape)
+        return cls.from_tiles(codes["q"].shape, cls.tile_codes(codes, qtype, cls.kernel_tile()), bias, **attrs)
+
+    @staticmethod
+    def tile_codes(codes: dict[str, np.ndarray], qtype, tile: int) -> dict[str, torch.Tensor | None]:
+        """decode_blocks' arrays in the kernel's tiles (linear_gguf.h)."""
+        attrs = GgufLinear.format_attrs(qtype)
+
+        def t(name: str) -> torch.Tensor | None:
+            a = codes.get(name)
+            return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+
+        out = {"qweight": _tile_planes(t("q"), attrs["planes"], tile), "d": _tile_k(t("d"), tile)}
+        m = t("m") if "m" in codes else t("dmin")
+        out["m"] = None if m is None else _tile_k(m, tile)
+        sc = t("sc")
+        if sc is not None and attrs["gguf_type"] == "Q6_K":  # [n, blocks * 2] -> [tiles, blocks, 2, tile]
+            s = quant._tiles_of(sc, tile)
+            out["sc"] = s.view(s.shape[0], tile, -1, 2).permute(0, 2, 3, 1).contiguous()
         else:
-            sc_t = None if sc is None else _tile_k(torch.from_numpy(sc.copy()), tile)
-        self.register_buffer("sc", sc_t)
-        self.register_buffer("mn", None if mn is None else _tile_k(torch.from_numpy(mn.copy()), tile))
-        self._set_pointers()
+            out["sc"] = None if sc is None else _tile_k(sc, tile)
+        out["mn"] = None if t("mn") is None else _tile_k(t("mn"), tile)
+        return out
+
+    @staticmethod
+    def check_shape(gguf_type: str, shape: tuple[int, int]) -> None:
+        per = QK_K if gguf_type.endswith("_K") else QK
+        if shape[1] % per:
+            raise ValueError(f"GgufLinear {gguf_type} needs in_features divisible by {per}, got {tuple(shape)}")
 
     @staticmethod
     def _tile_channels(lib) -> int:
         return lib.tl_gguf_tile_channels()
 
     def _check_shape(self, shape: tuple[int, int]) -> None:
-        per = QK_K if self.gguf_type.endswith("_K") else QK
-        if shape[1] % per:
-            raise ValueError(f"GgufLinear {self.gguf_type} needs in_features divisible by {per}, got {shape}")
+        self.check_shape(self.gguf_type, shape)
 
     def _set_pointers(self) -> None:
         super()._set_pointers()
@@ -293,25 +313,56 @@ def linear_from_raw(raw: np.ndarray, qtype, in_features: int, bias: torch.Tensor
         return HalfLinear(w, bias)
     if name not in BLOCK_TYPES:
         raise ValueError(f"GGUF tensor type {name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
-    codes = decode_blocks(raw, qtype)
-    out = raw.shape[0]
+    shape = (raw.shape[0], in_features)
     if cpu_native.lib() is not None:
-        try:
-            if name in ("Q4_0", "Q4_1"):
-                q, d = torch.from_numpy(codes["q"].copy()), torch.from_numpy(codes["d"].copy())
-                m = torch.from_numpy(codes["m"].copy()) if name == "Q4_1" else d.float().mul(-8).half()
-                return quant.Q4Linear.from_codes(q, d, m, bias)
-            if name == "Q8_0":
-                return quant.Q8Linear.from_codes(torch.from_numpy(codes["q"].copy()),
-                                                 torch.from_numpy(codes["d"].copy()), bias)
-            return GgufLinear(codes, qtype, bias)
-        except ValueError:  # a shape the kernels cannot take: dequantized below
-            pass
-    layer = DequantizedLinear(in_features, out, bias=bias is not None, device="meta")
-    layer.weight = nn.Parameter(dequantize_codes(codes, qtype), requires_grad=False)
+        if name in ("Q4_0", "Q4_1", "Q8_0"):
+            cls, attrs = (quant.Q8Linear if name == "Q8_0" else quant.Q4Linear), {}
+            fits = quant.native_fits(torch.empty(shape, device="meta"))
+        else:
+            cls, attrs = GgufLinear, GgufLinear.format_attrs(name)
+            fits = in_features % (QK_K if name.endswith("_K") else QK) == 0
+        if fits:
+            return cls.from_tiles(shape, repacked(raw, name, in_features, cls.kernel_tile()), bias, **attrs)
+    # No kernels for it here: dequantized on its own.
+    layer = DequantizedLinear(in_features, raw.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(dequantize_raw(raw, name), requires_grad=False)
     if bias is not None:
         layer.bias = nn.Parameter(bias.float(), requires_grad=False)
     return layer
+
+
+def repacked(raw: np.ndarray, qtype, in_features: int, tile: int) -> dict[str, torch.Tensor | None]:
+    """A block-quantized tensor's rows [out, row_bytes] in its kernel's tiles, by
+    tl_gguf_repack (C, parallel, straight from the file's blocks: no other copy of the codes):
+    the buffers of Q4Linear / Q8Linear / GgufLinear by name."""
+    from gguf.constants import GGMLQuantizationType
+
+    name = type_name(qtype)
+    rows, nb = raw.shape[0], in_features // QK
+    tiles = -(-rows // tile)
+    u8, f16 = torch.uint8, torch.float16
+
+    def zeros(*shape, dtype=u8) -> torch.Tensor:
+        return torch.zeros((tiles, *shape), dtype=dtype)
+
+    if name in ("Q4_0", "Q4_1"):
+        out = {"qweight": zeros(nb, tile * 16), "d": zeros(nb, tile, dtype=f16), "m": zeros(nb, tile, dtype=f16)}
+    elif name == "Q8_0":
+        out = {"qweight": zeros(nb, tile * 32, dtype=torch.int8), "d": zeros(nb, tile, dtype=f16), "m": None}
+    else:
+        planes = GgufLinear.format_attrs(name)["planes"]
+        nd = nb // 8 if name.endswith("_K") else nb
+        out = {"qweight": zeros(nb, 256 + 64 * planes), "d": zeros(nd, tile, dtype=f16),
+               "m": None if name in ("Q5_0", "Q6_K") else zeros(nd, tile, dtype=f16),
+               "sc": zeros(nb, 2, tile, dtype=torch.int8) if name == "Q6_K" else
+               zeros(nb, tile) if name in ("Q4_K", "Q5_K") else None,
+               "mn": zeros(nb, tile) if name in ("Q4_K", "Q5_K") else None}
+    raw = np.ascontiguousarray(raw)
+    ptrs = [None if out.get(k) is None else out[k].data_ptr() for k in ("qweight", "d", "m", "sc", "mn")]
+    if cpu_native.lib().tl_gguf_repack(int(GGMLQuantizationType[name]), raw.ctypes.data, rows, in_features, tile,
+                                       *ptrs, torch.get_num_threads()):
+        raise ValueError(f"tl_gguf_repack cannot take {name} in tiles of {tile}")
+    return out
 
 
 class GgufEmbedding(nn.Module):

@@ -208,6 +208,25 @@ class _NativeBlockLinear(nn.Module):
     def _tile_channels(lib) -> int:
         return cpu_native.tile_channels(lib)
 
+    @classmethod
+    def kernel_tile(cls) -> int:
+        """Output channels per weight tile of the kernels lib() hands out, for this layer."""
+        return cls._tile_channels(cpu_native.lib())
+
+    @classmethod
+    def from_tiles(cls, shape: tuple[int, int], tiles: dict[str, torch.Tensor | None],
+                   bias: torch.Tensor | None = None, **attrs):
+        """The layer around weights already in its kernel's tiles (the buffers of
+        _weight_buffers by name, as tile_codes makes them); attrs: plain attributes the layer
+        needs before its shape check (GgufLinear's format)."""
+        layer = cls.__new__(cls)
+        layer.__dict__.update(attrs)
+        _NativeBlockLinear.__init__(layer, tuple(shape), bias)
+        for name in cls._weight_buffers:
+            layer.register_buffer(name, tiles.get(name))
+        layer._set_pointers()
+        return layer
+
     def _check_shape(self, shape: tuple[int, int]) -> None:
         if not native_fits(torch.empty(shape, device="meta")):
             raise ValueError(f"{type(self).__name__} needs in_features divisible by {GROUP_SIZE} and "
@@ -327,20 +346,15 @@ class Q4Linear(_NativeBlockLinear):
             q[rows] = q4_codes(w, d[rows].float(), m[rows].float())
         self._pack(q, d, m)
 
-    @classmethod
-    def from_codes(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> "Q4Linear":
-        """The layer of w = d * q + m as given: codes q [out, in] (uint8, 0..15), d and m
-        float16 [out, in / 32] (a GGUF Q4_1 tensor's own values; Q4_0's are m = -8 d)."""
-        layer = cls.__new__(cls)
-        _NativeBlockLinear.__init__(layer, tuple(q.shape), bias)
-        layer._pack(q, d, m)
-        return layer
+    @staticmethod
+    def tile_codes(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, tile: int) -> dict[str, torch.Tensor]:
+        """w = d * q + m as given (codes q [out, in] uint8 0..15, d and m float16 [out, in / 32]:
+        a GGUF Q4_1 tensor's own values; Q4_0's are m = -8 d) in the kernel's tiles."""
+        return {"qweight": _tile_q4(q, tile), "d": _tile_scales(d, tile), "m": _tile_scales(m, tile)}
 
     def _pack(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
-        self.register_buffer("qweight", _tile_q4(q, self.tile))
-        self.register_buffer("d", _tile_scales(d, self.tile))
-        self.register_buffer("m", _tile_scales(m, self.tile))
+        for name, t in self.tile_codes(q, d, m, self.tile).items():
+            self.register_buffer(name, t)
         self._set_pointers()
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -370,18 +384,15 @@ class Q8Linear(_NativeBlockLinear):
             d[rows] = scale
         self._pack(qweight, d)
 
-    @classmethod
-    def from_codes(cls, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> "Q8Linear":
-        """The layer of w = d * q as given: q [out, in] int8, d float16 [out, in / 32] (a GGUF
-        Q8_0 tensor's own values)."""
-        layer = cls.__new__(cls)
-        _NativeBlockLinear.__init__(layer, tuple(q.shape), bias)
-        layer._pack(q, d)
-        return layer
+    @staticmethod
+    def tile_codes(q: torch.Tensor, d: torch.Tensor, tile: int) -> dict[str, torch.Tensor]:
+        """w = d * q as given (q [out, in] int8, d float16 [out, in / 32]: a GGUF Q8_0 tensor's
+        own values) in the kernel's tiles."""
+        return {"qweight": _tile_q8(q, tile), "d": _tile_scales(d, tile)}
 
     def _pack(self, q: torch.Tensor, d: torch.Tensor) -> None:
-        self.register_buffer("qweight", _tile_q8(q, self.tile))
-        self.register_buffer("d", _tile_scales(d, self.tile))
+        for name, t in self.tile_codes(q, d, self.tile).items():
+            self.register_buffer(name, t)
         self.m = None
         self._set_pointers()
 

@@ -227,3 +227,168 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
 }
 
 int tl_gguf_tile_channels(void) { return GT; }
+
+// ---- repacking a GGUF tensor's blocks into the kernels' tiles (at load) -----------------------
+
+// GGML type ids (gguf.constants.GGMLQuantizationType) of the block formats repacked here.
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13,
+       GGML_Q6_K = 14 };
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+// Q4_K / Q5_K's 6-bit scale and min of sub-block j from the 12 packed bytes (get_scale_min_k4).
+static inline void scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63, *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// The codes of one GGUF block (32 weights; the K formats: 256) as unsigned values q[] (Q8_0:
+// int8 stored in uint8), and its float16 scale fields (d, m/dmin) as stored.
+static void decode_block(int type, const uint8_t *blk, uint8_t *q, uint16_t *d, uint16_t *m) {
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+        const uint8_t *qs = blk + (type == GGML_Q4_0 ? 2 : 4);
+        *d = rd16(blk);
+        if (type == GGML_Q4_1) *m = rd16(blk + 2);
+        for (int j = 0; j < 16; j++) q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4;
+        break;
+    }
+    case GGML_Q5_0:
+    case GGML_Q5_1: {
+        const int off = type == GGML_Q5_0 ? 2 : 4;
+        uint32_t qh;
+        memcpy(&qh, blk + off, 4);
+        const uint8_t *qs = blk + off + 4;
+        *d = rd16(blk);
+        if (type == GGML_Q5_1) *m = rd16(blk + 2);
+        for (int j = 0; j < 16; j++) {
+            q[j] = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+            q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        }
+        break;
+    }
+    case GGML_Q8_0:
+        *d = rd16(blk);
+        memcpy(q, blk + 2, 32);
+        break;
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        *d = rd16(blk), *m = rd16(blk + 2);
+        const uint8_t *qh = blk + 16, *qs = blk + (type == GGML_Q4_K ? 16 : 48);
+        for (int i = 0; i < 8; i++)
+            for (int l = 0; l < 32; l++) {
+                uint8_t v = (qs[(i / 2) * 32 + l] >> ((i % 2) * 4)) & 15;
+                if (type == GGML_Q5_K) v |= ((qh[l] >> i) & 1) << 4;
+                q[i * 32 + l] = v;
+            }
+        break;
+    }
+    case GGML_Q6_K: {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        *d = rd16(blk + 208);
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < 128; r++)
+                q[h * 128 + r] = ((ql[h * 64 + (r % 64)] >> (4 * (r / 64))) & 15) |
+                                 (((qh[h * 32 + (r % 32)] >> (2 * (r / 32))) & 3) << 4);
+        break;
+    }
+    }
+}
+
+static inline uint16_t half_times(uint16_t h, float f) { return _cvtss_sh(_cvtsh_ss(h) * f, 0); }
+
+// A GGUF tensor's rows (raw: rows x cols weights in blocks of its type, rows back to back) into
+// the tiles of `tile` output channels its kernel reads (all outputs zeroed by the caller, so
+// padding channels are zero):
+//   Q4_0, Q4_1 -> the Q4 layout of linear_avx2.h (tile 4) or linear_avx512.h (tile 16), Q4_0's
+//     m = -8 d (exact in float16); Q8_0 -> the Q8 layout;
+//   Q5_0, Q5_1, Q4_K, Q5_K, Q6_K -> this file's layout (tile 16), scales as listed at the top.
+// Returns 0, or -1 for a type or tile it does not take.
+int tl_gguf_repack(int type, const uint8_t *raw, int rows, int cols, int tile, uint8_t *wq, uint16_t *wd,
+                   uint16_t *wm, uint8_t *wsc, uint8_t *wmn, int nthreads) {
+    const int kq = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+    const int q4 = type == GGML_Q4_0 || type == GGML_Q4_1, q8 = type == GGML_Q8_0;
+    int block_bytes, fmt = -1;
+    switch (type) {
+    case GGML_Q4_0: block_bytes = 18; break;
+    case GGML_Q4_1: block_bytes = 20; break;
+    case GGML_Q5_0: block_bytes = 22, fmt = TL_Q5_0; break;
+    case GGML_Q5_1: block_bytes = 24, fmt = TL_Q5_1; break;
+    case GGML_Q8_0: block_bytes = 34; break;
+    case GGML_Q4_K: block_bytes = 144, fmt = TL_Q4_K; break;
+    case GGML_Q5_K: block_bytes = 176, fmt = TL_Q5_K; break;
+    case GGML_Q6_K: block_bytes = 210, fmt = TL_Q6_K; break;
+    default: return -1;
+    }
+    if ((q4 || q8) ? (tile != 4 && tile != 16) : tile != GT) return -1;
+    const int per = kq ? 256 : 32, nblk = cols / per, nb = cols / QK, tiles = (rows + tile - 1) / tile;
+    const size_t row_bytes = (size_t)nblk * block_bytes;
+    const int planes = fmt >= 0 ? gguf_planes(fmt) : 0;
+    const size_t gblock_bytes = 256 + (size_t)64 * planes;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        uint8_t q[256];
+        for (int c = 0; c < tile && t * tile + c < rows; c++) {
+            const uint8_t *src = raw + (size_t)(t * tile + c) * row_bytes;
+            for (int k = 0; k < nblk; k++) {
+                uint16_t d = 0, m = 0;
+                decode_block(type, src + (size_t)k * block_bytes, q, &d, &m);
+                if (q4 || q8) {  // one block of 32
+                    const size_t tb = (size_t)t * nb + k;
+                    wd[tb * tile + c] = d;
+                    if (q4) wm[tb * tile + c] = type == GGML_Q4_1 ? m : half_times(d, -8.0f);
+                    if (q4 && tile == 4) {
+                        for (int j = 0; j < 16; j++) wq[(tb * 4 + c) * 16 + j] = q[j] | (q[j + 16] << 4);
+                    } else if (q4) {
+                        for (int g = 0; g < 8; g++)
+                            for (int e = 0; e < 2; e++)
+                                wq[tb * 256 + 32 * g + 2 * c + e] = q[4 * g + e] | (q[4 * g + 2 + e] << 4);
+                    } else if (tile == 4) {
+                        memcpy(wq + (tb * 4 + c) * 32, q, 32);
+                    } else {
+                        for (int j = 0; j < 16; j++)
+                            for (int e = 0; e < 2; e++) wq[tb * 512 + 32 * j + 2 * c + e] = q[2 * j + e];
+                    }
+                    continue;
+                }
+                const int subs = per / QK;  // blocks of 32 in this GGUF block
+                if (kq) {
+                    const size_t sb = (size_t)t * (nb / 8) + k;
+                    wd[sb * GT + c] = d;
+                    if (type != GGML_Q6_K) wm[sb * GT + c] = m;
+                }
+                for (int s = 0; s < subs; s++) {
+                    const int b = k * subs + s;
+                    const size_t tb = (size_t)t * nb + b;
+                    const uint8_t *qb = q + 32 * s;
+                    uint8_t *blk = wq + tb * gblock_bytes;
+                    for (int g = 0; g < 8; g++)
+                        for (int e = 0; e < 2; e++)
+                            blk[32 * g + 2 * c + e] = (qb[4 * g + e] & 15) | ((qb[4 * g + 2 + e] & 15) << 4);
+                    for (int p = 0; p < planes; p++) {
+                        uint32_t *words = (uint32_t *)(blk + 256) + 16 * p;
+                        for (int j = 0; j < 16; j++)
+                            for (int e = 0; e < 2; e++)
+                                words[j] |= (uint32_t)((qb[2 * j + e] >> (4 + p)) & 1) << (2 * c + e);
+                    }
+                    if (type == GGML_Q5_0 || type == GGML_Q5_1) {
+                        wd[tb * GT + c] = d;
+                        if (type == GGML_Q5_1) wm[tb * GT + c] = m;
+                    } else if (type == GGML_Q6_K) {
+                        const int8_t *scales = (const int8_t *)(src + (size_t)k * block_bytes + 192);
+                        wsc[(tb * 2 + 0) * GT + c] = (uint8_t)scales[2 * s];
+                        wsc[(tb * 2 + 1) * GT + c] = (uint8_t)scales[2 * s + 1];
+                    } else {
+                        scale_min_k4(s, src + (size_t)k * block_bytes + 4, wsc + tb * GT + c, wmn + tb * GT + c);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
