@@ -312,3 +312,36 @@ print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     base, peak = (int(v) * 1024 for v in out.split()[-2:])
     assert peak - base <= size + 120 * 2**20, (peak - base, size)
+
+
+@needs_kernels
+def test_default_gguf_file_loads_natively_to_the_same_logits(tmp_path):
+    """The default model's file (Q4_1 projections, a Q8_0 tied embedding) loaded natively by its
+    path gives bit for bit the logits of the default's cached float path after quantize_model_
+    (whose Q4/Q8 re-fit holds those weights exactly): prefill and decode, fused layers."""
+    from test_quant import default_gguf
+
+    from tallow.config import EngineConfig
+    from tallow.engine.attention.cpu_backend import CpuAttentionBackend
+    from tallow.engine.runner import set_attention_backend
+    from tallow.models.loader import load_model
+
+    path = default_gguf()
+    outs = []
+    for source, cache_dir in (("default", EngineConfig().cache_dir), (path, str(tmp_path / "cache"))):
+        loaded = load_model(source, dtype=torch.float32, device="cpu", cache_dir=cache_dir)
+        model = loaded.model
+        quant.quantize_model_(model, "auto")
+        set_attention_backend(model, CpuAttentionBackend())
+        paged = PagedBatches(loaded.config, num_blocks=16, block_size=16)
+        steps = []
+        for chunks in ([("a", list(range(100, 140))), ("b", [5, 6, 7])], [("a", [9]), ("b", [11])]):
+            ids, positions, meta = paged.step(chunks)
+            with torch.no_grad():
+                steps.append(model.compute_logits(model(ids, positions, paged.kv_caches, meta)))
+        assert model.model.__dict__["_fused"][1] is not None  # one kernel call per layer
+        outs.append((type(model.model.embed_tokens), steps))
+    (old_embedding, old), (new_embedding, new) = outs
+    assert old_embedding is nn.Embedding and new_embedding is gl.GgufEmbedding
+    assert not (tmp_path / "cache").exists()  # nothing cached for the native load
+    assert all(torch.equal(a, b) for a, b in zip(old, new))

@@ -170,7 +170,8 @@ def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
     if native and device.type == "cpu" and dtype == torch.float32 and gguf.quantized_weights(reader):
         _, metadata, model = gguf.load_native(path, reader)
         return model, metadata
-    config, metadata, weights = gguf.read_gguf(path, reader)
+    del reader  # (read_gguf parses the file again: float files pay it on their first, uncached load only)
+    config, metadata, weights = gguf.read_gguf(path)
     model = LlamaForCausalLM.empty(config, device=torch.device("cpu"), dtype=torch.float32)
     model.load_weights(weights)
     if cache_dir:
