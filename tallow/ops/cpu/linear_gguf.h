@@ -60,10 +60,12 @@ static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk
         for (int j = 0; j < 16; j++) W->w[j] = _mm512_sub_epi16(W->w[j], z);
 }
 
-// The block's integer dot products with one row's 32 activations, per channel: s0 over pairs
-// 0..7 and 8..15 together (halves 0) or s0 over 0..7 and s1 over 8..15 (halves 1).
-static inline __attribute__((always_inline)) void gguf_dots(const gblock *W, const int16_t *xb, int halves,
-                                                             int32_t *s0, int32_t *s1) {
+// One row through a block: the block's integer dot products with the row's 32 activations per
+// channel (Q6_K: one per half of 16), then the float scale math of the top of this file on the
+// GT channels' accumulators acc (dw0, dw1, mw: the block's float scales per channel).
+static inline __attribute__((always_inline)) void gguf_row(const gblock *W, const int16_t *xb, float dx, float sx,
+                                                            const float *dw0, const float *dw1, const float *mw,
+                                                            int halves, int has_m, float *acc) {
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
     __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
     for (int j = 0; j < 8; j += 2) {
@@ -73,12 +75,17 @@ static inline __attribute__((always_inline)) void gguf_dots(const gblock *W, con
         b1 = dpwssd_bcast(b1, W->w[j + 9], xb + 2 * j + 18);
     }
     const __m512i a = _mm512_add_epi32(a0, a1), b = _mm512_add_epi32(b0, b1);
+    const __m512 dxv = _mm512_set1_ps(dx);
+    __m512 acc_v = _mm512_loadu_ps(acc);
     if (halves) {
-        _mm512_storeu_si512(s0, a);
-        _mm512_storeu_si512(s1, b);
+        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(_mm512_loadu_ps(dw0), dxv), acc_v);
+        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(_mm512_loadu_ps(dw1), dxv), acc_v);
     } else {
-        _mm512_storeu_si512(s0, _mm512_add_epi32(a, b));
+        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), _mm512_mul_ps(_mm512_loadu_ps(dw0), dxv),
+                                acc_v);
     }
+    if (has_m) acc_v = _mm512_fmadd_ps(_mm512_loadu_ps(mw), _mm512_set1_ps(sx), acc_v);
+    _mm512_storeu_ps(acc, acc_v);
 }
 
 #else
@@ -111,25 +118,33 @@ static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk
     }
 }
 
-static inline __attribute__((always_inline)) void gguf_dots(const gblock *W, const int16_t *xb, int halves,
-                                                             int32_t *s0, int32_t *s1) {
+static inline __attribute__((always_inline)) void gguf_row(const gblock *W, const int16_t *xb, float dx, float sx,
+                                                            const float *dw0, const float *dw1, const float *mw,
+                                                            int halves, int has_m, float *acc) {
     typedef int32_t __attribute__((may_alias)) pair;
+    __m256i x[16];
+    for (int j = 0; j < 16; j++) x[j] = _mm256_set1_epi32(*(const pair *)(xb + 2 * j));
+    const __m256 dxv = _mm256_set1_ps(dx), sxv = _mm256_set1_ps(sx);
     for (int h = 0; h < 2; h++) {
         __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
         __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
         for (int j = 0; j < 8; j += 2) {
-            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(W->w[h][j], _mm256_set1_epi32(*(const pair *)(xb + 2 * j))));
-            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(W->w[h][j + 1], _mm256_set1_epi32(*(const pair *)(xb + 2 * j + 2))));
-            b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(W->w[h][j + 8], _mm256_set1_epi32(*(const pair *)(xb + 2 * j + 16))));
-            b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(W->w[h][j + 9], _mm256_set1_epi32(*(const pair *)(xb + 2 * j + 18))));
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(W->w[h][j], x[j]));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(W->w[h][j + 1], x[j + 1]));
+            b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(W->w[h][j + 8], x[j + 8]));
+            b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(W->w[h][j + 9], x[j + 9]));
         }
         const __m256i a = _mm256_add_epi32(a0, a1), b = _mm256_add_epi32(b0, b1);
+        __m256 acc_v = _mm256_loadu_ps(acc + 8 * h);
         if (halves) {
-            _mm256_storeu_si256((__m256i *)(s0 + 8 * h), a);
-            _mm256_storeu_si256((__m256i *)(s1 + 8 * h), b);
+            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
+            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_mul_ps(_mm256_loadu_ps(dw1 + 8 * h), dxv), acc_v);
         } else {
-            _mm256_storeu_si256((__m256i *)(s0 + 8 * h), _mm256_add_epi32(a, b));
+            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)),
+                                    _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
         }
+        if (has_m) acc_v = _mm256_fmadd_ps(_mm256_loadu_ps(mw + 8 * h), sxv, acc_v);
+        _mm256_storeu_ps(acc + 8 * h, acc_v);
     }
 }
 
@@ -202,15 +217,8 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
                     gguf_block_scales(fmt, b, dt, mt, sct, mnt, dw0, dw1, mw);
                     for (int i = 0; i < rows; i++) {
                         const size_t row = (size_t)(m0 + i);
-                        int32_t s0[GT], s1[GT];
-                        gguf_dots(&W, r.q + row * K + (size_t)b * QK, halves, s0, s1);
-                        const float dx = r.d[row * nb + b], sx = r.s[row * nb + b];
-                        float *a = acc + (size_t)i * GT;
-                        for (int c = 0; c < GT; c++) a[c] = fmaf((float)s0[c], dw0[c] * dx, a[c]);
-                        if (halves)
-                            for (int c = 0; c < GT; c++) a[c] = fmaf((float)s1[c], dw1[c] * dx, a[c]);
-                        if (has_m)
-                            for (int c = 0; c < GT; c++) a[c] = fmaf(mw[c], sx, a[c]);
+                        gguf_row(&W, r.q + row * K + (size_t)b * QK, r.d[row * nb + b], r.s[row * nb + b], dw0, dw1,
+                                 mw, halves, has_m, acc + (size_t)i * GT);
                     }
                 }
                 for (int i = 0; i < rows; i++) {
