@@ -475,6 +475,10 @@ def quantize_model_(model: nn.Module, scheme: str = "auto") -> str:
     logits, and often a tied embedding stored at 8 bits. A tied LM head gets its own quantized
     copy; the embedding stays a float lookup table. Layers whose shape a kernel cannot take
     fall back from int4 to int8 to bf16. A model off the CPU is left alone ("none").
+
+    Only plain nn.Linear layers are replaced: a GGUF file loaded in its own formats
+    (gguf.load_native) keeps its Q4_0 ... Q6_K, F16 and BF16 layers whatever the scheme; the
+    scheme applies to its F32 weights only (float sources).
     """
     if scheme == "auto":
         scheme = "int4"
