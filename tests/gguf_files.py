@@ -56,7 +56,8 @@ def write_llama_gguf(path: str, types: dict[str, str], *, arch: str = "llama", h
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_list(["a", "b", "ab"] + [f"t{i}" for i in range(3, vocab)])
+    w.add_token_merges(["a b"])
     w.add_eos_token_id(2)
 
     def add(name: str, kind: str, rows: int, cols: int) -> None:

@@ -345,3 +345,34 @@ def test_default_gguf_file_loads_natively_to_the_same_logits(tmp_path):
     assert old_embedding is nn.Embedding and new_embedding is gl.GgufEmbedding
     assert not (tmp_path / "cache").exists()  # nothing cached for the native load
     assert all(torch.equal(a, b) for a, b in zip(old, new))
+
+
+@needs_kernels
+def test_engine_greedy_outputs_do_not_depend_on_the_batch(tmp_path):
+    """Through the engine (scheduler, CPU attention, float16 KV cache, sampler) a Q4_K_M-like
+    file's greedy tokens for each prompt are the same alone and batched with the others."""
+    import dataclasses
+
+    from tallow.config import EngineConfig
+    from tallow.engine.core import EngineCore
+    from tallow.engine.sampling import SamplingParams
+
+    path = str(tmp_path / "m.gguf")
+    write_llama_gguf(path, Q4_K_M, vocab=160)
+    core = EngineCore(dataclasses.replace(EngineConfig(model=path, device="cpu"), max_num_seqs=8))
+    assert type(core.loaded.model.model.layers[0].mlp.down_proj) is gl.GgufLinear
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 160, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 1)]
+
+    def run(batch):
+        seqs = [s for ids in batch for s in core.make_sequences(ids, params)]
+        for s in seqs:
+            core.add(s)
+        while core.has_work():
+            core.step()
+        return [s.output_ids for s in seqs]
+
+    together = run(prompts)
+    assert together == [run([p])[0] for p in prompts]
+    assert len(set(map(tuple, together))) > 1  # the outputs depend on the prompts
