@@ -180,6 +180,32 @@ def test_both_builds_compute_the_same_floats(name):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_weights_stay_half_and_rows_do_not_depend_on_the_batch(dtype, kernels):
+    """F16 / BF16 weights are held as stored; each output is a float32 dot product: within the
+    worst case of two 256-step float32 sums (256 * 2^-24 of sum |x| |w|) of the float64
+    product, and bit for bit the same alone and batched, with 1 or 2 threads."""
+    name = {torch.float16: "F16", torch.bfloat16: "BF16"}[dtype]
+    w = (torch.randn(37, 512) * 0.05).to(dtype)
+    raw = w.view(torch.uint8).numpy()
+    layer = gl.linear_from_raw(raw, name, 512, torch.randn(37))
+    assert type(layer) is gl.HalfLinear and layer.weight.dtype == dtype and torch.equal(layer.weight, w)
+    x = torch.randn(70, 512)
+    ref = x.double() @ w.double().T + layer.bias.double()
+    scale = (x.abs().double() @ w.abs().double().T).max().item()
+    old = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            full = layer(x)
+            torch.testing.assert_close(full.double(), ref, rtol=0, atol=256 * 2.0**-24 * scale)
+            for rows in (1, 2, 5, 33):
+                assert torch.equal(layer(x[:rows]), full[:rows]), rows
+        finally:
+            torch.set_num_threads(old)
+
+
+@needs_kernels
 def test_k_formats_need_whole_super_blocks():
     with pytest.raises(ValueError, match="divisible by 256"):
         gl.GgufLinear.from_codes({"q": np.zeros((16, 288), np.uint8)}, "Q4_K")

@@ -256,17 +256,28 @@ class GgufLinear(quant._NativeBlockLinear):
 
 
 class HalfLinear(nn.Module):
-    """A float16 or bfloat16 weight kept as stored; each call multiplies in float32 (the weight
-    widened per call, exactly). Simple rather than fast."""
+    """A float16 or bfloat16 weight kept as stored, float32 in and out. With tallow's kernels
+    (in_features % 8 == 0): tl_half_linear, each output one float32 dot product in a fixed order
+    (batch invariant); otherwise the weight widened per call for F.linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.detach().contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        lib = cpu_native.lib()
+        self._fn = lib.tl_half_linear if lib is not None and self.in_features % 8 == 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float(), self.bias)
+        if self._fn is None or self.weight.device.type != "cpu":
+            return F.linear(x.float(), self.weight.float(), self.bias)
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.empty(rows.shape[0], self.out_features)
+        if rows.shape[0]:
+            self._fn(rows.data_ptr(), rows.shape[0], self.in_features, self.out_features, self.weight.data_ptr(),
+                     int(self.weight.dtype == torch.bfloat16), None if self.bias is None else self.bias.data_ptr(),
+                     y.data_ptr(), torch.get_num_threads())
+        return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight.float()

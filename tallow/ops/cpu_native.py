@@ -61,6 +61,7 @@ _SIGNATURES = {
     "tl_gguf_linear": ([_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _i], _i),
     "tl_gguf_tile_channels": ([], _i),
     "tl_gguf_repack": ([_i, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i], _i),
+    "tl_half_linear": ([_p, _i, _i, _i, _p, _i, _p, _p, _i], _i),
 }
 
 

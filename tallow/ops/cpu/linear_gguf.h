@@ -400,3 +400,39 @@ int tl_gguf_repack(int type, const uint8_t *raw, int rows, int cols, int tile, u
     }
     return 0;
 }
+
+// ---- float16 / bfloat16 weights (GGUF F16, BF16), kept as stored --------------------------------
+
+static inline __m256 load8_half(const uint16_t *p, int bf16) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias), W [N, K] float16 (bf16: bfloat16) rows; K % 8 == 0. Each
+// output is one dot product in float32 (two 8-lane FMA chains over K, summed in a fixed order),
+// the same whatever the rows around it and the threads (threads split the channels).
+int tl_half_linear(const float *x, int M, int K, int N, const uint16_t *w, int bf16, const float *bias, float *y,
+                   int nthreads) {
+    const int tiles = (N + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = 0; t < tiles; t++) {  // 4 channels' rows stay in cache for every row of x
+        const int n0 = t * 4, cols = N - n0 < 4 ? N - n0 : 4;
+        for (int m = 0; m < M; m++) {
+            const float *xr = x + (size_t)m * K;
+            for (int c = 0; c < cols; c++) {
+                const uint16_t *wr = w + (size_t)(n0 + c) * K;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int i = 0;
+                for (; i + 16 <= K; i += 16) {
+                    a0 = _mm256_fmadd_ps(load8_half(wr + i, bf16), _mm256_loadu_ps(xr + i), a0);
+                    a1 = _mm256_fmadd_ps(load8_half(wr + i + 8, bf16), _mm256_loadu_ps(xr + i + 8), a1);
+                }
+                if (i < K) a0 = _mm256_fmadd_ps(load8_half(wr + i, bf16), _mm256_loadu_ps(xr + i), a0);
+                const float s = hsum8(_mm256_add_ps(a0, a1));
+                y[(size_t)m * N + n0 + c] = bias ? s + bias[n0 + c] : s;
+            }
+        }
+    }
+    return 0;
+}
