@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -99,6 +100,23 @@ def load_native(path: str, reader=None):
                                  f"{', '.join(gl.SUPPORTED_TYPES)}")
     model = LlamaForCausalLM._skeleton(config, torch.float32, None, None)  # on the meta device
     with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        file_bytes = np.frombuffer(mapping, dtype=np.uint8)
+
+        def mapped(name: str):
+            """(rows [rows, row_bytes] as a view of the mapped file, release(r0, r1)): a single
+            tensor is repacked from the mapping, its pages dropped from memory chunk by chunk
+            (madvise), so a large one (an LM head) never sits in memory twice."""
+            t = tensors[name]
+            off, n, rows = int(t.data_offset), int(t.n_bytes), _rows(t)
+            row_bytes = n // rows
+
+            def release(r0: int, r1: int) -> None:
+                start = (off + r0 * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+                if hasattr(mapping, "madvise"):
+                    mapping.madvise(mmap.MADV_DONTNEED, start, off + r1 * row_bytes - start)
+
+            return file_bytes[off:off + n].reshape(rows, -1), release
 
         def raw(name: str) -> np.ndarray:
             """A tensor's rows as bytes [rows, row_bytes], read from the file (not through the
@@ -135,6 +153,9 @@ def load_native(path: str, reader=None):
             ts = [tensors[f"{n}.weight"] for n in names]
             b = bias(names)
             in_features = _in_features(ts[0])
+            if len(ts) == 1 and heads[0] is None:
+                data, release = mapped(f"{names[0]}.weight")
+                return gl.linear_from_raw(data, ts[0].tensor_type, in_features, b, release)
             if len({t.tensor_type for t in ts}) == 1:
                 data = np.empty((sum(_rows(t) for t in ts), int(ts[0].n_bytes) // _rows(ts[0])), np.uint8)
                 start = 0
@@ -174,8 +195,9 @@ def load_native(path: str, reader=None):
             table = embd.data.view(np.uint8).reshape(_rows(embd), -1)  # stays memory-mapped
             model.model.embed_tokens = gl.GgufEmbedding(table, embd.tensor_type, config.hidden_size)
             head = "token_embd" if config.tie_word_embeddings else "output"
-            model.lm_head = gl.linear_from_raw(raw(f"{head}.weight"), tensors[f"{head}.weight"].tensor_type,
-                                               config.hidden_size)
+            data, release = mapped(f"{head}.weight")
+            model.lm_head = gl.linear_from_raw(data, tensors[f"{head}.weight"].tensor_type, config.hidden_size, None,
+                                               release)
         except KeyError as e:
             raise ModelLoadError(f"GGUF file {path} lacks tensor {e}") from e
         except ValueError as e:

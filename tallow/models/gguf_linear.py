@@ -308,13 +308,18 @@ class ConcatLinear(nn.Module):
         return torch.cat([p.dequantized_weight() for p in self.parts])
 
 
-def linear_from_raw(raw: np.ndarray, qtype, in_features: int, bias: torch.Tensor | None = None) -> nn.Module:
+def linear_from_raw(raw: np.ndarray, qtype, in_features: int, bias: torch.Tensor | None = None,
+                    release=None) -> nn.Module:
     """The Linear layer of one GGUF weight in its file type. raw: [out, row_bytes] uint8 (whole
-    block rows; F32/F16/BF16: the row's values as bytes)."""
+    block rows; F32/F16/BF16: the row's values as bytes), e.g. a view of the memory-mapped file;
+    release(first_row, end_row), where given, is called once rows are no longer needed (to drop
+    the mapped pages from memory as a large tensor is repacked)."""
     name = type_name(qtype)
     if name in FLOAT_TYPES:
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
         w = torch.from_numpy(np.ascontiguousarray(raw).copy()).view(dtype).view(raw.shape[0], in_features)
+        if release is not None:
+            release(0, raw.shape[0])
         if name == "F32":
             layer = nn.Linear(in_features, raw.shape[0], bias=bias is not None, device="meta")
             layer.weight = nn.Parameter(w, requires_grad=False)
@@ -333,7 +338,7 @@ def linear_from_raw(raw: np.ndarray, qtype, in_features: int, bias: torch.Tensor
             cls, attrs = GgufLinear, GgufLinear.format_attrs(name)
             fits = in_features % (QK_K if name.endswith("_K") else QK) == 0
         if fits:
-            return cls.from_tiles(shape, repacked(raw, name, in_features, cls.kernel_tile()), bias, **attrs)
+            return cls.from_tiles(shape, repacked(raw, name, in_features, cls.kernel_tile(), release), bias, **attrs)
     # No kernels for it here: dequantized on its own.
     layer = DequantizedLinear(in_features, raw.shape[0], bias=bias is not None, device="meta")
     layer.weight = nn.Parameter(dequantize_raw(raw, name), requires_grad=False)
@@ -342,10 +347,14 @@ def linear_from_raw(raw: np.ndarray, qtype, in_features: int, bias: torch.Tensor
     return layer
 
 
-def repacked(raw: np.ndarray, qtype, in_features: int, tile: int) -> dict[str, torch.Tensor | None]:
+REPACK_CHUNK_BYTES = 32 << 20  # raw bytes repacked per call (then released, where a release is given)
+
+
+def repacked(raw: np.ndarray, qtype, in_features: int, tile: int, release=None) -> dict[str, torch.Tensor | None]:
     """A block-quantized tensor's rows [out, row_bytes] in its kernel's tiles, by
-    tl_gguf_repack (C, parallel, straight from the file's blocks: no other copy of the codes):
-    the buffers of Q4Linear / Q8Linear / GgufLinear by name."""
+    tl_gguf_repack (C, parallel, straight from the file's blocks: no other copy of the codes),
+    REPACK_CHUNK_BYTES of rows (whole tiles) at a time, release(r0, r1) after each: the buffers
+    of Q4Linear / Q8Linear / GgufLinear by name."""
     from gguf.constants import GGMLQuantizationType
 
     name = type_name(qtype)
@@ -368,11 +377,21 @@ def repacked(raw: np.ndarray, qtype, in_features: int, tile: int) -> dict[str, t
                "sc": zeros(nb, 2, tile, dtype=torch.int8) if name == "Q6_K" else
                zeros(nb, tile) if name in ("Q4_K", "Q5_K") else None,
                "mn": zeros(nb, tile) if name in ("Q4_K", "Q5_K") else None}
-    raw = np.ascontiguousarray(raw)
-    ptrs = [None if out.get(k) is None else out[k].data_ptr() for k in ("qweight", "d", "m", "sc", "mn")]
-    if cpu_native.lib().tl_gguf_repack(int(GGMLQuantizationType[name]), raw.ctypes.data, rows, in_features, tile,
-                                       *ptrs, torch.get_num_threads()):
-        raise ValueError(f"tl_gguf_repack cannot take {name} in tiles of {tile}")
+    if not raw.flags.c_contiguous:
+        raw = np.ascontiguousarray(raw)
+    row_bytes = raw.shape[1]
+    step = max(tile, REPACK_CHUNK_BYTES // max(row_bytes, 1) // tile * tile)
+    bufs = [out.get(k) for k in ("qweight", "d", "m", "sc", "mn")]
+    base = raw.ctypes.data
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        t0 = r0 // tile  # whole tiles: each buffer's first dimension
+        ptrs = [None if b is None else b.data_ptr() + t0 * b.stride(0) * b.element_size() for b in bufs]
+        if cpu_native.lib().tl_gguf_repack(int(GGMLQuantizationType[name]), base + r0 * row_bytes, r1 - r0,
+                                           in_features, tile, *ptrs, torch.get_num_threads()):
+            raise ValueError(f"tl_gguf_repack cannot take {name} in tiles of {tile}")
+        if release is not None:
+            release(r0, r1)
     return out
 
 
