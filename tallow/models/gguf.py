@@ -124,7 +124,7 @@ def load_native(path: str, reader=None):
             t = tensors[name]
             f.seek(t.data_offset)
             data = np.fromfile(f, dtype=np.uint8, count=int(t.n_bytes))
-            return data.reshape(int(np.prod([int(d) for d in t.shape[1:]])), -1)
+            return data.reshape(_rows(t), -1)
 
         def floats(name: str) -> torch.Tensor:
             t = tensors[name]
