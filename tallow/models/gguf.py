@@ -1,9 +1,19 @@
-"""GGUF files: metadata -> ModelConfig, tensors -> float32 weights with transformers names.
+"""GGUF files: metadata -> ModelConfig; tensors either kept in their own formats
+(`load_native`) or dequantized to float32 weights with transformers names (`read_gguf`).
 
-Reading and dequantizing a GGUF takes seconds, so the loader keeps the converted model in a
-cache: one safetensors file with the engine's own state dict (fused weights), the config and
-the metadata, keyed by the GGUF's path, size and mtime. A warm load maps that file and uses
-its tensors in place. Float32, because the dequantized values (a float16 scale times a small
+load_native (a file with block-quantized, F16 or BF16 weights, on the CPU in float32, without
+tensor parallelism): each weight is read from the file on its own and repacked into its
+kernel's layout in its file type (tallow/models/gguf_linear.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K, Q6_K, F16, BF16; F32 weights are plain float32 nn.Linear layers that
+--quantization may re-quantize), the embedding stays in the memory-mapped file (rows
+dequantized as looked up), the LM head in its file type. Nothing is materialized as float32
+beyond one tensor's rows at a time, and nothing is cached: memory stays about the file's size.
+
+read_gguf (float32 files, tensor parallelism, other devices, the default model): reading and
+dequantizing takes seconds, so the loader keeps the converted model in a cache: one
+safetensors file with the engine's own state dict (fused weights), the config and the
+metadata, keyed by the GGUF's path, size and mtime. A warm load maps that file and uses its
+tensors in place. Float32, because the dequantized values (a float16 scale times a small
 integer, plus a float16 offset) are not exact in float16 or bfloat16.
 """
 
@@ -12,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +33,7 @@ import torch
 from tallow.errors import ModelLoadError
 from tallow.models.config import ModelConfig
 
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3  # 3: files with quantized weights load natively, never cached
 _ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
@@ -45,19 +56,165 @@ def hf_name(gguf_name: str) -> str:
     raise ModelLoadError(f"unknown GGUF tensor {gguf_name!r}")
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
-    """(config, metadata, weights) of a GGUF file. metadata holds the general.* and
-    tokenizer.* keys as plain Python values; weights are float32 with transformers names."""
+def open_gguf(path: str):
+    """The file's gguf.GGUFReader (metadata parsed, tensors memory-mapped, nothing read)."""
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def read_gguf(path: str, reader=None) -> tuple[ModelConfig, dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
+    """(config, metadata, weights) of a GGUF file. metadata holds the general.* and
+    tokenizer.* keys as plain Python values; weights are float32 with transformers names."""
+    reader = reader or open_gguf(path)
     metadata = {name: field.contents() for name, field in reader.fields.items()
                 if name.startswith(("general.", "tokenizer."))}
     config = _config(reader, metadata)
     return config, metadata, _dequantized(reader, config)
+
+
+def quantized_weights(reader) -> bool:
+    """Whether a GGUF file (its reader) holds weights in other types than F32 (block-quantized,
+    F16, BF16): those that load_native keeps as they are."""
+    return any(t.tensor_type.name != "F32" and t.name.endswith(".weight") and len(t.shape) == 2
+               for t in reader.tensors)
+
+
+def load_native(path: str, reader=None):
+    """(config, metadata, LlamaForCausalLM on the CPU) with every weight in its file type (see
+    the module docstring). Raises ModelLoadError on a tensor type without a layer here."""
+    from tallow.models import gguf_linear as gl
+    from tallow.models.llama import LlamaForCausalLM
+
+    reader = reader or open_gguf(path)
+    metadata = {name: field.contents() for name, field in reader.fields.items()
+                if name.startswith(("general.", "tokenizer."))}
+    config = _config(reader, metadata)
+    tensors = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        if t.tensor_type.name not in gl.SUPPORTED_TYPES:
+            raise ModelLoadError(f"GGUF tensor {t.name} has type {t.tensor_type.name}; tallow loads "
+                                 f"{', '.join(gl.SUPPORTED_TYPES)}")
+    model = LlamaForCausalLM._skeleton(config, torch.float32, None, None)  # on the meta device
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        file_bytes = np.frombuffer(mapping, dtype=np.uint8)
+
+        def mapped(name: str):
+            """(rows [rows, row_bytes] as a view of the mapped file, release(r0, r1)): a single
+            tensor is repacked from the mapping, its pages dropped from memory chunk by chunk
+            (madvise), so a large one (an LM head) never sits in memory twice."""
+            t = tensors[name]
+            off, n, rows = int(t.data_offset), int(t.n_bytes), _rows(t)
+            row_bytes = n // rows
+
+            def release(r0: int, r1: int) -> None:
+                start = (off + r0 * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+                if hasattr(mapping, "madvise"):
+                    mapping.madvise(mmap.MADV_DONTNEED, start, off + r1 * row_bytes - start)
+
+            return file_bytes[off:off + n].reshape(rows, -1), release
+
+        def raw(name: str) -> np.ndarray:
+            """A tensor's rows as bytes [rows, row_bytes], read from the file (not through the
+            memory map, whose pages would stay resident)."""
+            t = tensors[name]
+            f.seek(t.data_offset)
+            data = np.fromfile(f, dtype=np.uint8, count=int(t.n_bytes))
+            return data.reshape(_rows(t), -1)
+
+        def floats(name: str) -> torch.Tensor:
+            t = tensors[name]
+            return gl.dequantize_raw(raw(name), t.tensor_type).reshape(-1)
+
+        def rows_into(name: str, data: np.ndarray, n_head: int | None) -> None:
+            """A projection's raw rows read into data [rows, row_bytes]; n_head: undo
+            llama.cpp's q/k row interleave, which moves whole rows (a row is a whole number of
+            blocks)."""
+            t = tensors[name]
+            f.seek(t.data_offset)
+            if f.readinto(memoryview(data.reshape(-1))) != data.nbytes:
+                raise ValueError(f"tensor {name} is cut short")
+            if n_head is not None and config.architecture == "llama":
+                out = data.shape[0]
+                data[:] = data[np.arange(out).reshape(n_head, out // n_head // 2, 2).swapaxes(1, 2).reshape(-1)]
+
+        def bias(names: list[str]) -> torch.Tensor | None:
+            if f"{names[0]}.bias" not in tensors:
+                return None
+            return torch.cat([floats(f"{n}.bias") for n in names])
+
+        def projection(names: list[str], heads: list[int | None]) -> torch.nn.Module:
+            """One Linear of the parts' rows side by side (q/k/v, gate/up): one layer where they
+            share a type (their rows read into one buffer), else a ConcatLinear."""
+            ts = [tensors[f"{n}.weight"] for n in names]
+            b = bias(names)
+            in_features = _in_features(ts[0])
+            if len(ts) == 1 and heads[0] is None:
+                data, release = mapped(f"{names[0]}.weight")
+                return gl.linear_from_raw(data, ts[0].tensor_type, in_features, b, release)
+            if len({t.tensor_type for t in ts}) == 1:
+                data = np.empty((sum(_rows(t) for t in ts), int(ts[0].n_bytes) // _rows(ts[0])), np.uint8)
+                start = 0
+                for n, t, h in zip(names, ts, heads):
+                    rows_into(f"{n}.weight", data[start:start + _rows(t)], h)
+                    start += _rows(t)
+                return gl.linear_from_raw(data, ts[0].tensor_type, in_features, b)
+            biases = [None] * len(ts) if b is None else list(b.split([_rows(t) for t in ts]))
+            parts = []
+            for n, t, h, bb in zip(names, ts, heads, biases):
+                data = np.empty((_rows(t), int(t.n_bytes) // _rows(t)), np.uint8)
+                rows_into(f"{n}.weight", data, h)
+                parts.append(gl.linear_from_raw(data, t.tensor_type, in_features, bb))
+            return gl.ConcatLinear(parts)
+
+        def norm_weight(name: str) -> torch.nn.Parameter:
+            return torch.nn.Parameter(floats(name).float().contiguous(), requires_grad=False)
+
+        try:
+            for i, layer in enumerate(model.model.layers):
+                blk = f"blk.{i}"
+                attn, mlp = layer.self_attn, layer.mlp
+                attn.qkv_proj = projection([f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"],
+                                           [config.num_attention_heads, config.num_key_value_heads, None])
+                attn.o_proj = projection([f"{blk}.attn_output"], [None])
+                mlp.gate_up_proj = projection([f"{blk}.ffn_gate", f"{blk}.ffn_up"], [None, None])
+                mlp.down_proj = projection([f"{blk}.ffn_down"], [None])
+                layer.input_layernorm.weight = norm_weight(f"{blk}.attn_norm.weight")
+                layer.post_attention_layernorm.weight = norm_weight(f"{blk}.ffn_norm.weight")
+                if config.qk_norm:
+                    attn.q_norm.weight = norm_weight(f"{blk}.attn_q_norm.weight")
+                    attn.k_norm.weight = norm_weight(f"{blk}.attn_k_norm.weight")
+            model.model.norm.weight = norm_weight("output_norm.weight")
+            embd = tensors["token_embd.weight"]
+            if _rows(embd) != config.vocab_size:
+                raise ValueError(f"token_embd has {_rows(embd)} rows for a vocabulary of {config.vocab_size}")
+            table = embd.data.view(np.uint8).reshape(_rows(embd), -1)  # stays memory-mapped
+            model.model.embed_tokens = gl.GgufEmbedding(table, embd.tensor_type, config.hidden_size)
+            head = "token_embd" if config.tie_word_embeddings else "output"
+            data, release = mapped(f"{head}.weight")
+            model.lm_head = gl.linear_from_raw(data, tensors[f"{head}.weight"].tensor_type, config.hidden_size, None,
+                                               release)
+        except KeyError as e:
+            raise ModelLoadError(f"GGUF file {path} lacks tensor {e}") from e
+        except ValueError as e:
+            raise ModelLoadError(f"cannot load GGUF file {path}: {e}") from e
+    model.model.rotary_emb.reset_parameters(torch.device("cpu"))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ModelLoadError(f"GGUF file {path}: no weights for {left[:8]}")
+    return config, metadata, model
+
+
+def _rows(t) -> int:
+    return int(np.prod([int(d) for d in t.shape[1:]]))
+
+
+def _in_features(t) -> int:
+    return int(t.shape[0])
 
 
 def read_cache(path: str, cache_dir: str) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.Tensor]] | None:

@@ -110,7 +110,7 @@ def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
             tokenizer = TokenizerSource("gguf", resolved.location, metadata)
             generation = {}
         elif resolved.kind == "gguf":
-            model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir)
+            model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir, native=source != "default")
             tokenizer = TokenizerSource("gguf", resolved.location, metadata)
             generation = {}
         elif resolved.kind == "hf":
@@ -153,9 +153,12 @@ def read_model_config(source: str) -> ModelConfig:
 
 
 def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
-               cache_dir: str | None) -> tuple[LlamaForCausalLM, dict[str, Any]]:
-    """From the cache when it holds this file (memory-mapped, no copy on CPU in float32);
-    otherwise convert in float32 on the CPU, fill the cache, then move."""
+               cache_dir: str | None, native: bool = True) -> tuple[LlamaForCausalLM, dict[str, Any]]:
+    """A file with quantized (or F16/BF16) weights, on the CPU in float32: its weights kept in
+    their own types (gguf.load_native; no cache). Otherwise from the cache when it holds this
+    file (memory-mapped, no copy on CPU in float32), or converted in float32 on the CPU, cached,
+    then moved. native False (the default model): the cached float32 path for every file (its
+    warm start maps the cache instead of parsing the GGUF)."""
     from tallow.models import gguf
 
     cached = gguf.read_cache(path, cache_dir) if cache_dir else None
@@ -163,6 +166,11 @@ def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
         config, metadata, state = cached
         state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
         return LlamaForCausalLM.from_state_dict(config, state), metadata
+    reader = gguf.open_gguf(path)
+    if native and device.type == "cpu" and dtype == torch.float32 and gguf.quantized_weights(reader):
+        _, metadata, model = gguf.load_native(path, reader)
+        return model, metadata
+    del reader  # (read_gguf parses the file again: float files pay it on their first, uncached load only)
     config, metadata, weights = gguf.read_gguf(path)
     model = LlamaForCausalLM.empty(config, device=torch.device("cpu"), dtype=torch.float32)
     model.load_weights(weights)

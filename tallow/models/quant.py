@@ -190,19 +190,47 @@ class _NativeBlockLinear(nn.Module):
     _kernel = ""  # the C function's name
     _weight_buffers: tuple[str, ...] = ()  # buffers passed to it, in order (None entries: NULL)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor | tuple[int, int], bias: torch.Tensor | None):
+        """weight: the float weight, or only its shape (out, in) where a subclass packs codes
+        it was given (from_codes)."""
         super().__init__()
         lib = cpu_native.lib()
         if lib is None:
             raise RuntimeError(f"tallow's CPU kernels are unavailable: {cpu_native.unavailable_reason()}")
         self._fn = getattr(lib, self._kernel)
-        self.tile = cpu_native.tile_channels(lib)  # the kernels' weight layout
-        self.out_features, self.in_features = weight.shape
-        if not native_fits(weight):
-            raise ValueError(f"{type(self).__name__} needs in_features divisible by {GROUP_SIZE} and "
-                             f"out_features by {NATIVE_OUT_MULTIPLE}, got {tuple(weight.shape)}")
+        self.tile = self._tile_channels(lib)  # the kernels' weight layout
+        self.out_features, self.in_features = shape = tuple(weight if isinstance(weight, tuple) else weight.shape)
+        self._check_shape(shape)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._ptrs: tuple[int | None, ...] = ()
+
+    @staticmethod
+    def _tile_channels(lib) -> int:
+        return cpu_native.tile_channels(lib)
+
+    @classmethod
+    def kernel_tile(cls) -> int:
+        """Output channels per weight tile of the kernels lib() hands out, for this layer."""
+        return cls._tile_channels(cpu_native.lib())
+
+    @classmethod
+    def from_tiles(cls, shape: tuple[int, int], tiles: dict[str, torch.Tensor | None],
+                   bias: torch.Tensor | None = None, **attrs):
+        """The layer around weights already in its kernel's tiles (the buffers of
+        _weight_buffers by name, as tile_codes makes them); attrs: plain attributes the layer
+        needs before its shape check (GgufLinear's format)."""
+        layer = cls.__new__(cls)
+        layer.__dict__.update(attrs)
+        _NativeBlockLinear.__init__(layer, tuple(shape), bias)
+        for name in cls._weight_buffers:
+            layer.register_buffer(name, tiles.get(name))
+        layer._set_pointers()
+        return layer
+
+    def _check_shape(self, shape: tuple[int, int]) -> None:
+        if not native_fits(torch.empty(shape, device="meta")):
+            raise ValueError(f"{type(self).__name__} needs in_features divisible by {GROUP_SIZE} and "
+                             f"out_features by {NATIVE_OUT_MULTIPLE}, got {shape}")
 
     def _set_pointers(self) -> None:
         tensors = [getattr(self, name) for name in self._weight_buffers] + [self.bias]
@@ -316,9 +344,17 @@ class Q4Linear(_NativeBlockLinear):
             w = weight[rows].detach().float()
             d[rows], m[rows] = (_half(t, "Q4Linear") for t in q4_scales(w))
             q[rows] = q4_codes(w, d[rows].float(), m[rows].float())
-        self.register_buffer("qweight", _tile_q4(q, self.tile))
-        self.register_buffer("d", _tile_scales(d, self.tile))
-        self.register_buffer("m", _tile_scales(m, self.tile))
+        self._pack(q, d, m)
+
+    @staticmethod
+    def tile_codes(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, tile: int) -> dict[str, torch.Tensor]:
+        """w = d * q + m as given (codes q [out, in] uint8 0..15, d and m float16 [out, in / 32]:
+        a GGUF Q4_1 tensor's own values; Q4_0's are m = -8 d) in the kernel's tiles."""
+        return {"qweight": _tile_q4(q, tile), "d": _tile_scales(d, tile), "m": _tile_scales(m, tile)}
+
+    def _pack(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        for name, t in self.tile_codes(q, d, m, self.tile).items():
+            self.register_buffer(name, t)
         self._set_pointers()
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -346,8 +382,17 @@ class Q8Linear(_NativeBlockLinear):
             inv = torch.where(scale > 0, 1 / scale, 0.0)
             qweight[rows] = (groups * inv[..., None]).round_().clamp_(-127, 127).reshape(-1, k).to(torch.int8)
             d[rows] = scale
-        self.register_buffer("qweight", _tile_q8(qweight, self.tile))
-        self.register_buffer("d", _tile_scales(d, self.tile))
+        self._pack(qweight, d)
+
+    @staticmethod
+    def tile_codes(q: torch.Tensor, d: torch.Tensor, tile: int) -> dict[str, torch.Tensor]:
+        """w = d * q as given (q [out, in] int8, d float16 [out, in / 32]: a GGUF Q8_0 tensor's
+        own values) in the kernel's tiles."""
+        return {"qweight": _tile_q8(q, tile), "d": _tile_scales(d, tile)}
+
+    def _pack(self, q: torch.Tensor, d: torch.Tensor) -> None:
+        for name, t in self.tile_codes(q, d, self.tile).items():
+            self.register_buffer(name, t)
         self.m = None
         self._set_pointers()
 
@@ -430,6 +475,10 @@ def quantize_model_(model: nn.Module, scheme: str = "auto") -> str:
     logits, and often a tied embedding stored at 8 bits. A tied LM head gets its own quantized
     copy; the embedding stays a float lookup table. Layers whose shape a kernel cannot take
     fall back from int4 to int8 to bf16. A model off the CPU is left alone ("none").
+
+    Only plain nn.Linear layers are replaced: a GGUF file loaded in its own formats
+    (gguf.load_native) keeps its Q4_0 ... Q6_K, F16 and BF16 layers whatever the scheme; the
+    scheme applies to its F32 weights only (float sources).
     """
     if scheme == "auto":
         scheme = "int4"

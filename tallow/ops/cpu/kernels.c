@@ -25,7 +25,7 @@
 
 #define QK 32
 
-int tl_abi_version(void) { return 7; }
+int tl_abi_version(void) { return 8; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -103,6 +103,7 @@ static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s); }
 #else
 #include "linear_avx2.h"
 #endif
+#include "linear_gguf.h"  // GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K blocks (both builds)
 
 // The output channels of one weight tile: the layout the Python side packs (quant.py).
 int tl_tile_channels(void) { return NT; }

@@ -1,0 +1,99 @@
+"""Test helpers: small Llama-shaped GGUF files in any of the block formats tallow loads.
+
+gguf's writer quantizes only Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (gguf.quants.quantize); the K-quant
+tensors (Q4_K, Q5_K, Q6_K) are written as random raw blocks with valid scales, their type set
+accordingly. The reference for such a file is the float32 model of its own dequantized weights."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Byte offsets of each block's float16 scale fields (the rest of a block is codes and integer
+# scales, any bit pattern valid).
+SCALE_FIELDS = {"Q4_0": [0], "Q5_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2],
+                "Q5_K": [0, 2], "Q6_K": [208]}
+# A typical scale per format, so that weights come out about 0.02 in size.
+SCALE_SIZE = {"Q4_0": 0.006, "Q5_0": 0.003, "Q8_0": 0.0005, "Q4_1": 0.006, "Q5_1": 0.003, "Q4_K": 0.0002,
+              "Q5_K": 0.0001, "Q6_K": 0.0003}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, row_bytes] uint8: random codes and integer scales, float16 scales of moderate size
+    (Q4_1/Q5_1/K minimums negative, so weights center near zero)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    b = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for i, off in enumerate(SCALE_FIELDS[type_name]):
+        v = SCALE_SIZE[type_name] * rng.uniform(0.5, 1.5, b.shape[0])
+        if i == 1:  # Q4_1/Q5_1: the minimum m (w = d q + m); K: dmin (w = d sc q - dmin mn); about centered
+            v = v * {"Q4_1": -7.5, "Q5_1": -15.5, "Q4_K": 7.5, "Q5_K": 15.5}[type_name]
+        b[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return b.reshape(rows, -1)
+
+
+def write_llama_gguf(path: str, types: dict[str, str], *, arch: str = "llama", hidden: int = 256, inter: int = 512,
+                     layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 160, tied: bool = False,
+                     seed: int = 0) -> None:
+    """A random Llama-shaped GGUF. types: GGUF tensor kind (attn_q, attn_k, attn_v, attn_output,
+    ffn_gate, ffn_up, ffn_down, token_embd, output) -> GGML type name (F32, F16, BF16, Q4_0, Q4_1,
+    Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); missing kinds are F32. qwen2: q/k/v biases."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType
+
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_block_count(layers)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "ab"] + [f"t{i}" for i in range(3, vocab)])
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(2)
+
+    def add(name: str, kind: str, rows: int, cols: int) -> None:
+        t = types.get(kind, "F32")
+        if t in ("Q4_K", "Q5_K", "Q6_K"):
+            raw = random_blocks(t, rows, cols, rng)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[t])
+            return
+        data = (rng.standard_normal((rows, cols)) * (0.5 if kind == "token_embd" else 0.05)).astype(np.float32)
+        if t == "F32":
+            w.add_tensor(name, data)
+        elif t == "F16":
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            q = gguf.quants.quantize(data, GGMLQuantizationType[t])
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType[t])
+
+    add("token_embd.weight", "token_embd", vocab, hidden)
+    for i in range(layers):
+        b = f"blk.{i}"
+        w.add_tensor(f"{b}.attn_norm.weight", (1 + 0.2 * rng.standard_normal(hidden)).astype(np.float32))
+        w.add_tensor(f"{b}.ffn_norm.weight", (1 + 0.2 * rng.standard_normal(hidden)).astype(np.float32))
+        add(f"{b}.attn_q.weight", "attn_q", hidden, hidden)
+        add(f"{b}.attn_k.weight", "attn_k", kv_heads * head_dim, hidden)
+        add(f"{b}.attn_v.weight", "attn_v", kv_heads * head_dim, hidden)
+        if arch == "qwen2":
+            for part, n in (("attn_q", hidden), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
+                w.add_tensor(f"{b}.{part}.bias", (0.2 * rng.standard_normal(n)).astype(np.float32))
+        add(f"{b}.attn_output.weight", "attn_output", hidden, hidden)
+        add(f"{b}.ffn_gate.weight", "ffn_gate", inter, hidden)
+        add(f"{b}.ffn_up.weight", "ffn_up", inter, hidden)
+        add(f"{b}.ffn_down.weight", "ffn_down", hidden, inter)
+    w.add_tensor("output_norm.weight", (1 + 0.2 * rng.standard_normal(hidden)).astype(np.float32))
+    if not tied:
+        add("output.weight", "output", vocab, hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
