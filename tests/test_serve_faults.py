@@ -159,7 +159,7 @@ REPLY = "Steady as she goes: the engine keeps serving after a failed step."
 
 @pytest.fixture(scope="module")
 def replay_server(tmp_path_factory):
-    from tallow.engine.core import AsyncEngine
+    from tallow.engine.async_engine import AsyncEngine
 
     script = tmp_path_factory.mktemp("replay") / "reply.json"
     script.write_text(json.dumps([{"reply": REPLY}]))
