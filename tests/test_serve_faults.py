@@ -15,6 +15,7 @@ from tallow.config import EngineConfig, ServerConfig
 from tallow.serve import executor as executor_module
 from tallow.serve.protocols.openai_chat import OpenAIChat
 from tallow.serve.sink import StopMatcher
+import tallow.testing  # noqa: F401  (registers the replay: model source)
 
 MAX_TOKENS = 24
 MARK = "EXPLODE"
