@@ -30,6 +30,7 @@ import torch
 from tallow.attention.metadata import AttentionMetadata
 from tallow.config import EngineConfig
 from tallow.distributed.step_channel import StepChannel, StepInputs
+from tallow.engine.cuda_graphs import fill_pending
 from tallow.engine.sampler import Sampler
 from tallow.engine.scheduler import SchedulerOutput
 from tallow.models.config import ModelConfig
