@@ -40,7 +40,7 @@ def paged_batch(query_lens, seq_lens, dtype, device):
     """Random q/k/v, a KV cache with shuffled blocks, and the metadata of one flat batch."""
     import torch
 
-    from tallow.engine.attention.metadata import AttentionMetadata
+    from tallow.attention.metadata import AttentionMetadata
 
     blocks = [-(-n // BLOCK) for n in seq_lens]
     perm = torch.randperm(sum(blocks), device=device).to(torch.int32)
@@ -78,9 +78,9 @@ def bench_decode(batch, ctx, us, peak_gbps, device):
     import torch
     import torch.nn.functional as F
 
-    from tallow.engine.attention.torch_ref import TorchAttentionBackend
-    from tallow.engine.attention.triton_backend import TritonAttentionBackend
-    from tallow.engine.attention.triton_decode import decode_attention
+    from tallow.attention.torch_ref import TorchAttentionBackend
+    from tallow.attention.triton_backend import TritonAttentionBackend
+    from tallow.attention.triton_decode import decode_attention
 
     q, k, v, k_cache, v_cache, meta = paged_batch([1] * batch, [ctx] * batch, torch.bfloat16, device)
     scale = HEAD_DIM ** -0.5
@@ -117,8 +117,8 @@ def bench_prefill(prefix, new, us, device):
     import torch
     import torch.nn.functional as F
 
-    from tallow.engine.attention.torch_ref import TorchAttentionBackend
-    from tallow.engine.attention.triton_backend import TritonAttentionBackend
+    from tallow.attention.torch_ref import TorchAttentionBackend
+    from tallow.attention.triton_backend import TritonAttentionBackend
 
     ctx = prefix + new
     q, k, v, k_cache, v_cache, meta = paged_batch([new], [ctx], torch.bfloat16, device)
@@ -152,7 +152,7 @@ def bench_prefill(prefix, new, us, device):
 def bench_kv_write(num_tokens, us, device):
     import torch
 
-    from tallow.engine.attention.triton_kv_write import write_kv_cache
+    from tallow.attention.triton_kv_write import write_kv_cache
 
     _, k, v, k_cache, v_cache, meta = paged_batch([num_tokens], [num_tokens], torch.bfloat16, device)
     slots = meta.slot_mapping

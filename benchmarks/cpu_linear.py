@@ -195,7 +195,7 @@ TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars i
 def attention_metadata(batch: int, start: int, count: int, block_size: int = BLOCK_SIZE):
     """batch sequences, each computing tokens start..start+count-1 now, sequence b in blocks
     b * n .. b * n + n - 1 of the cache."""
-    from tallow.engine.attention.metadata import AttentionMetadata
+    from tallow.attention.metadata import AttentionMetadata
 
     context = start + count
     blocks_per_seq = -(-context // block_size)
@@ -237,7 +237,7 @@ def text_logits(model, ids: list[int], step: int) -> torch.Tensor:
 
 def bench_decode(args) -> list[dict]:
     from tallow.config import EngineConfig
-    from tallow.engine.core import load_tokenizer
+    from tallow.models.engine_model import load_tokenizer
     from tallow.models.loader import load_model
     from tallow.models.quant import quantize_model_
 

@@ -31,7 +31,8 @@ def make_core(**config):
     import tempfile
 
     from tallow.config import EngineConfig
-    from tallow.engine.core import EngineCore, resolve_device, resolve_dtype
+    from tallow.engine.core import EngineCore
+    from tallow.models.engine_model import resolve_device, resolve_dtype
     from tallow.models.loader import TokenizerSource, load_model
 
     config = EngineConfig(**config)

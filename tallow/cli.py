@@ -112,8 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("tool_call_parser", "reasoning_parser"):
         if getattr(args, name, None):
             setattr(scfg, name, getattr(args, name))
-    run_server(engine_config_from(args), scfg)
-    return 0
+    return run_server(engine_config_from(args), scfg)  # 1 when the engine failed
 
 
 def main(argv: list[str] | None = None) -> int:

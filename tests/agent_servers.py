@@ -12,6 +12,7 @@ from pathlib import Path
 from serve_utils import LiveServer, start_real_engine
 
 from tallow.config import EngineConfig
+import tallow.testing  # noqa: F401  (registers the replay: model source)
 
 REPLAY_SCRIPT = Path(__file__).parent / "data" / "replay_agents.json"
 
@@ -31,7 +32,7 @@ def real_server() -> LiveServer:
 
 @functools.cache
 def replay_server() -> LiveServer:
-    from tallow.engine.core import AsyncEngine
+    from tallow.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_config(EngineConfig(model=f"replay:{REPLAY_SCRIPT}", quantization="none"))
     server = LiveServer(engine).__enter__()

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.attention.metadata import AttentionMetadata
 from tallow.models.config import ModelConfig
 
 

@@ -235,7 +235,7 @@ def start_real_engine():
     import pytest
 
     from tallow.config import EngineConfig
-    from tallow.engine.core import AsyncEngine
+    from tallow.engine.async_engine import AsyncEngine
 
     try:
         engine = AsyncEngine.from_config(EngineConfig(model="default", max_num_seqs=16, quantization="none"))

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tallow.config import EngineConfig
-from tallow.engine.core import AsyncEngine, EngineCore
+from tallow.engine.async_engine import AsyncEngine
+from tallow.engine.core import EngineCore
 from tallow.engine.request import PENDING_TOKEN
 from tallow.engine.sampling import SamplingParams
 

@@ -24,7 +24,7 @@ def test_an_unknown_parser_name_stops_serve_before_anything_loads(flag, names, c
 def test_generate_streams_the_reply_and_honours_a_stop_string(tmp_path):
     script = tmp_path / "reply.json"
     script.write_text(json.dumps([{"reply": "Alpha beta gamma. Delta epsilon."}]))
-    args = [sys.executable, "-m", "tallow.cli", "generate", "Say something.", "--chat",
+    args = [sys.executable, "-m", "tallow.testing", "generate", "Say something.", "--chat",
             "--model", f"replay:{script}", "--kv-cache-memory", "0.01"]
     whole = subprocess.run(args, capture_output=True, text=True, timeout=120)
     stopped = subprocess.run(args + ["--stop", " Delta", "-v"], capture_output=True, text=True, timeout=120)

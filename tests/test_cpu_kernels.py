@@ -259,7 +259,7 @@ def test_fused_layers_equal_the_module_path(family, tmp_path, monkeypatch):
     over the same kernels: prefill chunks with cached prefixes, mixed and decode steps."""
     from model_utils import PagedBatches, tiny_hf_model
 
-    from tallow.engine.attention.cpu_backend import CpuAttentionBackend
+    from tallow.attention.cpu_backend import CpuAttentionBackend
     from tallow.engine.runner import set_attention_backend
     from tallow.models import cpu_fused
     from tallow.models.loader import load_model
@@ -294,7 +294,7 @@ def test_fused_layers_need_the_native_pieces(tmp_path):
     """Qwen3's q/k norm, torch's layers or the torch attention backend: the module path."""
     from model_utils import tiny_hf_model
 
-    from tallow.engine.attention.cpu_backend import CpuAttentionBackend
+    from tallow.attention.cpu_backend import CpuAttentionBackend
     from tallow.engine.runner import set_attention_backend
     from tallow.models.cpu_fused import FusedCpuLayers
     from tallow.models.loader import load_model

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tallow.config import EngineConfig
-from tallow.engine.core import AsyncEngine, EngineCore
+from tallow.engine.async_engine import AsyncEngine
+from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.llm import LLM
 
@@ -85,9 +86,9 @@ def test_kv_cache_is_float16_with_quantized_weights_and_keeps_the_answers(loaded
     """On the CPU with tallow's kernels and int4 weights the KV cache holds float16 (attention
     reads half the bytes); the real model's greedy answers stay those of a float32 cache.
     Dense weights keep a float32 cache; a dtype the cache cannot hold is refused by name."""
-    from tallow.engine.attention.cpu_backend import CpuAttentionBackend
-    from tallow.engine.core import resolve_kv_cache_dtype
+    from tallow.attention.cpu_backend import CpuAttentionBackend
     from tallow.errors import TallowError
+    from tallow.models.engine_model import resolve_kv_cache_dtype
 
     cpu = torch.device("cpu")
     native = CpuAttentionBackend.supports(torch.float32, 64)

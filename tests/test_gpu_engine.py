@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
+from tallow.attention.torch_ref import TorchAttentionBackend
 from tallow.config import EngineConfig
-from tallow.engine.attention.torch_ref import TorchAttentionBackend
 from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.models.config import ModelConfig
@@ -115,7 +115,7 @@ def test_triton_path_logits_match_torch_reference(preset, dtype, tolerance):
     """Chunked prefill with a cached prefix, mixed prefill+decode steps and long decodes
     (split-K) on CUDA in dtype, against the same weights in float32 on the CPU."""
     from tallow.engine.runner import set_attention_backend
-    from tallow.engine.attention.triton_backend import TritonAttentionBackend
+    from tallow.attention.triton_backend import TritonAttentionBackend
 
     config = tiny_config(preset)
     model = random_model(config, "cuda", dtype)

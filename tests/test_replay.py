@@ -15,10 +15,10 @@ from tallow.config import EngineConfig
 from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.errors import ModelLoadError
-from tallow.models.replay import load_replay
 from tallow.serve.reasoning import REASONING_PARSERS, make_thinking_splitter
 from tallow.serve.sink import CompletionSink, StopMatcher
 from tallow.serve.tool_parsers import make_tool_router
+from tallow.testing.replay import load_replay
 
 SCRIPT = Path(__file__).parent / "data" / "replay_tools.json"
 REPLIES = {e.get("match"): e["reply"] for e in json.loads(SCRIPT.read_text())["replies"]}

@@ -15,6 +15,7 @@ from tallow.config import EngineConfig, ServerConfig
 from tallow.serve import executor as executor_module
 from tallow.serve.protocols.openai_chat import OpenAIChat
 from tallow.serve.sink import StopMatcher
+import tallow.testing  # noqa: F401  (registers the replay: model source)
 
 MAX_TOKENS = 24
 MARK = "EXPLODE"
@@ -159,7 +160,7 @@ REPLY = "Steady as she goes: the engine keeps serving after a failed step."
 
 @pytest.fixture(scope="module")
 def replay_server(tmp_path_factory):
-    from tallow.engine.core import AsyncEngine
+    from tallow.engine.async_engine import AsyncEngine
 
     script = tmp_path_factory.mktemp("replay") / "reply.json"
     script.write_text(json.dumps([{"reply": REPLY}]))

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_utils import FakeEngine, LiveServer
 from tallow.config import EngineConfig, ServerConfig
 from tallow.serve.app import build_app
+import tallow.testing  # noqa: F401  (registers the replay: model source)
 
 REPLY = "The quick brown fox jumps over the lazy dog. " * 4
 
@@ -118,7 +119,7 @@ REPLAY_REPLY = "Tracing shows where the time goes, one phase at a time."
 
 @pytest.fixture(scope="module")
 def replay_server(tmp_path_factory):
-    from tallow.engine.core import AsyncEngine
+    from tallow.engine.async_engine import AsyncEngine
 
     script = tmp_path_factory.mktemp("replay") / "reply.json"
     script.write_text(json.dumps([{"reply": REPLAY_REPLY}]))

@@ -61,7 +61,7 @@ def serve(tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tallow.cli", "serve", "--model", f"replay:{script}", "--port", str(port),
+        [sys.executable, "-m", "tallow.testing", "serve", "--model", f"replay:{script}", "--port", str(port),
          "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--max-num-seqs", "4", "--kv-cache-memory", "0.05"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"

@@ -12,9 +12,10 @@ import pytest
 from serve_utils import LiveServer, start_real_engine
 from tallow.chat_template import ChatTemplate
 from tallow.config import EngineConfig, ServerConfig
-from tallow.engine.core import AsyncEngine
+from tallow.engine.async_engine import AsyncEngine
 from tallow.errors import TallowError
 from tallow.serve.chat_prompt import render_chat
+import tallow.testing  # noqa: F401  (registers the replay: model source)
 
 DATA = Path(__file__).parent / "data"
 TOOLS_SCRIPT = json.loads((DATA / "replay_serve_tools.json").read_text())

@@ -19,14 +19,16 @@ import torch
 from model_utils import TINY, tiny_hf_model, write_gguf
 from tallow.config import EngineConfig
 from tallow.distributed.group import ParallelContext
-from tallow.distributed.sharding import ShardLayout
-from tallow.engine.core import AsyncEngine, EngineCore
+from tallow.engine.async_engine import AsyncEngine
+from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.errors import TallowError
 from tallow.models.config import ModelConfig
 from tallow.models.dummy import init_random_, random_checkpoint
 from tallow.models.llama import LlamaForCausalLM
 from tallow.models.loader import load_model
+from tallow.models.sharding import ShardLayout
+import tallow.testing  # noqa: F401  (registers the replay: model source)
 
 # Prompts of 3, 9 and 22 tokens: blocks of 4 tokens, so prefill and 24 decode steps cross block
 # boundaries; a token budget of 16 chunks the long prefill and mixes it with decode tokens.
@@ -227,7 +229,7 @@ def test_bad_size_is_refused_before_any_worker_starts(llama_dir, size, words):
 
 
 def test_intermediate_and_kv_heads_must_split():
-    from tallow.distributed.sharding import validate_tensor_parallel
+    from tallow.models.sharding import validate_tensor_parallel
 
     config = ModelConfig("llama", 96, 64, 100, 1, num_attention_heads=8, num_key_value_heads=8, head_dim=8)
     with pytest.raises(TallowError, match="intermediate size"):

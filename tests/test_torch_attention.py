@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tallow.engine.attention.cpu_backend import CpuAttentionBackend
-from tallow.engine.attention.metadata import AttentionMetadata
-from tallow.engine.attention.torch_ref import TorchAttentionBackend
+from tallow.attention.cpu_backend import CpuAttentionBackend
+from tallow.attention.metadata import AttentionMetadata
+from tallow.attention.torch_ref import TorchAttentionBackend
 from tallow.ops import cpu_native
 
 native = pytest.mark.skipif(cpu_native.lib() is None, reason=f"no CPU kernels: {cpu_native.unavailable_reason()}")

@@ -17,9 +17,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from tallow.engine.attention.metadata import AttentionMetadata  # noqa: E402
-from tallow.engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from tallow.engine.attention.triton_decode import num_decode_splits  # noqa: E402
+from tallow.attention.metadata import AttentionMetadata  # noqa: E402
+from tallow.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tallow.attention.triton_decode import num_decode_splits  # noqa: E402
 from triton_test_devices import CUDA, INTERPRETER  # noqa: E402
 # Splits left empty take log2(0) = -inf on purpose; the interpreter's numpy warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")

@@ -3,10 +3,13 @@
 Rank 0 (TensorParallelWorkers) spawns the workers (torch.multiprocessing, spawn context) and
 joins the group with them. Every rank loads its own shard of the model; rank 0 then sizes
 the KV cache and sends the block count, and from there each step's inputs
-(tallow/distributed/step_channel.py). A worker runs the same ModelRunner.execute() as rank 0
-on them (its shard of every layer, its slice of the LM head) but never samples. It stops on
-rank 0's shutdown header, and exits on its own when rank 0 goes away: its pending broadcast
-fails when rank 0's sockets close, and a watchdog thread checks the parent's pid.
+(tallow/distributed/step_channel.py). A worker loads as rank 0 does (load_engine_model in
+tallow/models/engine_model.py) and builds its step runner with the factory rank 0 hands it
+(EngineCore passes ModelRunner.for_engine: the engine sits above this package), then runs the
+same execute() as rank 0 on each step's inputs (its shard of every layer, its slice of the LM
+head) but never samples. It stops on rank 0's shutdown header, and exits on its own when
+rank 0 goes away: its pending broadcast fails when rank 0's sockets close, and a watchdog
+thread checks the parent's pid.
 """
 
 from __future__ import annotations
@@ -15,33 +18,45 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tallow.config import EngineConfig
-from tallow.distributed.group import PROCESS_ENV, ParallelContext, destroy_parallel, free_port, init_parallel
-from tallow.distributed.step_channel import StepChannel
+from tallow.distributed.group import PROCESS_ENV, destroy_parallel, free_port, init_parallel
+from tallow.distributed.step_channel import StepChannel, StepInputs
 from tallow.errors import TallowError
+from tallow.models.engine_model import EngineModel, load_engine_model, resolve_device
 
 log = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 10.0
 
 
+class StepRunner(Protocol):
+    def execute(self, inputs: StepInputs) -> object: ...
+
+
+# (the rank's EngineModel, the config, the KV block count, parallel=the rank's context) -> its
+# runner. Picklable (a module-level function or a class's method): the workers are spawned.
+RunnerFactory = Callable[..., StepRunner]
+
+
 class TensorParallelWorkers:
     """Rank 0's side: start the workers and join their group (the constructor), hand them
     the KV block count once every rank has loaded (wait_ready), stop them (shutdown)."""
 
-    def __init__(self, config: EngineConfig, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device, make_runner: RunnerFactory):
         self.timeout_s = config.distributed_timeout_s
         port = free_port()
         os.environ.update(PROCESS_ENV)  # the spawned workers inherit it
         context = mp.get_context("spawn")
         started = [context.Event() for _ in range(1, config.tensor_parallel_size)]
         self.processes = [
-            context.Process(target=run_worker, args=(rank, port, config, os.getpid(), started[rank - 1]),
+            context.Process(target=run_worker, args=(rank, port, config, make_runner, os.getpid(), started[rank - 1]),
                             name=f"tallow-tp{rank}", daemon=True)
             for rank in range(1, config.tensor_parallel_size)
         ]
@@ -104,10 +119,9 @@ class TensorParallelWorkers:
             p.join(_JOIN_TIMEOUT_S)
 
 
-def run_worker(rank: int, port: int, config: EngineConfig, parent_pid: int, started) -> None:
+def run_worker(rank: int, port: int, config: EngineConfig, make_runner: RunnerFactory, parent_pid: int,
+               started) -> None:
     """The worker process: join the group, load this rank's shard, then run the steps rank 0 sends."""
-    from tallow.engine.core import resolve_device, resolve_dtype, resolve_kv_cache_dtype
-
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
     _exit_with(parent_pid)
     torch.manual_seed(config.seed)
@@ -115,7 +129,7 @@ def run_worker(rank: int, port: int, config: EngineConfig, parent_pid: int, star
     started.set()
     parallel = init_parallel(rank, config.tensor_parallel_size, port, device, config.distributed_timeout_s)
     try:
-        model = _load_shard(config, parallel)
+        model: EngineModel | None = load_engine_model(config, parallel.device, parallel=parallel)
     except Exception:
         log.exception("rank %d could not load its shard", rank)
         model = None
@@ -124,35 +138,13 @@ def run_worker(rank: int, port: int, config: EngineConfig, parent_pid: int, star
     if status.item() != 1:
         destroy_parallel()
         return
-    from tallow.engine.runner import ModelRunner
-
     num_blocks = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(num_blocks, 0, group=parallel.control_group)
-    dtype = resolve_dtype(config.dtype, device)
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.quantization, model.config.head_dim)
-    runner = ModelRunner(model, model.config, block_size=config.block_size, num_blocks=int(num_blocks),
-                         device=parallel.device, dtype=dtype, kv_dtype=kv_dtype,
-                         max_num_seqs=config.max_num_seqs, cuda_graph_max_batch=config.cuda_graph_max_batch,
-                         parallel=parallel)
+    runner = make_runner(model, config, int(num_blocks), parallel=parallel)
     channel = StepChannel(parallel.control_group)
     while (inputs := channel.recv()) is not None:
         runner.execute(inputs)
     destroy_parallel()
-
-
-def _load_shard(config: EngineConfig, parallel: ParallelContext) -> torch.nn.Module:
-    """This rank's shard, loaded and quantized as rank 0 loads and quantizes its own (EngineCore)."""
-    from tallow.engine.core import resolve_dtype
-    from tallow.models.loader import load_model
-
-    dtype = resolve_dtype(config.dtype, parallel.device)
-    model = load_model(config.model, dtype=dtype, device=parallel.device, cache_dir=config.cache_dir,
-                       seed=config.seed, parallel=parallel).model
-    if parallel.device.type == "cpu" and config.quantization != "none":
-        from tallow.models.quant import quantize_model_
-
-        quantize_model_(model, config.quantization)
-    return model
 
 
 def _exit_with(parent_pid: int) -> None:

@@ -19,10 +19,17 @@ import time
 import numpy as np
 import torch
 
-from tallow.engine.attention.metadata import AttentionMetadata
-from tallow.engine.runner import fill_pending
+from tallow.attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
+
+
+def fill_pending(input_ids: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, prev_ids: torch.Tensor) -> None:
+    """input_ids[rows] = prev_ids[src] on the device: the pending tokens of an asynchronously
+    scheduled step, from the sampled ids of the step before (still running, stream-ordered)."""
+    if prev_ids is None:
+        raise RuntimeError("a step with pending tokens needs the sampled ids of the step before")
+    input_ids.index_copy_(0, rows, prev_ids.index_select(0, src))
 
 
 def batch_ladder(max_batch: int) -> list[int]:

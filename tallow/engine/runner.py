@@ -27,15 +27,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tallow.distributed.sharding import ShardLayout
+from tallow.attention.metadata import AttentionMetadata
+from tallow.config import EngineConfig
 from tallow.distributed.step_channel import StepChannel, StepInputs
-from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.engine.cuda_graphs import fill_pending
 from tallow.engine.sampler import Sampler
 from tallow.engine.scheduler import SchedulerOutput
 from tallow.models.config import ModelConfig
+from tallow.models.sharding import ShardLayout
 
 if TYPE_CHECKING:
     from tallow.distributed.group import ParallelContext
+    from tallow.models.engine_model import EngineModel
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +180,7 @@ class ModelRunner:
         self._events = [torch.cuda.Event() for _ in range(4)] if device.type == "cuda" else []
         self._event_index = 0
         if device.type == "cuda":
-            from tallow.engine.attention.triton_backend import TritonAttentionBackend
+            from tallow.attention.triton_backend import TritonAttentionBackend
 
             set_attention_backend(model, TritonAttentionBackend(
                 shard.num_heads, shard.num_kv_heads, model_config.head_dim,
@@ -186,10 +189,22 @@ class ModelRunner:
             if not enforce_eager and parallel is None:
                 self.capture_graphs(min(cuda_graph_max_batch, max_num_seqs))
         elif device.type == "cpu":
-            from tallow.engine.attention.cpu_backend import CpuAttentionBackend
+            from tallow.attention.cpu_backend import CpuAttentionBackend
 
             if CpuAttentionBackend.supports(dtype, model_config.head_dim):
                 set_attention_backend(model, CpuAttentionBackend())
+
+    @classmethod
+    def for_engine(cls, engine_model: EngineModel, config: EngineConfig, num_blocks: int, *,
+                   max_model_len: int | None = None, parallel: ParallelContext | None = None) -> ModelRunner:
+        """The runner of an EngineModel under config's limits: EngineCore builds rank 0's through
+        here, and each tensor-parallel worker its own (TensorParallelWorkers gets this method)."""
+        loaded = engine_model.loaded
+        return cls(loaded.model, loaded.config, block_size=config.block_size, num_blocks=num_blocks,
+                   device=engine_model.device, dtype=engine_model.dtype, kv_dtype=engine_model.kv_dtype,
+                   max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                   enforce_eager=config.enforce_eager, cuda_graph_max_batch=config.cuda_graph_max_batch,
+                   parallel=parallel)
 
     def capture_graphs(self, max_batch: int) -> None:
         from tallow.engine.cuda_graphs import DecodeGraphs
@@ -346,11 +361,3 @@ class ModelRunner:
         if hidden.shape[0] != len(logits_idx):
             hidden = hidden.index_select(0, logits_idx)
         return self.model.compute_logits(hidden)
-
-
-def fill_pending(input_ids: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, prev_ids: torch.Tensor) -> None:
-    """input_ids[rows] = prev_ids[src] on the device: the pending tokens of an asynchronously
-    scheduled step, from the sampled ids of the step before (still running, stream-ordered)."""
-    if prev_ids is None:
-        raise RuntimeError("a step with pending tokens needs the sampled ids of the step before")
-    input_ids.index_copy_(0, rows, prev_ids.index_select(0, src))

@@ -103,6 +103,13 @@ class Scheduler:
             self.waiting.remove(seq)
         self._finish(seq, "abort")
 
+    def reject(self, seq: Sequence) -> None:
+        """Finish with "error" a sequence that add() refused (it was never queued)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "error"
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []

@@ -1,1 +1,3 @@
-"""Model sources (default wheel, .gguf, HF folder, dummy:<preset>) and the engine's model code."""
+"""Model sources (default wheel, .gguf, HF folder, dummy:<preset>, a registry for more), the
+engine's model code, its tensor-parallel shard layout, and EngineModel (the model loaded as an
+EngineConfig says)."""

@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.attention.metadata import AttentionMetadata
 from tallow.ops import cpu_native
 
 
@@ -57,7 +57,7 @@ class FusedCpuLayers:
 
     @staticmethod
     def supported(model) -> bool:
-        from tallow.engine.attention.cpu_backend import CpuAttentionBackend
+        from tallow.attention.cpu_backend import CpuAttentionBackend
         from tallow.models.quant import Q4Linear, Q8Linear
 
         if cpu_native.lib() is None or model.parallel is not None:

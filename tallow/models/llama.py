@@ -14,7 +14,7 @@ with Q4/Q8 projections each whole layer is one call (tallow/models/cpu_fused.py)
 they are the same torch ops as a plain Llama, in the same order.
 
 With tensor parallelism (a ParallelContext), each rank holds a Megatron shard
-(tallow/distributed/sharding.py): column-parallel fused qkv and gate/up, row-parallel o_proj
+(tallow/models/sharding.py): column-parallel fused qkv and gate/up, row-parallel o_proj
 and down_proj each followed by one all-reduce, a vocab-parallel embedding (ids outside the
 rank's rows masked, then an all-reduce) and LM head (rank 0 gathers the logits). Without one
 the model is whole and runs no collective.
@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tallow.engine.attention.base import AttentionBackend
-from tallow.engine.attention.metadata import AttentionMetadata
-from tallow.distributed.sharding import ShardLayout
+from tallow.attention.base import AttentionBackend
+from tallow.attention.metadata import AttentionMetadata
 from tallow.models.config import ModelConfig
 from tallow.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from tallow.models.sharding import ShardLayout
 from tallow.ops import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
 
 if TYPE_CHECKING:
@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
                  parallel: ParallelContext | None = None):
         super().__init__()
         if attn_backend is None:
-            from tallow.engine.attention.torch_ref import TorchAttentionBackend
+            from tallow.attention.torch_ref import TorchAttentionBackend
 
             attn_backend = TorchAttentionBackend()
         self.config = config

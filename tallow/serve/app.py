@@ -118,6 +118,8 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         engine = app.state.engine
+        if engine is not None and getattr(engine, "failed", False):
+            return JSONResponse({"status": "failed", "error": f"the engine failed: {engine.failure}"}, 503)
         ready = engine is not None and engine.ready
         return JSONResponse({"status": "ok" if ready else "loading"}, 200 if ready else 503)
 
@@ -275,8 +277,9 @@ async def abort_on_disconnect(request: Request, run: CompletionRun) -> AsyncIter
         run.abort()
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """Serve over HTTP (uvicorn) at once; /health answers 503 until the model has loaded."""
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Serve over HTTP (uvicorn) at once; /health answers 503 until the model has loaded. The
+    exit status: 0 after a shutdown, 1 when the engine failed (see _exit_on_engine_failure)."""
     import uvicorn
 
     app = build_app(None, server_config)
@@ -289,19 +292,18 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
                             timeout_graceful_shutdown=ABORT_GRACE_S)
     server = DrainingServer(config, app.state.gate, server_config.shutdown_timeout,
                             abort_all=lambda: _abort_all(app))
-    _run_event_loop(_serve(server, app, engine_config))
+    return _run_event_loop(_serve(server, app, engine_config))
 
 
-def _run_event_loop(main: Awaitable[None]) -> None:
+def _run_event_loop(main: Awaitable[int]) -> int:
     """Run the server's event loop: uvloop where it is installed (with uvicorn's httptools
     parser, a streamed token costs the event loop about half the CPU of asyncio's own loop
     and h11: on a 2-core machine that CPU comes out of the engine's threads), else asyncio."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 async def _abort_all(app: FastAPI) -> None:
@@ -311,7 +313,7 @@ async def _abort_all(app: FastAPI) -> None:
 
 
 def _load_engine(engine_config: EngineConfig):
-    from tallow.engine.core import AsyncEngine  # torch and the model load off the event loop
+    from tallow.engine.async_engine import AsyncEngine  # torch and the model load off the event loop
 
     engine = AsyncEngine.from_config(engine_config)
     # Every token's bytes, computed now rather than inside the first request (0.3 s for a
@@ -320,7 +322,17 @@ def _load_engine(engine_config: EngineConfig):
     return engine
 
 
-async def _serve(server, app: FastAPI, engine_config: EngineConfig) -> None:
+async def _exit_on_engine_failure(server, engine) -> None:
+    """The engine thread failed (its requests have ended with an error): /health answers 503
+    through the shutdown timeout, the grace period in which clients and a load balancer see
+    it, then the server stops and exits with status 1 (a supervisor restarts it)."""
+    failure = await engine.wait_failed()
+    log.critical("the engine failed (%s): exiting in %.0f s", failure, server.shutdown_timeout)
+    await asyncio.sleep(server.shutdown_timeout)
+    server.should_exit = True
+
+
+async def _serve(server, app: FastAPI, engine_config: EngineConfig) -> int:
     serving = asyncio.create_task(server.serve())
     t0 = time.monotonic()
     try:
@@ -333,7 +345,10 @@ async def _serve(server, app: FastAPI, engine_config: EngineConfig) -> None:
     config = app.state.config
     print(f"tallow: serving {app.state.model_name} at http://{config.host}:{config.port}/v1 "
           f"(ready in {time.monotonic() - t0:.1f} s)", flush=True)
+    watch = asyncio.create_task(_exit_on_engine_failure(server, engine))
     try:
         await serving
     finally:
+        watch.cancel()
         await engine.shutdown()
+    return 1 if engine.failed else 0

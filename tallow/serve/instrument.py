@@ -65,7 +65,7 @@ class InstrumentedEngine:
 
 
 def _accepts_trace_prefill(engine) -> bool:
-    from tallow.engine.core import AsyncEngine
+    from tallow.engine.async_engine import AsyncEngine
 
     return isinstance(engine, AsyncEngine)
 

@@ -1,5 +1,8 @@
 """replay:<file.json>: a TEST FIXTURE model that replays scripted replies.
 
+Registered as a model source by importing tallow.testing (register_replay_source); the
+shipped loader does not know it.
+
 Not a language model. It lets end-to-end tests drive the real tokenizer, scheduler, KV cache,
 sampler and completion sink with a reply chosen in advance (tool-call markup, reasoning
 blocks, multi-byte text), so streams have real token boundaries and exact expected results.
@@ -37,10 +40,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.attention.metadata import AttentionMetadata
 from tallow.errors import ModelLoadError
 from tallow.models.config import ModelConfig
-from tallow.models.loader import LoadedModel, TokenizerSource, default_model_path
+from tallow.models.loader import LoadedModel, TokenizerSource, default_model_path, register_model_source
 from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
 
 _MAX_POSITIONS = 8192  # the default model's context
@@ -158,3 +161,8 @@ def load_replay(path: str, *, dtype: torch.dtype, device: torch.device | str) ->
     model = ReplayModel(config, tokenizer, replies, float(delay)).to(device).eval().requires_grad_(False)
     name = f"replay:{os.path.basename(path)}"
     return LoadedModel(config, model, TokenizerSource("gguf", gguf_path, metadata), {}, name)
+
+
+def register_replay_source() -> None:
+    """`replay:<file.json>` loads the replay model from now on (in this process)."""
+    register_model_source("replay", load_replay, "the replay: test fixture")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.attention.metadata import AttentionMetadata
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from tallow.engine.attention.metadata import AttentionMetadata
-from tallow.engine.attention.triton_decode import decode_attention, num_decode_splits
-from tallow.engine.attention.triton_kv_write import write_kv_cache
-from tallow.engine.attention.triton_prefill import prefill_attention
+from tallow.attention.metadata import AttentionMetadata
+from tallow.attention.triton_decode import decode_attention, num_decode_splits
+from tallow.attention.triton_kv_write import write_kv_cache
+from tallow.attention.triton_prefill import prefill_attention
 from tallow.ops.triton_rotary import triton_rotary_and_write_kv
 
 

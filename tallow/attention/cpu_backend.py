@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tallow.engine.attention.metadata import AttentionMetadata
+from tallow.attention.metadata import AttentionMetadata
 from tallow.ops import cpu_native
 
 

@@ -1,0 +1,103 @@
+"""EngineModel: the model as the engine runs it, from an EngineConfig's load-time choices.
+
+One place resolves what an EngineConfig leaves to "auto" or names as a string (the device,
+the model's dtype, the KV cache's dtype, the CPU weight format) and loads the model with it.
+EngineCore (rank 0) and every tensor-parallel worker (tallow/distributed/workers.py) load
+through load_engine_model(), so all ranks agree on dtypes and quantization; the tokenizer is
+rank 0's alone (load_tokenizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tallow.config import EngineConfig
+from tallow.errors import TallowError
+from tallow.models.loader import LoadedModel, TokenizerSource, load_model
+
+if TYPE_CHECKING:
+    from tallow.distributed.group import ParallelContext
+    from tallow.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineModel:
+    """A loaded model (this rank's shard with tensor parallelism) on its device and dtype,
+    its weights in the format chosen, and the dtype its KV cache holds."""
+
+    loaded: LoadedModel
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    quantization: str  # the weight format applied ("none" off the CPU or when asked for)
+
+
+def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: ParallelContext | None = None,
+                      loaded: LoadedModel | None = None) -> EngineModel:
+    """Load config.model on `device` (with parallel: this rank's shard; `loaded`: a model
+    loaded already, used as it is), quantize it on the CPU as config.quantization says, and
+    resolve the KV cache's dtype."""
+    dtype = resolve_dtype(config.dtype, device)
+    if loaded is None:
+        loaded = load_model(config.model, dtype=dtype, device=device, cache_dir=config.cache_dir,
+                            seed=config.seed, parallel=parallel)
+    quantization = "none"
+    if device.type == "cpu" and config.quantization != "none":
+        from tallow.models.quant import quantize_model_
+
+        quantization = quantize_model_(loaded.model, config.quantization)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.quantization,
+                                      loaded.config.head_dim)
+    return EngineModel(loaded, device, dtype, kv_dtype, quantization)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise TallowError(f"unknown dtype {name!r}; use one of {sorted(table)}", param="dtype")
+    return table[name]
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device, quantization: str,
+                           head_dim: int) -> torch.dtype:
+    """The KV cache's dtype. "auto": float16 on the CPU where tallow's kernels run a float32
+    model with int4/int8 weights (attention reads half the bytes; K and V round to float16's
+    11 significant bits, as llama.cpp's default cache does), else the model's dtype. A named
+    dtype must be the model's, or float16 on the CPU with tallow's attention kernels."""
+    from tallow.attention.cpu_backend import CpuAttentionBackend
+
+    native = device.type == "cpu" and CpuAttentionBackend.supports(model_dtype, head_dim)
+    if name == "auto":
+        quantized = quantization in ("auto", "int4", "int8")
+        return torch.float16 if native and quantized else model_dtype
+    dtype = resolve_dtype(name, device)
+    if dtype != model_dtype and not (native and dtype == torch.float16):
+        raise TallowError(f"kv_cache_dtype {name!r}: the cache holds the model's dtype "
+                          f"({str(model_dtype).removeprefix('torch.')}), or float16 on the CPU with tallow's kernels",
+                          param="kv_cache_dtype")
+    return dtype
+
+
+def load_tokenizer(source: TokenizerSource) -> Tokenizer:
+    """A Tokenizer from the loader's TokenizerSource."""
+    from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
+
+    if source.kind == "hf":
+        return Tokenizer.from_hf_dir(source.path)
+    if source.kind == "gguf" and source.metadata:
+        return Tokenizer.from_gguf_metadata(source.metadata)
+    if source.path is None:
+        raise TallowError(source.note or "no tokenizer for this model", status=500, type="server_error")
+    return Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(source.path))
