@@ -348,7 +348,7 @@ def test_default_gguf_file_loads_natively_to_the_same_logits(tmp_path):
     from test_quant import default_gguf
 
     from tallow.config import EngineConfig
-    from tallow.engine.attention.cpu_backend import CpuAttentionBackend
+    from tallow.attention.cpu_backend import CpuAttentionBackend
     from tallow.engine.runner import set_attention_backend
     from tallow.models.loader import load_model
 
