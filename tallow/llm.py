@@ -14,7 +14,7 @@ from tallow.config import EngineConfig
 from tallow.engine.core import EngineCore
 from tallow.engine.request import Sequence
 from tallow.engine.sampling import SamplingParams
-from tallow.serve.sink import Detokenizer, StopMatcher
+from tallow.output.sink import Detokenizer, StopMatcher
 
 
 @dataclass

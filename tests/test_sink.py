@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from tallow.serve.reasoning import (make_thinking_splitter, prompt_opens_reasoning,
+from tallow.output.reasoning import (make_thinking_splitter, prompt_opens_reasoning,
                                     reasoning_parser_for_template, REASONING_PARSERS)
-from tallow.serve.sink import (CompletionSink, ContentEvent, Detokenizer, PlainRouter,
+from tallow.output.sink import (CompletionSink, ContentEvent, Detokenizer, PlainRouter,
                                ReasoningEvent, StopMatcher, ThinkingSplitter, ToolCall,
                                ToolCallsEvent)
 from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tallow.serve.reasoning import REASONING_PARSERS, make_thinking_splitter
-from tallow.serve.sink import CompletionSink, Detokenizer, StopMatcher, ToolCallsEvent
-from tallow.serve.tool_parsers import (TOOL_PARSERS, ToolCallRouter, make_tool_router,
+from tallow.output.reasoning import REASONING_PARSERS, make_thinking_splitter
+from tallow.output.sink import CompletionSink, Detokenizer, StopMatcher, ToolCallsEvent
+from tallow.output.tool_parsers.router import (TOOL_PARSERS, ToolCallRouter, make_tool_router,
                                        tool_parser_for_template, tool_schemas)
 from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from tallow.errors import TallowError
 from tallow.serve.plan import RequestPlan
-from tallow.serve.reasoning import REASONING_PARSERS, make_thinking_splitter
-from tallow.serve.sink import CompletionSink, Detokenizer, Event, PlainRouter, StopMatcher, ToolCall
-from tallow.serve.tool_parsers import make_tool_router
+from tallow.output.reasoning import REASONING_PARSERS, make_thinking_splitter
+from tallow.output.sink import CompletionSink, Detokenizer, Event, PlainRouter, StopMatcher, ToolCall
+from tallow.output.tool_parsers.router import make_tool_router
 
 
 class CompletionAborted(Exception):

@@ -32,8 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tallow.serve.reasoning import ReasoningFormat, prompt_opens_reasoning
-from tallow.serve.sink import Detokenizer, ToolCall, ToolCallDelta, _partial_suffix_len
+from tallow.output.reasoning import ReasoningFormat, prompt_opens_reasoning
+from tallow.output.sink import Detokenizer, ToolCall, ToolCallDelta, _partial_suffix_len
 
 Schemas = dict[str, dict[str, Any]]  # tool name -> JSON schema of its parameters
 
@@ -450,7 +450,7 @@ def tool_schemas(tools: list[dict[str, Any]] | None) -> Schemas:
 
 
 class ToolCallRouter:
-    """A TokenRouter (see tallow.serve.sink) that turns tool-call markup into ToolCalls."""
+    """A TokenRouter (see tallow.output.sink) that turns tool-call markup into ToolCalls."""
 
     def __init__(self, detokenizer: Detokenizer, parser: ToolParser,
                  reasoning: ReasoningFormat | None = None, start_in_reasoning: bool = False,
