@@ -58,7 +58,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _generate(core, args: argparse.Namespace) -> int:
     from tallow.engine.sampling import SamplingParams
-    from tallow.output.sink import Detokenizer, StopMatcher
+    from tallow.output.detokenizer import Detokenizer
+    from tallow.output.stop import StopMatcher
 
     tok = core.tokenizer
     if args.chat:
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-body-bytes", type=int, default=sd.max_body_bytes,
                    help="larger request bodies are refused with 413")
     from tallow.output.reasoning import REASONING_PARSERS
-    from tallow.output.tool_parsers.router import TOOL_PARSERS
+    from tallow.output.tool_parsers import TOOL_PARSERS
 
     s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="tool-call markup to parse (default: the one the chat template implies)")

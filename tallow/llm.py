@@ -14,7 +14,8 @@ from tallow.config import EngineConfig
 from tallow.engine.core import EngineCore
 from tallow.engine.request import Sequence
 from tallow.engine.sampling import SamplingParams
-from tallow.output.sink import Detokenizer, StopMatcher
+from tallow.output.detokenizer import Detokenizer
+from tallow.output.stop import StopMatcher
 
 
 @dataclass

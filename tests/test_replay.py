@@ -17,8 +17,9 @@ from tallow.engine.sampling import SamplingParams
 from tallow.errors import ModelLoadError
 from tallow.models.replay import load_replay
 from tallow.output.reasoning import REASONING_PARSERS, make_thinking_splitter
-from tallow.output.sink import CompletionSink, StopMatcher
-from tallow.output.tool_parsers.router import make_tool_router
+from tallow.output.sink import CompletionSink
+from tallow.output.stop import StopMatcher
+from tallow.output.tool_parsers import make_tool_router
 
 SCRIPT = Path(__file__).parent / "data" / "replay_tools.json"
 REPLIES = {e.get("match"): e["reply"] for e in json.loads(SCRIPT.read_text())["replies"]}

@@ -14,7 +14,7 @@ from serve_utils import ByteTokenizer, ChatMLTemplate, FakeEngine, LiveServer
 from tallow.config import EngineConfig, ServerConfig
 from tallow.serve import executor as executor_module
 from tallow.serve.protocols.openai_chat import OpenAIChat
-from tallow.output.sink import StopMatcher
+from tallow.output.stop import StopMatcher
 
 MAX_TOKENS = 24
 MARK = "EXPLODE"

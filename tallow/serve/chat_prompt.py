@@ -28,7 +28,7 @@ from tallow.chat_template import ChatTemplate
 from tallow.config import ServerConfig
 from tallow.errors import TallowError
 from tallow.output.reasoning import REASONING_PARSERS, reasoning_parser_for_template
-from tallow.output.tool_parsers.router import TOOL_PARSERS, tool_parser_for_template
+from tallow.output.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 # chat_template_kwargs may not override what the request sets through its own fields.
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})

@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 from tallow.errors import TallowError
 from tallow.serve.plan import RequestPlan
 from tallow.output.reasoning import REASONING_PARSERS, make_thinking_splitter
-from tallow.output.sink import CompletionSink, Detokenizer, Event, PlainRouter, StopMatcher, ToolCall
-from tallow.output.tool_parsers.router import make_tool_router
+from tallow.output.detokenizer import Detokenizer
+from tallow.output.events import Event, ToolCall
+from tallow.output.sink import CompletionSink, PlainRouter
+from tallow.output.stop import StopMatcher
+from tallow.output.tool_parsers import make_tool_router
 
 
 class CompletionAborted(Exception):
