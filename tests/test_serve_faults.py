@@ -12,9 +12,9 @@ import pytest
 
 from serve_utils import ByteTokenizer, ChatMLTemplate, FakeEngine, LiveServer
 from tallow.config import EngineConfig, ServerConfig
-from tallow.serve import executor as executor_module
-from tallow.serve.protocols.openai_chat import OpenAIChat
+from tallow.output import pipeline as pipeline_module
 from tallow.output.stop import StopMatcher
+from tallow.serve.protocols.openai_chat import OpenAIChat
 
 MAX_TOKENS = 24
 MARK = "EXPLODE"
@@ -36,7 +36,7 @@ class ExplodingStopMatcher(StopMatcher):
 
 
 def break_sink(monkeypatch, engine):
-    monkeypatch.setattr(executor_module, "StopMatcher", ExplodingStopMatcher)
+    monkeypatch.setattr(pipeline_module, "StopMatcher", ExplodingStopMatcher)
     return {"stop": [MARK]}
 
 
