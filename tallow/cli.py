@@ -8,6 +8,7 @@ import sys
 import time
 
 from tallow.config import EngineConfig, ServerConfig
+from tallow.output.events import ContentEvent
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +59,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _generate(core, args: argparse.Namespace) -> int:
     from tallow.engine.sampling import SamplingParams
-    from tallow.serve.sink import Detokenizer, StopMatcher
+    from tallow.output.offline import OfflineRun
+    from tallow.output.pipeline import make_sink
 
     tok = core.tokenizer
     if args.chat:
@@ -73,30 +75,33 @@ def _generate(core, args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop or [])
     seq = core.make_sequences(ids, params)[0]
-    core.add(seq)
-    detok = Detokenizer(tok.token_bytes, tok.special_token_ids, True)
-    stopper = StopMatcher(params.stop)
+    run = OfflineRun(core)
+    pipeline = run.add(seq, make_sink(tok, params))
     t0 = time.perf_counter()
     t_first = None
     n = 0
-    while not seq.is_finished:
-        for s, out in core.step():
-            for t in out.token_ids:
-                n += 1
-                t_first = t_first or time.perf_counter()
-                sys.stdout.write(stopper.push(detok.push(t)))
-                sys.stdout.flush()
-            if stopper.stopped:
-                core.abort(s)
-    if not stopper.stopped:
-        sys.stdout.write(stopper.push(detok.flush()) + stopper.flush())
+    for _, _, events in run.outputs():
+        if pipeline.taken:
+            n += pipeline.taken
+            t_first = t_first or time.perf_counter()
+        _write_content(events)
+    result, finish_reason = pipeline.finish()
+    _write_content(result.events)
     sys.stdout.write("\n")
     t1 = time.perf_counter()
     if args.verbose and t_first:
         rate = (n - 1) / (t1 - t_first) if n > 1 else 0.0
         print(f"[{len(ids)} prompt tokens, {n} generated, first token {1000 * (t_first - t0):.0f} ms, "
-              f"{rate:.1f} tok/s decode, finish {'stop' if stopper.stopped else seq.finish_reason}]", file=sys.stderr)
+              f"{rate:.1f} tok/s decode, finish {finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _write_content(events) -> None:
+    """The content of the events, to stdout at once (a plain-text sink makes only content events)."""
+    text = "".join(e.text for e in events if isinstance(e, ContentEvent))
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -146,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
     s.add_argument("--max-body-bytes", type=int, default=sd.max_body_bytes,
                    help="larger request bodies are refused with 413")
-    from tallow.serve.reasoning import REASONING_PARSERS
-    from tallow.serve.tool_parsers import TOOL_PARSERS
+    from tallow.output.reasoning import REASONING_PARSERS
+    from tallow.output.tool_parsers import TOOL_PARSERS
 
     s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="tool-call markup to parse (default: the one the chat template implies)")

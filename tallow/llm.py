@@ -14,7 +14,8 @@ from tallow.config import EngineConfig
 from tallow.engine.core import EngineCore
 from tallow.engine.request import Sequence
 from tallow.engine.sampling import SamplingParams
-from tallow.serve.sink import Detokenizer, StopMatcher
+from tallow.output.offline import OfflineRun
+from tallow.output.pipeline import OutputPipeline, make_sink
 
 
 @dataclass
@@ -37,43 +38,30 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-class _Collector:
-    """Turns one sequence's tokens into text with the serving path's detokenizer and stop matcher."""
+@dataclass
+class _Choice:
+    """One sequence of a generate() call: its place in the results, its pipeline, its logprobs."""
 
-    def __init__(self, seq: Sequence, tokenizer, index: int):
-        p = seq.params
-        self.seq = seq
-        self.index = index
-        self.detok = Detokenizer(tokenizer.token_bytes, tokenizer.special_token_ids, p.skip_special_tokens)
-        self.stopper = StopMatcher(p.stop, p.include_stop_str_in_output)
-        self.text = ""
-        self.logprobs: list[dict[int, float]] | None = [] if p.logprobs is not None else None
-        self.finish_reason: str | None = None
+    request: RequestOutput
+    index: int
+    seq: Sequence
+    pipeline: OutputPipeline
+    logprobs: list[dict[int, float]] | None
 
-    def push(self, out) -> bool:
-        """Returns True when a stop string ended the sequence."""
-        for j, tok in enumerate(out.token_ids):
-            if self.logprobs is not None and out.logprobs is not None:
-                d = {tok: out.logprobs[j]}
-                if out.top_logprobs:
-                    d.update({i: lp for i, lp in out.top_logprobs[j] if i not in d})
-                self.logprobs.append(d)
-            if not self.stopper.stopped:
-                self.text += self.stopper.push(self.detok.push(tok))
-        if self.stopper.stopped:
-            self.finish_reason = "stop"
-            return True
-        if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
-            self.text += self.stopper.push(self.detok.flush())
-            if not self.stopper.stopped:
-                self.text += self.stopper.flush()
-        return False
+    def add_logprobs(self, out) -> None:
+        """The logprobs of the output's tokens the pipeline took."""
+        if self.logprobs is None or out.logprobs is None:
+            return
+        for j in range(self.pipeline.taken):
+            d = {out.token_ids[j]: out.logprobs[j]}
+            if out.top_logprobs:
+                d.update({t: lp for t, lp in out.top_logprobs[j] if t not in d})
+            self.logprobs.append(d)
 
     def result(self) -> CompletionOutput:
-        seq = self.seq
-        stop_reason = self.stopper.matched if self.stopper.stopped else seq.stop_token_id
-        return CompletionOutput(self.index, self.text, list(seq.output_ids), self.finish_reason,
+        result, finish_reason = self.pipeline.finish()
+        stop_reason = result.stop_string if result.stopped else self.seq.stop_token_id
+        return CompletionOutput(self.index, result.content, list(self.seq.output_ids), finish_reason,
                                 stop_reason, self.logprobs)
 
 
@@ -98,33 +86,21 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params list must match prompts in length")
         results: list[RequestOutput] = []
-        collectors: dict[int, _Collector] = {}
+        run = OfflineRun(self.engine)
+        choices: dict[int, _Choice] = {}  # by seq_id, in submission order
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             seqs = self.engine.make_sequences(ids, params, request_id=str(i))
             results.append(RequestOutput(str(i), prompt if isinstance(prompt, str) else None, ids))
             for k, seq in enumerate(seqs):
-                collectors[seq.seq_id] = _Collector(seq, self.tokenizer, k)
-                self.engine.add(seq)
-        pending = dict(collectors)
-        while pending:
-            for seq, out in self.engine.step():
-                col = pending.get(seq.seq_id)
-                if col is None:
-                    continue
-                if col.push(out):
-                    self.engine.abort(seq)
-                if col.finish_reason is not None:
-                    del pending[seq.seq_id]
-            if pending and not self.engine.has_work():
-                raise RuntimeError("engine idle with unfinished sequences")
-        by_request: dict[str, list[CompletionOutput]] = {}
-        for col in collectors.values():
-            by_request.setdefault(col.seq.request_id.split("-")[0], []).append(col.result())
-        for r in results:
-            r.outputs = sorted(by_request[r.request_id], key=lambda c: c.index)
-            r.num_cached_tokens = max((c.seq.num_cached_tokens for c in collectors.values()
-                                       if c.seq.request_id.split("-")[0] == r.request_id), default=0)
+                pipeline = run.add(seq, make_sink(self.tokenizer, seq.params))
+                choices[seq.seq_id] = _Choice(results[-1], k, seq, pipeline,
+                                              [] if params.logprobs is not None else None)
+        for seq, out, _ in run.outputs():
+            choices[seq.seq_id].add_logprobs(out)
+        for choice in choices.values():
+            choice.request.outputs.append(choice.result())
+            choice.request.num_cached_tokens = max(choice.request.num_cached_tokens, choice.seq.num_cached_tokens)
         return results
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, *, tools=None,

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from tallow.cli import main
-from tallow.serve.reasoning import REASONING_PARSERS
-from tallow.serve.tool_parsers import TOOL_PARSERS
+from tallow.output.reasoning import REASONING_PARSERS
+from tallow.output.tool_parsers import TOOL_PARSERS
 
 
 @pytest.mark.parametrize("flag, names", [("--tool-call-parser", TOOL_PARSERS), ("--reasoning-parser", REASONING_PARSERS)])

@@ -15,9 +15,10 @@ from tallow.config import EngineConfig
 from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.errors import ModelLoadError
-from tallow.serve.reasoning import REASONING_PARSERS, make_thinking_splitter
-from tallow.serve.sink import CompletionSink, StopMatcher
-from tallow.serve.tool_parsers import make_tool_router
+from tallow.output.reasoning import REASONING_PARSERS, make_thinking_splitter
+from tallow.output.sink import CompletionSink
+from tallow.output.stop import StopMatcher
+from tallow.output.tool_parsers import make_tool_router
 from tallow.testing.replay import load_replay
 
 SCRIPT = Path(__file__).parent / "data" / "replay_tools.json"

@@ -12,9 +12,9 @@ import pytest
 
 from serve_utils import ByteTokenizer, ChatMLTemplate, FakeEngine, LiveServer
 from tallow.config import EngineConfig, ServerConfig
-from tallow.serve import executor as executor_module
+from tallow.output import pipeline as pipeline_module
+from tallow.output.stop import StopMatcher
 from tallow.serve.protocols.openai_chat import OpenAIChat
-from tallow.serve.sink import StopMatcher
 import tallow.testing  # noqa: F401  (registers the replay: model source)
 
 MAX_TOKENS = 24
@@ -37,7 +37,7 @@ class ExplodingStopMatcher(StopMatcher):
 
 
 def break_sink(monkeypatch, engine):
-    monkeypatch.setattr(executor_module, "StopMatcher", ExplodingStopMatcher)
+    monkeypatch.setattr(pipeline_module, "StopMatcher", ExplodingStopMatcher)
     return {"stop": [MARK]}
 
 

@@ -11,7 +11,7 @@ from tallow.serve.executor import ChoiceUpdate, TokenLogprob, Usage
 from tallow.serve.plan import RequestPlan
 from tallow.serve.protocols.openai_chat import OpenAIChat
 from tallow.serve.protocols.openai_completions import OpenAICompletions
-from tallow.serve.sink import ContentEvent, ReasoningEvent
+from tallow.output.events import ContentEvent, ReasoningEvent
 
 TEXTS = ["Hello", ' say "hi"\\n', "line\nbreak\ttab\r", "\x00\x1f\x7f", "héllo wörld", "日本語 ✓",
          "😀 \U0001f680", "\u2028\u2029", "</script>", ""]

@@ -12,11 +12,13 @@ import random
 
 import pytest
 
-from tallow.serve.reasoning import (make_thinking_splitter, prompt_opens_reasoning,
+from tallow.output.detokenizer import Detokenizer
+from tallow.output.events import ContentEvent, ReasoningEvent, ToolCall, ToolCallsEvent
+from tallow.output.reasoning import (make_thinking_splitter, prompt_opens_reasoning,
                                     reasoning_parser_for_template, REASONING_PARSERS)
-from tallow.serve.sink import (CompletionSink, ContentEvent, Detokenizer, PlainRouter,
-                               ReasoningEvent, StopMatcher, ThinkingSplitter, ToolCall,
-                               ToolCallsEvent)
+from tallow.output.sink import CompletionSink, PlainRouter
+from tallow.output.stop import StopMatcher
+from tallow.output.thinking import ThinkingSplitter
 from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
 
 # ---- the default model's vocabulary ------------------------------------------------------

@@ -253,7 +253,7 @@ def test_gemma3_gguf_matches_transformers():
 def test_ids_past_the_vocabulary_have_no_text(ours):
     """A padded embedding table (more rows than the tokenizer has tokens) can sample such an
     id: it decodes to nothing instead of failing the request."""
-    from tallow.serve.sink import Detokenizer
+    from tallow.output.detokenizer import Detokenizer
 
     detok = Detokenizer(ours.token_bytes, ours.special_token_ids)
     past = ours.vocab_size + 7

@@ -14,10 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tallow.serve.reasoning import REASONING_PARSERS, make_thinking_splitter
-from tallow.serve.sink import CompletionSink, Detokenizer, StopMatcher, ToolCallsEvent
-from tallow.serve.tool_parsers import (TOOL_PARSERS, ToolCallRouter, make_tool_router,
-                                       tool_parser_for_template, tool_schemas)
+from tallow.output.reasoning import REASONING_PARSERS, make_thinking_splitter
+from tallow.output.detokenizer import Detokenizer
+from tallow.output.events import ToolCallsEvent
+from tallow.output.sink import CompletionSink
+from tallow.output.stop import StopMatcher
+from tallow.output.tool_parsers import TOOL_PARSERS, make_tool_router, tool_parser_for_template
+from tallow.output.tool_parsers.base import tool_schemas
+from tallow.output.tool_parsers.router import ToolCallRouter
 from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
 
 WEATHER_TOOLS = [{"type": "function", "function": {

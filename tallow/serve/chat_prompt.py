@@ -27,8 +27,8 @@ from typing import Any
 from tallow.chat_template import ChatTemplate
 from tallow.config import ServerConfig
 from tallow.errors import TallowError
-from tallow.serve.reasoning import REASONING_PARSERS, reasoning_parser_for_template
-from tallow.serve.tool_parsers import TOOL_PARSERS, tool_parser_for_template
+from tallow.output.reasoning import REASONING_PARSERS, reasoning_parser_for_template
+from tallow.output.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 # chat_template_kwargs may not override what the request sets through its own fields.
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})

@@ -1,10 +1,11 @@
 """CompletionExecutor: one planned request on the engine, from submission to usage accounting.
 
 Every protocol runs through here. A run submits each prompt (params.n sibling streams
-each), feeds every stream's tokens to its own CompletionSink, gathers logprobs, keeps a
-live Usage, and aborts an engine stream as soon as its stop matcher fires. Updates from
-all choices arrive on one async iterator in the order they are produced; leaving that
-iterator early (a client that went away, a cancelled task) aborts every stream at once.
+each), feeds every stream's outputs to its own OutputPipeline (tallow.output: the sink, and
+the engine stream aborted as soon as a stop string matches), gathers logprobs and keeps a
+live Usage. Updates from all choices arrive on one async iterator in the order they are
+produced; leaving that iterator early (a client that went away, a cancelled task) aborts
+every stream at once.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from tallow.errors import TallowError
+from tallow.output.events import Event, ToolCall
+from tallow.output.pipeline import OutputPipeline, make_sink
 from tallow.serve.plan import RequestPlan
-from tallow.serve.reasoning import REASONING_PARSERS, make_thinking_splitter
-from tallow.serve.sink import CompletionSink, Detokenizer, Event, PlainRouter, StopMatcher, ToolCall
-from tallow.serve.tool_parsers import make_tool_router
 
 
 class CompletionAborted(Exception):
@@ -152,59 +152,44 @@ class CompletionRun:
             queue.put_nowait(e)
 
     async def _choice_updates(self, index: int, stream, counts_cached: bool) -> AsyncIterator[ChoiceUpdate]:
-        """One choice's updates: its engine stream through its sink; the last carries finish_reason."""
-        sink = self._make_sink()
-        want_logprobs = self.plan.params.logprobs is not None
+        """One choice's updates: its engine stream through its output pipeline; the last carries
+        finish_reason."""
+        plan = self.plan
+        pipeline = OutputPipeline(
+            make_sink(self.engine.tokenizer, plan.params, tool_parser=plan.tool_parser, tools=plan.tools,
+                      reasoning_parser=plan.reasoning_parser, prompt_text=plan.prompt_text,
+                      split_reasoning=plan.split_reasoning, max_tool_calls=plan.max_tool_calls),
+            stream.abort)
+        want_logprobs = plan.params.logprobs is not None
         all_logprobs: list[TokenLogprob] = []
         pending: list[TokenLogprob] = []
-        finish = "abort"
         first = True
         usage = self.usage
         async for out in stream:
             if first and counts_cached:
                 usage.cached_tokens += out.num_cached_tokens
             first = False
-            events: list[Event] = []
-            for k, token_id in enumerate(out.token_ids):
-                usage.completion_tokens += 1
-                if want_logprobs:
+            events = pipeline.feed(out)
+            taken = pipeline.taken
+            usage.completion_tokens += taken
+            if want_logprobs:
+                for k in range(taken):
                     top = out.top_logprobs[k] if out.top_logprobs else []
-                    pending.append(TokenLogprob(token_id, out.logprobs[k], top))
-                events += sink.push(token_id)
-                if sink.done:
-                    break
+                    pending.append(TokenLogprob(out.token_ids[k], out.logprobs[k], top))
             if events:
                 update = ChoiceUpdate(index, events, pending)
                 all_logprobs += pending
                 pending = []
                 yield update
-            if sink.done:
-                stream.abort()
+            if pipeline.done:  # the pipeline aborted the stream
                 break
-            if out.finish_reason is not None:
-                finish = out.finish_reason
-        if finish == "error":
+        if pipeline.engine_finish == "error":
             raise TallowError("the engine failed while generating", status=500, type="server_error")
-        result = sink.finish()
+        result, reason = pipeline.finish()
         all_logprobs += pending
-        reason = "tool_calls" if result.tool_calls else "stop" if result.stopped else finish
         self.results[index] = ChoiceResult(index, result.content, result.reasoning, result.tool_calls, reason,
                                            all_logprobs if want_logprobs else None, result.stop_string)
         yield ChoiceUpdate(index, result.events, pending, reason, result.stop_string)
-
-    def _make_sink(self) -> CompletionSink:
-        plan, tokenizer, params = self.plan, self.engine.tokenizer, self.plan.params
-        if plan.tool_parser is not None:
-            reasoning = REASONING_PARSERS.get(plan.reasoning_parser or "none") if plan.split_reasoning else None
-            router = make_tool_router(tokenizer, plan.tool_parser, tools=plan.tools, reasoning=reasoning,
-                                      prompt_text=plan.prompt_text, skip_special_tokens=params.skip_special_tokens,
-                                      max_calls=plan.max_tool_calls)
-        else:
-            router = PlainRouter(Detokenizer(tokenizer.token_bytes, tokenizer.special_token_ids,
-                                             params.skip_special_tokens))
-        stopper = StopMatcher(params.stop, params.include_stop_str_in_output)
-        thinking = make_thinking_splitter(plan.reasoning_parser, plan.prompt_text, plan.split_reasoning)
-        return CompletionSink(router, stopper, thinking, collect_tool_calls=plan.tool_parser is not None)
 
 
 class CompletionExecutor:

@@ -27,7 +27,7 @@ from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
 from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.serve.schemas import SamplingFields
-from tallow.serve.sink import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
+from tallow.output.events import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
 
 # A stream silent this long (a queued request, a long prefill) gets a ping event.
 PING_INTERVAL_S = 1.0

@@ -11,7 +11,7 @@ from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob,
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
 from tallow.serve.protocols.base import DONE, OpenAIChunks, StreamProtocol, finite, json_string, to_json
 from tallow.serve.schemas import ChatCompletionRequest
-from tallow.serve.sink import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallDelta, ToolCallDeltaEvent
+from tallow.output.events import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallDelta, ToolCallDeltaEvent
 
 
 class OpenAIChat(OpenAIChunks, StreamProtocol):

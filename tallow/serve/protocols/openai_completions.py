@@ -7,7 +7,7 @@ from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob,
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
 from tallow.serve.protocols.base import DONE, OpenAIChunks, StreamProtocol, finite, to_json
 from tallow.serve.schemas import CompletionRequest
-from tallow.serve.sink import ContentEvent
+from tallow.output.events import ContentEvent
 
 
 class OpenAICompletions(OpenAIChunks, StreamProtocol):

@@ -26,7 +26,7 @@ from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.serve.responses_schemas import ResponsesRequest
 from tallow.serve.responses_store import ResponsesStore
 from tallow.serve.schemas import SamplingFields
-from tallow.serve.sink import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
+from tallow.output.events import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tallow.serve.sink import ThinkingSplitter
+from tallow.output.thinking import ThinkingSplitter
 
 
 @dataclass(frozen=True)

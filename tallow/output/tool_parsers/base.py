@@ -1,0 +1,160 @@
+"""The tool-call parser contract (ToolParser, Parsed) and the pieces the formats share."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+Schemas = dict[str, dict[str, Any]]  # tool name -> JSON schema of its parameters
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What a parser decided about the markup at the head of the text.
+
+    markup[:end] is consumed: as tool calls (name, arguments), or, when calls is None, as
+    content (it was not well-formed markup).
+    """
+
+    end: int
+    calls: list[tuple[str, dict[str, Any]]] | None
+
+
+class ToolParser:
+    """One tool-call format.
+
+    The router hands parse() the text from the start of the markup (a start tag, or a
+    reply_start character as the first character of the reply), growing with every token,
+    until parse() decides; the next call starts new markup. parse() returns None while it
+    cannot decide; with final=True (generation ended) it must decide. A decision must hold for
+    every continuation of the text.
+    """
+
+    name: str = ""  # the name --tool-call-parser knows it by (the registry's key)
+    start_tags: tuple[str, ...] = ()  # open markup anywhere in the content
+    reply_start: str = ""  # characters that open markup when they begin the reply
+    markers: tuple[str, ...] = ()  # tags that may be special tokens: never skipped
+    quotes, brackets = '"', ("{[", "}]")  # the value syntax, for finding where a value ends
+
+    def __init__(self, schemas: Schemas | None = None):
+        self.schemas = schemas or {}
+        self._closers: dict[int, _Closer] = {}  # for the current markup, by start
+
+    def parse(self, markup: str, final: bool) -> Parsed | None:
+        parsed = self._parse(markup, final)
+        if parsed is not None:
+            self._closers.clear()
+        return parsed
+
+    def _parse(self, markup: str, final: bool) -> Parsed | None:
+        raise NotImplementedError
+
+    def _value_end(self, markup: str, start: int) -> int | None:
+        """The index after the value (object, list, call) that opens at markup[start]; None
+        while it is not closed. Resumes the scan where the previous call stopped."""
+        closer = self._closers.get(start)
+        if closer is None:
+            closer = self._closers[start] = _Closer(start, self.quotes, self.brackets)
+        return closer.end(markup)
+
+
+class _Closer:
+    """Finds where the bracket at text[start] closes, skipping strings, in a text that only
+    grows between calls: each call scans only the new text, so streaming stays linear."""
+
+    _STRING_BODY = {q: re.compile(rf"(?:[^{q}\\]|\\.)*", re.S) for q in "\"'"}
+
+    def __init__(self, start: int, quotes: str, brackets: tuple[str, str]):
+        self._pos = start  # scanned up to here
+        self._depth = 0
+        self._quote: str | None = None  # inside a string opened by this quote
+        self._end: int | None = None
+        self._opens, self._closes = brackets
+        self._quotes = quotes
+        self._next_stop = re.compile("[" + re.escape(quotes + self._opens + self._closes) + "]")
+
+    def end(self, text: str) -> int | None:
+        while self._end is None:
+            if self._quote is not None:
+                pos = self._STRING_BODY[self._quote].match(text, self._pos).end()
+                if pos == len(text) or text[pos] != self._quote:  # the text ends inside the string
+                    self._pos = pos
+                    return None
+                self._pos, self._quote = pos + 1, None
+                continue
+            stop = self._next_stop.search(text, self._pos)
+            if stop is None:
+                self._pos = len(text)
+                return None
+            char, self._pos = stop.group(), stop.end()
+            if char in self._quotes:
+                self._quote = char
+            elif char in self._opens:
+                self._depth += 1
+            else:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._end = self._pos
+        return self._end
+
+
+def loads_json(text: str) -> Any:
+    """json.loads without NaN and Infinity, which are not JSON."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def compact_json(args: dict[str, Any]) -> str:
+    return json.dumps(args, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def undecided(markup: str, final: bool) -> Parsed | None:
+    """Markup that cannot be decided yet; at the end of generation, content."""
+    return Parsed(len(markup), None) if final else None
+
+
+def skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def json_call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[str, dict] | None:
+    """(name, arguments) from {"name": ..., "arguments" | "parameters": {...} or a JSON string}."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):
+        try:
+            args = loads_json(args)
+        except ValueError:
+            return None
+    return (obj["name"], args) if isinstance(args, dict) else None
+
+
+def json_calls(text: str) -> list[tuple[str, dict]] | None:
+    """Calls from a JSON object or a JSON array of objects; None unless all are well-formed."""
+    try:
+        obj = loads_json(text)
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [json_call(item) for item in items]
+    return calls if calls and None not in calls else None
+
+
+def tool_schemas(tools: list[dict[str, Any]] | None) -> Schemas:
+    """Tool name -> parameters schema, from OpenAI ({"type": "function", "function": {...}}) or
+    Anthropic ({"name", "input_schema"}) tool definitions."""
+    schemas: Schemas = {}
+    for tool in tools or []:
+        fn = tool.get("function", tool)
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters", fn.get("input_schema"))
+            schemas[fn["name"]] = params if isinstance(params, dict) else {}
+    return schemas

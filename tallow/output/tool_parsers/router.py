@@ -1,0 +1,177 @@
+"""ToolCallRouter: a TokenRouter that withholds tool-call markup and hands it to a ToolParser.
+
+The router streams content live and holds back only what may still turn out to be markup:
+a tail that may begin a start tag, and the whitespace before it. Markup is withheld until the
+parser decides: well-formed calls become ToolCalls (arguments as compact JSON), anything else
+goes back into the content, in place. Every decision depends only on the text seen so far, so
+the result is the same however the text is cut into tokens.
+
+Whitespace that separates markup from the content is dropped: "Let me look.\\n\\n<tool_call>..."
+gives the content "Let me look."; text after a call keeps its separator only when content came
+before the call.
+
+Reasoning: the sink's thinking splitter runs after the router, so the router sees <think> blocks
+itself and passes them through untouched (tool markup inside reasoning stays reasoning). Like
+the splitter, it knows one reasoning block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tallow.output.detokenizer import Detokenizer
+from tallow.output.events import ToolCall, ToolCallDelta
+from tallow.output.partial_match import partial_suffix_len
+from tallow.output.reasoning import ReasoningFormat
+from tallow.output.tool_parsers.base import ToolParser, compact_json, skip_ws
+
+
+class ToolCallRouter:
+    """A TokenRouter (see tallow.output.sink) that turns tool-call markup into ToolCalls."""
+
+    def __init__(self, detokenizer: Detokenizer, parser: ToolParser,
+                 reasoning: ReasoningFormat | None = None, start_in_reasoning: bool = False,
+                 max_calls: int | None = None):
+        self._detokenizer = detokenizer
+        self._max_calls = max_calls
+        self.closed = False  # max_calls reached: all later text is dropped; generation should end
+        self._parser = parser
+        self._reasoning = reasoning
+        self._in_reasoning = reasoning is not None and start_in_reasoning
+        self._reasoning_done = False  # one block, as the thinking splitter
+        self._buffer = ""  # text not decided yet
+        self._in_markup = False
+        self._markup_ws = ""  # whitespace before the markup: dropped unless the markup is content
+        self._content_started = False  # non-whitespace content released outside reasoning
+        self._after_call = False  # a call came last (only whitespace since)
+        self._calls: list[ToolCall] = []
+        self._deltas: list[ToolCallDelta] = []
+
+    def push(self, token_id: int) -> str:
+        return self._advance(self._detokenizer.push(token_id), final=False)
+
+    def flush(self) -> str:
+        return self._advance(self._detokenizer.flush(), final=True)
+
+    def take_reasoning(self) -> str:
+        return ""  # reasoning passes through, tags included, to the thinking splitter
+
+    def tool_calls(self) -> list[ToolCall]:
+        return list(self._calls)
+
+    def take_tool_deltas(self) -> list[ToolCallDelta]:
+        """The deltas of the calls parsed since the last call (and forgets them)."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
+    # ---- the state machine ----------------------------------------------------------------
+
+    def _advance(self, text: str, final: bool) -> str:
+        if self.closed:
+            return ""
+        self._buffer += text
+        out: list[str] = []
+        while True:
+            if self.closed:
+                self._buffer = ""
+                return "".join(out)
+            if self._in_reasoning:
+                done = self._pass_reasoning(out, final)
+            elif self._in_markup:
+                done = self._parse_markup(out, final)
+            else:
+                done = self._scan_content(out, final)
+            if done:
+                return "".join(out)
+
+    def _pass_reasoning(self, out: list[str], final: bool) -> bool:
+        close = self._reasoning.close_tag
+        at = self._buffer.find(close)
+        if at == -1:
+            keep = 0 if final else partial_suffix_len(self._buffer, (close,))
+            out.append(self._buffer[:len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            return True
+        out.append(self._buffer[:at + len(close)])
+        self._buffer = self._buffer[at + len(close):]
+        self._in_reasoning, self._reasoning_done = False, True
+        return False
+
+    def _parse_markup(self, out: list[str], final: bool) -> bool:
+        parsed = self._parser.parse(self._buffer, final)
+        if parsed is None:
+            return True
+        markup, self._buffer = self._buffer[:parsed.end], self._buffer[parsed.end:]
+        ws, self._markup_ws = self._markup_ws, ""
+        self._in_markup = False
+        if parsed.calls is None:
+            self._release(out, ws + markup)
+        else:
+            for name, args in parsed.calls:
+                self._add_call(name, args)
+                if self._max_calls is not None and len(self._calls) >= self._max_calls:
+                    self.closed = True
+                    break
+            self._after_call = True
+        return False
+
+    def _scan_content(self, out: list[str], final: bool) -> bool:
+        text = self._buffer
+        at, tag = self._next_tag(text)
+        if tag is None:
+            hold = 0 if final else partial_suffix_len(text, self._tags())
+            body = text[:len(text) - hold]
+            # Trailing whitespace waits to see whether markup follows; at the end it is
+            # content, unless it follows a call.
+            lead = body.rstrip()
+            self._release(out, lead)
+            self._buffer = text[len(lead):]
+            if final:
+                if not self._after_call:
+                    self._release(out, self._buffer)
+                self._buffer = ""
+            return True
+        before, self._buffer = text[:at], text[at:]
+        if self._reasoning is not None and tag == self._reasoning.open_tag:
+            self._release(out, before)
+            out.append(tag)
+            self._buffer = self._buffer[len(tag):]
+            self._in_reasoning = True
+            return False
+        lead = before.rstrip()
+        self._release(out, lead)
+        self._markup_ws = before[len(lead):]
+        self._in_markup = True
+        return False
+
+    def _tags(self) -> list[str]:
+        tags = list(self._parser.start_tags)
+        if self._reasoning is not None and not self._reasoning_done:
+            tags.append(self._reasoning.open_tag)
+        return tags
+
+    def _next_tag(self, text: str) -> tuple[int, str | None]:
+        """The earliest tag that opens markup or reasoning in text."""
+        best, best_tag = len(text), None
+        for tag in self._tags():
+            at = text.find(tag)
+            if at != -1 and at < best:
+                best, best_tag = at, tag
+        if not self._content_started:
+            first = skip_ws(text, 0)
+            if first < best and text[first] in self._parser.reply_start:
+                best, best_tag = first, text[first]
+        return best, best_tag
+
+    def _release(self, out: list[str], text: str) -> None:
+        """Release content; whitespace between a call and the first content is dropped."""
+        if self._after_call and not self._content_started:
+            text = text.lstrip()
+        if text.strip():
+            self._content_started, self._after_call = True, False
+        out.append(text)
+
+    def _add_call(self, name: str, args: dict[str, Any]) -> None:
+        call = ToolCall.create(name, compact_json(args))
+        self._deltas += ToolCallDelta.whole(len(self._calls), call)
+        self._calls.append(call)
