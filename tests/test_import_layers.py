@@ -35,11 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 # (importer, imported) pairs that break a rule today and are on their way out.
-ALLOWED: set[tuple[str, str]] = {
-    # REMOVE AT MERGE: llm.py uses serve/sink.py's Detokenizer and StopMatcher until the output
-    # branch moves them to tallow/output/.
-    ("tallow.llm", "tallow.serve.sink"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def layer_of(module: str) -> int | None:

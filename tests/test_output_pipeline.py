@@ -14,6 +14,7 @@ import httpx
 import pytest
 from serve_utils import ByteTokenizer, LiveServer
 
+import tallow.testing  # noqa: F401  (registers the replay: model source)
 from tallow import LLM, SamplingParams
 from tallow.cli import main
 from tallow.config import EngineConfig
@@ -47,7 +48,7 @@ def llm(script):
 
 @pytest.fixture(scope="module")
 def server(script):
-    from tallow.engine.core import AsyncEngine
+    from tallow.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_config(EngineConfig(model=f"replay:{script}", device="cpu", quantization="none",
                                                   num_kv_blocks=64))
