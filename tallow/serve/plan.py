@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from tallow.config import ServerConfig
 from tallow.engine.sampling import SamplingParams
 from tallow.errors import TallowError
-from tallow.serve.schemas import SamplingFields
+from tallow.serve.protocols.openai_schemas import SamplingFields
 
 Model = TypeVar("Model", bound=BaseModel)
 

@@ -21,12 +21,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tallow.config import ServerConfig
 from tallow.errors import TallowError
-from tallow.serve.anthropic_schemas import MessagesInput, MessagesRequest
+from tallow.serve.protocols.anthropic_schemas import MessagesInput, MessagesRequest
 from tallow.serve.chat_prompt import ChatPrompt, render_chat
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
 from tallow.serve.protocols.base import StreamProtocol, to_json
-from tallow.serve.schemas import SamplingFields
+from tallow.serve.protocols.openai_schemas import SamplingFields
 from tallow.serve.sink import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
 
 # A stream silent this long (a queued request, a long prefill) gets a ping event.

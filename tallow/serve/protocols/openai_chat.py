@@ -10,7 +10,7 @@ from tallow.serve.chat_prompt import render_chat
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
 from tallow.serve.protocols.base import DONE, OpenAIChunks, StreamProtocol, finite, json_string, to_json
-from tallow.serve.schemas import ChatCompletionRequest
+from tallow.serve.protocols.openai_schemas import ChatCompletionRequest
 from tallow.serve.sink import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallDelta, ToolCallDeltaEvent
 
 

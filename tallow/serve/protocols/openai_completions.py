@@ -6,7 +6,7 @@ from tallow.config import ServerConfig
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
 from tallow.serve.protocols.base import DONE, OpenAIChunks, StreamProtocol, finite, to_json
-from tallow.serve.schemas import CompletionRequest
+from tallow.serve.protocols.openai_schemas import CompletionRequest
 from tallow.serve.sink import ContentEvent
 
 

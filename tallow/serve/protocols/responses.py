@@ -23,9 +23,9 @@ from tallow.serve.chat_prompt import render_chat
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
 from tallow.serve.protocols.base import StreamProtocol, to_json
-from tallow.serve.responses_schemas import ResponsesRequest
+from tallow.serve.protocols.responses_schemas import ResponsesRequest
 from tallow.serve.responses_store import ResponsesStore
-from tallow.serve.schemas import SamplingFields
+from tallow.serve.protocols.openai_schemas import SamplingFields
 from tallow.serve.sink import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
 
 
