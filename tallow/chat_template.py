@@ -134,13 +134,13 @@ class ChatTemplate:
         return self._compiled.supports_thinking
 
     def render(self, messages: list[dict], /, *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, **kwargs: Any) -> str:
+               continue_final_message: bool = False, timeout_s: float | None = None, **kwargs: Any) -> str:
         """The prompt text for `messages` (OpenAI-style dicts).
 
         kwargs are chat_template_kwargs (enable_thinking, ...); they cannot override the variables
         above. continue_final_message renders the last message open, for the model to continue it
         (an assistant prefill), as transformers does. Raises TallowError (400) when the template
-        fails or runs longer than timeout_s.
+        fails or runs longer than timeout_s (by default the one given at construction).
         """
         messages = [self._prepare(m) for m in messages]
         if continue_final_message:
@@ -150,7 +150,7 @@ class ChatTemplate:
             add_generation_prompt = False
         context = {**kwargs, "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
                    "bos_token": self.bos_token, "eos_token": self.eos_token}
-        text = self._render_with_timeout(context)
+        text = self._render_with_timeout(context, self.timeout_s if timeout_s is None else timeout_s)
         if continue_final_message:
             if _CONTINUE_TAG not in text:
                 raise TallowError("the chat template drops the final message, so it cannot be continued",
@@ -180,7 +180,7 @@ class ChatTemplate:
             message.setdefault("thinking", reasoning)
         return message
 
-    def _render_with_timeout(self, context: dict) -> str:
+    def _render_with_timeout(self, context: dict, timeout_s: float) -> str:
         """Render in a worker thread; past the limit, stop it with an asynchronous exception (checked
         between bytecodes, so it ends any pure-Python loop a template can run) and fail the request."""
         result: dict[str, Any] = {}
@@ -195,10 +195,10 @@ class ChatTemplate:
 
         worker = threading.Thread(target=work, name="chat-template", daemon=True)
         worker.start()
-        worker.join(self.timeout_s)
+        worker.join(timeout_s)
         if worker.is_alive():
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(_TemplateTimeout))
-            raise TallowError(f"chat template rendering took longer than {self.timeout_s:g} s", param="messages")
+            raise TallowError(f"chat template rendering took longer than {timeout_s:g} s", param="messages")
         if "error" in result:
             e = result["error"]
             raise TallowError(f"chat template error: {e}", param="messages") from e

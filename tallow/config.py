@@ -89,5 +89,5 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     responses_ttl_s: float = 3600.0
     responses_max_bytes: int = 64 * 1024 * 1024
+    # The longest a chat template may take to render one request (then 400).
     template_timeout_s: float = 5.0
-    flow_control_interval_ms: float = 25.0

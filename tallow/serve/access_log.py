@@ -1,9 +1,9 @@
 """The record of one HTTP request, filled in as it runs, and its one access-log line.
 
 The request gate (gate.py) makes a RequestRecord for every request and sets it as
-`current_request` for the request's task, so code deep in the request path (the
-instrumented engine, the executor's run, the route) adds to it without passing it around:
-asyncio tasks and `asyncio.to_thread` copy the context.
+`current_request` for the request's task (asyncio tasks and `asyncio.to_thread` copy the
+context). The route hands it to the run's RequestStats (instrument.py), which fills in tokens
+and finish reasons; the plan's steps mark their phases in its trace (mark_phase).
 """
 
 from __future__ import annotations

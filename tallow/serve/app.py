@@ -18,16 +18,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tallow.config import EngineConfig, ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.admission import RETRY_AFTER_S, AdmissionQueue
-from tallow.serve.access_log import mark_phase
-from tallow.serve.executor import CompletionAborted, CompletionRun
+from tallow.serve.access_log import current_request, mark_phase
+from tallow.serve.errors import ANTHROPIC, error_response, protocol_for_path
+from tallow.serve.executor import CompletionAborted, CompletionExecutor, CompletionRun
 from tallow.serve.gate import GateState, RequestGate
-from tallow.serve.instrument import InstrumentedEngine, MeteredExecutor
+from tallow.serve.instrument import RequestStats
 from tallow.serve.metrics import ServerMetrics
 from tallow.serve.security import exposure_warning
 from tallow.serve.shutdown import ABORT_GRACE_S, DrainingServer
 from tallow.serve.plan import Rejection
-from tallow.serve.protocols.anthropic import AnthropicMessages, anthropic_response
-from tallow.serve.protocols.anthropic import error_response as anthropic_error
+from tallow.serve.protocols.anthropic import AnthropicMessages, with_idle_pings
 from tallow.serve.protocols.base import StreamProtocol
 from tallow.serve.protocols.openai_chat import OpenAIChat
 from tallow.serve.protocols.openai_completions import OpenAICompletions
@@ -35,12 +35,6 @@ from tallow.serve.protocols.responses import OpenAIResponses
 from tallow.serve.responses_store import ResponsesStore
 
 log = logging.getLogger(__name__)
-
-def error_response(status: int, message: str, type: str, param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(Rejection.invalid(message, param, status=status, type=type).body, status,
-                        headers=headers)
-
 
 class ReleasingStream(StreamingResponse):
     """An SSE response that calls `release` once it is over, however it ends (even when the
@@ -81,8 +75,8 @@ def engine_slots(engine) -> int:
 def attach_engine(app: FastAPI, engine) -> None:
     """Serve `engine` from now on (run_server calls this once the model has loaded)."""
     state = app.state
-    state.engine = InstrumentedEngine(engine, state.metrics)
-    state.executor = MeteredExecutor(state.engine, state.metrics)
+    state.engine = engine
+    state.executor = CompletionExecutor(engine)
     state.admission = AdmissionQueue(engine_slots(engine), state.config.max_queue)
     state.model_name = state.config.served_model_name or engine.model_name
     state.metrics.bind(engine, state.model_name)
@@ -108,12 +102,13 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(TallowError)
     async def tallow_error(request: Request, e: TallowError) -> JSONResponse:
-        return JSONResponse(Rejection.from_error(e).body, e.status)
+        return Rejection.from_error(e).response(protocol_for_path(request.url.path))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return error_response(500, f"internal server error: {type(e).__name__}", "server_error")
+        return error_response(protocol_for_path(request.url.path), 500,
+                              f"internal server error: {type(e).__name__}", "server_error")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -157,24 +152,15 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await anthropic(request, lambda: complete(request, AnthropicMessages))
+        return with_idle_pings(await complete(request, AnthropicMessages))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        async def count() -> Response:
-            engine, raw = serving_engine(), await request.body()
-            counted = await asyncio.to_thread(AnthropicMessages.count_tokens, raw, engine, server_config)
-            if isinstance(counted, Rejection):
-                return JSONResponse(counted.body, counted.status)
-            return JSONResponse(counted)
-        return await anthropic(request, count)
-
-    async def anthropic(request: Request, handle: Callable[[], Awaitable[Response]]) -> Response:
-        """Anthropic's routes: every failure in Anthropic's error shape, pings on idle streams."""
-        try:  # the API key and the body cap were checked by the RequestGate middleware
-            return anthropic_response(await handle())
-        except TallowError as e:
-            return anthropic_error(e.status, e.message)
+        engine, raw = serving_engine(), await request.body()
+        counted = await asyncio.to_thread(AnthropicMessages.count_tokens, raw, engine, server_config)
+        if isinstance(counted, Rejection):
+            return counted.response(ANTHROPIC)
+        return JSONResponse(counted)
 
     responses_store = ResponsesStore(server_config.responses_ttl_s, server_config.responses_max_bytes)
     responses_protocol = OpenAIResponses.with_store(responses_store)
@@ -209,15 +195,16 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         mark_phase("plan")
         if isinstance(plan, Rejection):
             counters["rejected"] += 1
-            return JSONResponse(plan.body, plan.status)
+            return plan.response(protocol_cls.error_protocol)
         admission = state.admission.try_admit(len(plan.prompts) * plan.params.n)
         if admission is None:
             counters["queue_full"] += 1
-            return error_response(429, "the server is at capacity; retry shortly", "rate_limit_error",
+            return error_response(protocol_cls.error_protocol, protocol_cls.queue_full_status,
+                                  "the server is at capacity; retry shortly", "rate_limit_error",
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
         request_id = protocol_cls.id_prefix + uuid.uuid4().hex
         protocol = protocol_cls(plan, state.model_name, engine.tokenizer, request_id)
-        run = state.executor.start(plan, request_id)
+        run = state.executor.start(plan, request_id, RequestStats(state.metrics, current_request.get()))
 
         if plan.stream:
             async def frames() -> AsyncIterator[str]:

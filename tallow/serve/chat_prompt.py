@@ -29,9 +29,11 @@ from tallow.config import ServerConfig
 from tallow.errors import TallowError
 from tallow.output.reasoning import REASONING_PARSERS, reasoning_parser_for_template
 from tallow.output.tool_parsers import TOOL_PARSERS, tool_parser_for_template
+from tallow.serve.access_log import mark_phase
 
-# chat_template_kwargs may not override what the request sets through its own fields.
-RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+# chat_template_kwargs may not override what the request sets through its own fields, nor the
+# server's time limit.
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "timeout_s"})
 
 FALLBACK_TOOL_PARSER = "hermes"
 
@@ -68,13 +70,16 @@ def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: 
     if reasoning_effort == "none" and getattr(template, "supports_thinking", False):
         kwargs.setdefault("enable_thinking", False)
     tools = tools if tools and tool_choice != "none" else None
+    mark_phase("parse")
     if getattr(template, "supports_tools", False):
-        text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                               timeout_s=config.template_timeout_s, **kwargs)
         implied = tool_parser_for_template(source)
     else:
-        text = template.render(hermes_fallback_messages(messages, tools),
-                               add_generation_prompt=add_generation_prompt, **kwargs)
+        text = template.render(hermes_fallback_messages(messages, tools), add_generation_prompt=add_generation_prompt,
+                               timeout_s=config.template_timeout_s, **kwargs)
         implied = FALLBACK_TOOL_PARSER
+    mark_phase("template")
     tool_parser = _configured(config.tool_call_parser, TOOL_PARSERS, "tool-call") or implied
     reasoning_parser = (_configured(config.reasoning_parser, REASONING_PARSERS, "reasoning")
                         or reasoning_parser_for_template(source))

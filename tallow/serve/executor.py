@@ -2,15 +2,16 @@
 
 Every protocol runs through here. A run submits each prompt (params.n sibling streams
 each), feeds every stream's outputs to its own OutputPipeline (tallow.output: the sink, and
-the engine stream aborted as soon as a stop string matches), gathers logprobs and keeps a
-live Usage. Updates from all choices arrive on one async iterator in the order they are
-produced; leaving that iterator early (a client that went away, a cancelled task) aborts
-every stream at once.
+the engine stream aborted as soon as a stop string matches), gathers logprobs, keeps a live
+Usage and reports to the request's RequestStats (instrument.py) when given one. Updates from
+all choices arrive on one async iterator in the order they are produced; leaving that
+iterator early (a client that went away, a cancelled task) aborts every stream at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from tallow.errors import TallowError
 from tallow.output.events import Event, ToolCall
 from tallow.output.pipeline import OutputPipeline, make_sink
+from tallow.serve.instrument import RequestStats, SequenceStats
 from tallow.serve.plan import RequestPlan
 
 
@@ -78,14 +80,19 @@ class CompletionSummary:
 
 @dataclass
 class CompletionRun:
-    """One request in flight. Iterate `updates()` once; `usage` is kept current throughout."""
+    """One request in flight. Iterate `updates()` once; `usage` is kept current throughout.
+
+    With `stats`, the run reports its sequences' tokens, its finished choices and how it ended."""
 
     engine: object
     plan: RequestPlan
     request_id: str
+    stats: RequestStats | None = None
+    trace_prefill: bool = False  # submit with the engine's trace_prefill (a traced request, a real engine)
     usage: Usage = field(init=False)
     results: dict[int, ChoiceResult] = field(init=False, default_factory=dict)
     _streams: list = field(init=False, default_factory=list)
+    _sequence_stats: list[SequenceStats | None] = field(init=False, default_factory=list)
     _pumps: list[asyncio.Task] = field(init=False, default_factory=list)
     _queue: asyncio.Queue = field(init=False, default_factory=asyncio.Queue)
     _aborted: bool = field(init=False, default=False)
@@ -95,6 +102,7 @@ class CompletionRun:
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Every choice's updates as they come; raises CompletionAborted after abort()."""
+        stats = self.stats
         try:
             self._submit()
             if len(self._streams) == 1:
@@ -104,6 +112,8 @@ class CompletionRun:
                     async for update in updates:
                         if self._aborted:
                             break
+                        if update.finish_reason is not None and stats is not None:
+                            stats.finished(update.finish_reason)
                         yield update
                 if self._aborted:
                     raise CompletionAborted()
@@ -119,7 +129,17 @@ class CompletionRun:
                     raise update
                 if update.finish_reason is not None:
                     unfinished -= 1
+                    if stats is not None:
+                        stats.finished(update.finish_reason)
                 yield update
+        except (CompletionAborted, asyncio.CancelledError, GeneratorExit):  # the client went away
+            if stats is not None:
+                stats.aborted()
+            raise
+        except Exception:
+            if stats is not None:
+                stats.failed()
+            raise
         finally:
             self.abort()
 
@@ -127,15 +147,23 @@ class CompletionRun:
         """Submit every prompt: params.n sibling streams each, choice p * n + j at _streams[p * n + j]."""
         for p, prompt_ids in enumerate(self.plan.prompts):
             request_id = self.request_id if len(self.plan.prompts) == 1 else f"{self.request_id}-{p}"
-            self._streams += self.engine.submit(prompt_ids, self.plan.params_for(p), request_id)
+            if self.trace_prefill:
+                streams = self.engine.submit(prompt_ids, self.plan.params_for(p), request_id, trace_prefill=True)
+            else:
+                streams = self.engine.submit(prompt_ids, self.plan.params_for(p), request_id)
+            self._streams += streams
+            self._sequence_stats += (self.stats.submitted(prompt_ids, streams) if self.stats is not None
+                                     else [None] * len(streams))
 
     def abort(self) -> None:
         """Stop at once: abort every engine stream and end updates() (idempotent; needs no await).
         An aborted engine stream ends its iteration at once, which ends a single choice's
         updates(); with several choices the queue's CompletionAborted ends them."""
         self._aborted = True
-        for stream in self._streams:
+        for stream, stats in zip(self._streams, self._sequence_stats):
             stream.abort()
+            if stats is not None:
+                stats.end("abort")
         for pump in self._pumps:
             pump.cancel()
         self._queue.put_nowait(CompletionAborted())
@@ -165,7 +193,10 @@ class CompletionRun:
         pending: list[TokenLogprob] = []
         first = True
         usage = self.usage
+        stats = self._sequence_stats[index]
         async for out in stream:
+            if stats is not None:
+                stats.output(out)
             if first and counts_cached:
                 usage.cached_tokens += out.num_cached_tokens
             first = False
@@ -182,6 +213,8 @@ class CompletionRun:
                 pending = []
                 yield update
             if pipeline.done:  # the pipeline aborted the stream
+                if stats is not None:
+                    stats.end("abort")
                 break
         if pipeline.engine_finish == "error":
             raise TallowError("the engine failed while generating", status=500, type="server_error")
@@ -197,10 +230,14 @@ class CompletionExecutor:
 
     def __init__(self, engine):
         self.engine = engine
+        # Only an engine whose submit() takes trace_prefill (the real one) logs prefill chunks.
+        self._logs_prefill = "trace_prefill" in inspect.signature(engine.submit).parameters
 
-    def start(self, plan: RequestPlan, request_id: str) -> CompletionRun:
-        """A run for streaming: iterate its `updates()`; nothing is submitted before that."""
-        return CompletionRun(self.engine, plan, request_id)
+    def start(self, plan: RequestPlan, request_id: str, stats: RequestStats | None = None) -> CompletionRun:
+        """A run for streaming: iterate its `updates()`; nothing is submitted before that. `stats`
+        receives the run's statistics."""
+        traced = stats is not None and stats.trace is not None
+        return CompletionRun(self.engine, plan, request_id, stats, traced and self._logs_prefill)
 
     async def run(self, plan: RequestPlan, request_id: str) -> CompletionSummary:
         """Run to the end and return the whole result (the non-streaming path)."""

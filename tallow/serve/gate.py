@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse
 
 from tallow.config import ServerConfig
 from tallow.serve.access_log import RequestRecord, access_log, current_request
+from tallow.serve.errors import error_response, protocol_for_path
 from tallow.serve.metrics import ServerMetrics
-from tallow.serve.plan import Rejection
 from tallow.serve.security import api_key_matches, remote_content_part
 from tallow.serve.trace import RequestTrace
 
@@ -32,11 +32,6 @@ trace_log = logging.getLogger("tallow.trace")
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Routes polled by machines: their access lines go to DEBUG.
 _QUIET_ROUTES = frozenset({"/health", "/metrics"})
-# Anthropic's error type for each status the gate answers.
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "request_too_large",
-                    503: "overloaded_error"}
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
-                 503: "service_unavailable"}
 
 
 @dataclass
@@ -45,16 +40,6 @@ class GateState:
 
     in_flight: int = 0
     draining: bool = False
-
-
-def error_response(path: str, status: int, message: str, param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    """An error in the shape of the protocol that `path` belongs to."""
-    if path.startswith("/v1/messages"):
-        body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
-    else:
-        body = Rejection.invalid(message, param, status=status, type=_OPENAI_TYPES.get(status, "server_error")).body
-    return JSONResponse(body, status, headers=headers)
 
 
 class RequestGate:
@@ -102,7 +87,8 @@ class RequestGate:
         path, config = scope["path"], self.config
 
         def refuse(status: int, message: str, param: str | None = None, headers: dict | None = None):
-            return error_response(path, status, message, param, headers)(scope, receive, send)
+            return error_response(protocol_for_path(path), status, message, param=param, headers=headers)(
+                scope, receive, send)
 
         if self.state.draining and path == "/health":
             return await JSONResponse({"status": "draining"}, 503)(scope, receive, send)

@@ -1,4 +1,5 @@
-"""Validation: a request body -> RequestPlan, or Rejection(status, OpenAI-shaped error body).
+"""Validation: a request body -> RequestPlan, or a Rejection (status, message, param: the route renders
+it in its protocol's error shape, serve/errors.py).
 
 Each protocol adapter parses its body with `parse_request`, turns its messages or
 prompts into token ids, then calls `plan_completion` for the checks every protocol
@@ -13,28 +14,40 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.responses import JSONResponse
 
 from tallow.config import ServerConfig
 from tallow.engine.sampling import SamplingParams
 from tallow.errors import TallowError
-from tallow.serve.schemas import SamplingFields
+from tallow.serve.access_log import mark_phase
+from tallow.serve.errors import error_response
+from tallow.serve.protocols.openai_schemas import SamplingFields
 
 Model = TypeVar("Model", bound=BaseModel)
 
 
 @dataclass(frozen=True)
 class Rejection:
+    """A request refused before it runs: an HTTP status and OpenAI's error fields."""
+
     status: int
-    body: dict[str, Any]
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+    code: str | None = None
 
     @classmethod
     def invalid(cls, message: str, param: str | None = None, *, status: int = 400,
                 type: str = "invalid_request_error", code: str | None = None) -> "Rejection":
-        return cls(status, {"error": {"message": message, "type": type, "param": param, "code": code}})
+        return cls(status, message, param, type, code)
 
     @classmethod
     def from_error(cls, error: TallowError) -> "Rejection":
-        return cls.invalid(error.message, error.param, status=error.status, type=error.type, code=error.code)
+        return cls(error.status, error.message, error.param, error.type, error.code)
+
+    def response(self, protocol: str, headers: dict | None = None) -> JSONResponse:
+        """This rejection in `protocol`'s error shape."""
+        return error_response(protocol, self.status, self.message, self.type, self.param, self.code, headers)
 
 
 @dataclass
@@ -94,6 +107,14 @@ def _field_path(loc: tuple) -> str:
         elif not _TYPE_TAG.search(part):
             path += f".{part}" if path else part
     return path
+
+
+def tokenize(tokenizer, text: str, **kwargs: Any) -> list[int]:
+    """tokenizer.encode(text), marked in the request's trace: parsing ends, then tokenizing."""
+    mark_phase("parse")
+    ids = tokenizer.encode(text, **kwargs)
+    mark_phase("tokenize")
+    return ids
 
 
 def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size: int,

@@ -3,8 +3,8 @@
 A stream follows Anthropic's event grammar: message_start; per content block (thinking, text,
 tool_use) content_block_start, content_block_delta (thinking_delta, text_delta,
 input_json_delta) and content_block_stop; message_delta (stop_reason, stop_sequence, final
-usage); message_stop. Every response of these routes goes through `anthropic_response`, which
-puts errors in Anthropic's shape and pings a stream that stays silent.
+usage); message_stop. Errors come in Anthropic's shape (serve/errors.py; a full queue answers
+529 overloaded_error); a stream that stays silent gets pings (`with_idle_pings`).
 
 Usage follows Anthropic's accounting: input_tokens are the prompt tokens computed for this
 request, cache_read_input_tokens those served from the prefix cache; their sum is the prompt.
@@ -17,25 +17,21 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tallow.config import ServerConfig
 from tallow.errors import TallowError
-from tallow.serve.anthropic_schemas import MessagesInput, MessagesRequest
 from tallow.serve.chat_prompt import ChatPrompt, render_chat
+from tallow.serve.errors import ANTHROPIC, ANTHROPIC_OVERLOADED, error_body
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
-from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
+from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
+from tallow.serve.protocols.anthropic_schemas import MessagesInput, MessagesRequest
 from tallow.serve.protocols.base import StreamProtocol, to_json
-from tallow.serve.schemas import SamplingFields
 from tallow.output.events import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
+from tallow.serve.protocols.openai_schemas import SamplingFields
 
 # A stream silent this long (a queued request, a long prefill) gets a ping event.
 PING_INTERVAL_S = 1.0
-# Anthropic's status for "overloaded": what a full admission queue answers here.
-OVERLOADED_STATUS = 529
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                503: "overloaded_error", OVERLOADED_STATUS: "overloaded_error"}
 _STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
 
 
@@ -46,52 +42,68 @@ def event(name: str, payload: dict) -> str:
 PING = event("ping", {"type": "ping"})
 
 
-def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
-def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status, headers=headers)
-
-
-def anthropic_response(response: Response) -> Response:
-    """A response of the shared completion path, in Anthropic's terms: an error body in
-    Anthropic's shape (a full queue's 429 becomes 529 overloaded_error), a stream with pings."""
+def with_idle_pings(response: Response) -> Response:
+    """A response of POST /v1/messages: a stream gets a ping whenever it stays silent."""
     if isinstance(response, StreamingResponse):
         response.body_iterator = with_pings(response.body_iterator)
-        return response
-    if not isinstance(response, JSONResponse) or response.status_code < 400:
-        return response
-    status = OVERLOADED_STATUS if response.status_code == 429 else response.status_code
-    message = json.loads(response.body).get("error", {}).get("message", "")
-    retry_after = response.headers.get("retry-after")
-    return error_response(status, message, {"Retry-After": retry_after} if retry_after else None)
+    return response
 
 
 async def with_pings(frames: AsyncIterator[str], interval: float | None = None) -> AsyncIterator[str]:
-    """`frames`, with a ping whenever none came for `interval` seconds (PING_INTERVAL_S).
+    """`frames`, with a ping whenever none came for a whole `interval` (PING_INTERVAL_S): the
+    stream's silence is checked once an interval, so a ping comes one to two intervals into it.
 
-    The frames are drawn in a task of their own, so that waiting can time out; leaving early
-    cancels that task, which the frame generator handles as a disconnect.
+    One task draws the frames into a one-slot queue for the whole stream, and a timer that re-arms
+    itself once an interval puts a ping there: no task or timer per frame. Leaving early cancels
+    the drawing task (which the frame generator sees as a disconnect) and closes `frames`.
     """
-    async def draw() -> str | None:
-        return await anext(frames, None)
+    interval = interval or PING_INTERVAL_S
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
 
-    pending: asyncio.Task | None = None
+    async def draw() -> None:
+        try:
+            async for frame in frames:
+                await queue.put(frame)
+        except Exception as e:  # handed to the consumer, which raises it
+            await queue.put(_Failed(e))
+        else:
+            await queue.put(_END)
+        finally:
+            close = getattr(frames, "aclose", None)
+            if close is not None:
+                await close()
+
+    taken = 0  # items the consumer has taken, pings included
+
+    def tick(taken_before: int) -> None:
+        nonlocal timer
+        if taken == taken_before and queue.empty():
+            queue.put_nowait(PING)
+        timer = loop.call_later(interval, tick, taken)
+
+    drawing = asyncio.create_task(draw())
+    timer = loop.call_later(interval, tick, taken)
     try:
         while True:
-            pending = pending or asyncio.create_task(draw())
-            done, _ = await asyncio.wait({pending}, timeout=interval or PING_INTERVAL_S)
-            if not done:
-                yield PING
-                continue
-            frame, pending = pending.result(), None
-            if frame is None:
+            item = await queue.get()
+            taken += 1
+            if item is _END:
                 return
-            yield frame
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
     finally:
-        if pending is not None:
-            pending.cancel()
+        timer.cancel()
+        drawing.cancel()
+
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, error: Exception):
+        self.error = error
 
 
 def _tool_use_id(call_id: str) -> str:
@@ -121,6 +133,8 @@ def _render(req: MessagesInput, engine, config: ServerConfig) -> ChatPrompt | Re
 
 class AnthropicMessages(StreamProtocol):
     id_prefix = "msg_"
+    error_protocol = ANTHROPIC
+    queue_full_status = ANTHROPIC_OVERLOADED
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -145,7 +159,7 @@ class AnthropicMessages(StreamProtocol):
         sampling = SamplingFields(stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, stop=req.stop_sequences)
         return plan_completion(
-            sampling, [engine.tokenizer.encode(prompt.text)], vocab_size=engine.model_config.vocab_size,
+            sampling, [tokenize(engine.tokenizer, prompt.text)], vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len, config=config, max_tokens=req.max_tokens, logprobs=None,
             prompt_param="messages", prompt_text=prompt.text, split_reasoning=True,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
@@ -160,10 +174,10 @@ class AnthropicMessages(StreamProtocol):
         prompt = _render(req, engine, config)
         if isinstance(prompt, Rejection):
             return prompt
-        return {"input_tokens": len(engine.tokenizer.encode(prompt.text))}
+        return {"input_tokens": len(tokenize(engine.tokenizer, prompt.text))}
 
     def error(self, message: str) -> list[str]:
-        return [event("error", error_body(500, message))]
+        return [event("error", error_body(ANTHROPIC, 500, message))]
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:

@@ -7,6 +7,7 @@ import time
 from abc import ABC, abstractmethod
 
 from tallow.config import ServerConfig
+from tallow.serve.errors import OPENAI, error_body
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
 from tallow.serve.plan import Rejection, RequestPlan
 
@@ -64,6 +65,10 @@ class StreamProtocol(ABC):
     """
 
     id_prefix: str
+    # The shape of this protocol's error bodies (serve/errors.py), and the status of "the server
+    # is at capacity".
+    error_protocol = OPENAI
+    queue_full_status = 429
 
     def __init__(self, plan: RequestPlan, model_name: str, tokenizer, request_id: str):
         self.plan = plan
@@ -87,7 +92,7 @@ class StreamProtocol(ABC):
     def finish(self, usage: Usage) -> list[str]: ...
 
     def error(self, message: str) -> list[str]:
-        return [sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}}), DONE]
+        return [sse(error_body(self.error_protocol, 500, message)), DONE]
 
     @abstractmethod
     def response(self, summary: CompletionSummary) -> dict: ...

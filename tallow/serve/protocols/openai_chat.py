@@ -8,10 +8,10 @@ from tallow.config import ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.chat_prompt import render_chat
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
-from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
+from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
 from tallow.serve.protocols.base import DONE, OpenAIChunks, StreamProtocol, finite, json_string, to_json
-from tallow.serve.schemas import ChatCompletionRequest
 from tallow.output.events import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallDelta, ToolCallDeltaEvent
+from tallow.serve.protocols.openai_schemas import ChatCompletionRequest
 
 
 class OpenAIChat(OpenAIChunks, StreamProtocol):
@@ -36,7 +36,7 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
         except TallowError as e:
             return Rejection.from_error(e)
         return plan_completion(
-            req, [engine.tokenizer.encode(prompt.text)], vocab_size=engine.model_config.vocab_size,
+            req, [tokenize(engine.tokenizer, prompt.text)], vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len, config=config,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages",

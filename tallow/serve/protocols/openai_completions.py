@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from tallow.config import ServerConfig
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
-from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
+from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
 from tallow.serve.protocols.base import DONE, OpenAIChunks, StreamProtocol, finite, to_json
-from tallow.serve.schemas import CompletionRequest
 from tallow.output.events import ContentEvent
+from tallow.serve.protocols.openai_schemas import CompletionRequest
 
 
 class OpenAICompletions(OpenAIChunks, StreamProtocol):
@@ -94,7 +94,7 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
 def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer) -> list[list[int]]:
     """Every accepted prompt shape -> one token list per prompt."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt, add_special_tokens=True)]
+        return [tokenize(tokenizer, prompt, add_special_tokens=True)]
     if prompt and isinstance(prompt[0], int):
         return [list(prompt)]
-    return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
+    return [tokenize(tokenizer, p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]

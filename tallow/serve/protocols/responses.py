@@ -20,12 +20,13 @@ from typing import Any
 from tallow.config import ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.chat_prompt import render_chat
+from tallow.serve.errors import OPENAI, error_body
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
-from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion
+from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
 from tallow.serve.protocols.base import StreamProtocol, to_json
-from tallow.serve.responses_schemas import ResponsesRequest
+from tallow.serve.protocols.openai_schemas import SamplingFields
+from tallow.serve.protocols.responses_schemas import ResponsesRequest
 from tallow.serve.responses_store import ResponsesStore
-from tallow.serve.schemas import SamplingFields
 from tallow.output.events import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
 
 
@@ -125,7 +126,7 @@ class OpenAIResponses(StreamProtocol):
             return Rejection.from_error(e)
         sampling = SamplingFields(stream=req.stream, temperature=req.temperature, top_p=req.top_p)
         plan = plan_completion(
-            sampling, [engine.tokenizer.encode(prompt.text)], vocab_size=engine.model_config.vocab_size,
+            sampling, [tokenize(engine.tokenizer, prompt.text)], vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len, config=config, max_tokens=req.max_output_tokens, logprobs=None,
             prompt_param="input", prompt_text=prompt.text, split_reasoning=True,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
@@ -135,7 +136,8 @@ class OpenAIResponses(StreamProtocol):
         return ResponsesPlan(**vars(plan), request=req, conversation=conversation)
 
     def error(self, message: str) -> list[str]:
-        return [self._event("error", code="server_error", message=message, param=None)]
+        error = error_body(OPENAI, 500, message)["error"]  # Responses' error event: the type is its code
+        return [self._event("error", code=error["type"], message=error["message"], param=error["param"])]
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:

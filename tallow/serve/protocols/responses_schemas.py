@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from tallow.serve.schemas import WireModel
+from tallow.serve.protocols.openai_schemas import WireModel
 
 
 class TextContent(WireModel):

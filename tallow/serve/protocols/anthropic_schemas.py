@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from tallow.serve.schemas import WireModel
+from tallow.serve.protocols.openai_schemas import WireModel
 
 
 class TextBlock(WireModel):

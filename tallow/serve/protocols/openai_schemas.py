@@ -1,4 +1,6 @@
-"""Pydantic wire models for the OpenAI Chat Completions and Completions request bodies.
+"""Pydantic wire models for the OpenAI Chat Completions and Completions request bodies, and the
+base every protocol's models share (WireModel) and the sampling fields every protocol maps onto
+(SamplingFields, which plan.py reads).
 
 Types and static ranges live here; limits that depend on the server or the model
 (n cap, context length, vocabulary) are checked in plan.py.
