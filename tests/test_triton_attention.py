@@ -155,6 +155,32 @@ def test_mixed_batch(device):
     check(device, torch.float32, [1, 13, 1, 7], [9, 30, 1, 7], num_padding=2, **SMALL)
 
 
+@pytest.mark.parametrize("device", [INTERPRETER, CUDA])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(2, 16), (3, 24)], ids=["kv2-d16", "kv3-d24"])
+def test_kv_write_copies_each_row_to_its_slot(device, cache_dtype, heads):
+    """write_kv_cache alone: k and v as strided views of a fused qkv output, float32 rows into
+    a float32 or float16 cache (rounded as torch rounds), the padding slot -1 skipped and
+    every other cache row left as it was."""
+    from tallow.engine.attention.triton_kv_write import write_kv_cache
+
+    num_kv_heads, head_dim = heads
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 4 + 2 * num_kv_heads, head_dim, generator=g).to(device)
+    k, v = qkv[:, 4: 4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]
+    slots = torch.tensor([3, 17, -1, 40, 8, 0])  # blocks of 4: different blocks and offsets
+    k_cache = torch.randn(12, 4, num_kv_heads, head_dim, generator=g).to(device, cache_dtype)
+    v_cache = torch.randn(12, 4, num_kv_heads, head_dim, generator=g).to(device, cache_dtype)
+    want_k = k_cache.clone().view(-1, num_kv_heads, head_dim)
+    want_v = v_cache.clone().view(-1, num_kv_heads, head_dim)
+    real = slots >= 0
+    want_k[slots[real]] = k[real.to(device)].to(cache_dtype)
+    want_v[slots[real]] = v[real.to(device)].to(cache_dtype)
+    write_kv_cache(k, v, k_cache, v_cache, slots.to(device))
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim), want_k)
+    assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim), want_v)
+
+
 def test_decode_splits_follow_batch_size():
     sms, kv_heads, cap = 132, 8, 32
     splits = [num_decode_splits(b, kv_heads, sms, cap) for b in (1, 2, 4, 8, 16, 32, 64, 256)]

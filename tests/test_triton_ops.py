@@ -148,6 +148,21 @@ def test_triton_gemv_matches_float64(where, shape):
             assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), (dtype, err)
 
 
+@pytest.mark.parametrize("where", [INTERPRETER, CUDA])
+@pytest.mark.parametrize("width", [64, 3000], ids=["one-block", "ragged-blocks"])
+def test_silu_and_mul_matches_float64(where, width):
+    """silu(gate) * up over [T, 2d] rows, d past the kernel's 1024-column block in the second case."""
+    from tallow.ops.triton_activation import triton_silu_and_mul
+
+    g = torch.Generator().manual_seed(4)
+    for dtype in dtypes_on(where):
+        x = (torch.randn(3, width, generator=g) * 3).to(where, dtype)
+        gate, up = x.double().chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(triton_silu_and_mul(x).double(), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_one_row_linear_uses_the_gemv_only_for_one_row_on_cuda():
