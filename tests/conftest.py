@@ -30,12 +30,12 @@ def _private_caches() -> str:
     user_cache = _user_tallow_cache()
     root = tempfile.mkdtemp(prefix="tallow-tests-")
     tallow_cache = os.path.join(root, "tallow")
-    for sub in ("kernels", "gguf"):
+    for sub, prefix, suffix in (("kernels", "tallow_cpu_", ".so"), ("gguf", "", ".safetensors")):
         os.makedirs(os.path.join(tallow_cache, sub))
         source = os.path.join(user_cache, sub)
-        if os.path.isdir(source):
+        if os.path.isdir(source):  # finished files only, not another process's build in progress
             for name in os.listdir(source):
-                if name.endswith((".so", ".safetensors")):
+                if name.startswith(prefix) and name.endswith(suffix):
                     os.symlink(os.path.join(source, name), os.path.join(tallow_cache, sub, name))
     os.environ["TALLOW_CACHE_DIR"] = tallow_cache
     os.environ["XDG_CACHE_HOME"] = os.path.join(root, "xdg")
