@@ -171,6 +171,12 @@ class FakeStream:
             self._put([token], chosen, top, None)
 
 
+def engine_idle(engine) -> bool:
+    """No sequence running or waiting."""
+    stats = engine.stats()
+    return stats["running"] == 0 and stats["waiting"] == 0
+
+
 def wait_until(condition, timeout: float = 10.0, interval: float = 0.01) -> None:
     """Poll condition() until it holds; fail the test when it still does not after timeout seconds."""
     deadline = time.monotonic() + timeout

@@ -9,7 +9,7 @@ import logging
 import httpx
 import pytest
 
-from serve_utils import LiveServer, replay_engine, wait_until
+from serve_utils import LiveServer, engine_idle, replay_engine, wait_until
 from tallow.config import ServerConfig
 from tallow.serve import executor as executor_module
 from tallow.serve.protocols.openai_chat import OpenAIChat
@@ -80,11 +80,6 @@ def expected_text(engine, i: int) -> str:
     """The first MAX_TOKENS tokens of request i's scripted reply."""
     reply = BATCH_SCRIPT["replies"][i]["reply"]
     return engine.tokenizer.decode(engine.tokenizer.encode(reply)[:MAX_TOKENS])
-
-
-def idle(engine) -> bool:
-    stats = engine.stats()
-    return stats["running"] == 0 and stats["waiting"] == 0
 
 
 async def run_batch(base_url: str, bodies: list[dict], engine) -> tuple[list, int]:
@@ -158,7 +153,7 @@ def test_a_failing_request_fails_alone(server, monkeypatch, breaks, stream):
     # The failed request's sequence is aborted at the engine's next command drain, and a
     # stream's slot is released when its response handler returns, which can come a moment
     # after the client has read the last frame.
-    wait_until(lambda: idle(engine) and server.app.state.admission.in_flight == 0)
+    wait_until(lambda: engine_idle(engine) and server.app.state.admission.in_flight == 0)
 
 
 REPLY = "Steady as she goes: the engine keeps serving after a failed step."

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from serve_utils import LiveServer, replay_engine, scripted_reply, wait_until
+from serve_utils import LiveServer, engine_idle, replay_engine, scripted_reply, wait_until
 from tallow.config import ServerConfig
 from tallow.serve.chat_prompt import render_chat
 
@@ -230,11 +230,6 @@ def test_usage_chunks(server):
     assert counts == sorted(counts) and counts[-1] == chunks[-1]["usage"]["completion_tokens"]
 
 
-def idle(engine) -> bool:
-    stats = engine.stats()
-    return stats["running"] == 0 and stats["waiting"] == 0
-
-
 def test_a_dropped_stream_frees_the_engine(server):
     body = {"messages": ask("Tell me a very long story."), "max_tokens": 2000, "ignore_eos": True,
             "temperature": 0, "stream": True}
@@ -243,7 +238,7 @@ def test_a_dropped_stream_frees_the_engine(server):
         for _ in range(6):
             next(lines)
         assert server.engine.stats()["running"] == 1
-    wait_until(lambda: idle(server.engine))
+    wait_until(lambda: engine_idle(server.engine))
 
 
 def test_a_dropped_request_frees_the_engine(server):
@@ -251,4 +246,4 @@ def test_a_dropped_request_frees_the_engine(server):
             "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=0.5)
-    wait_until(lambda: idle(server.engine))
+    wait_until(lambda: engine_idle(server.engine))

@@ -1,11 +1,11 @@
 """Triton paged attention against a plain torch reference.
 
 Runs on CUDA (marked gpu) at model-like shapes in bf16/fp16/fp32, and a tiny fp32 subset runs
-under Triton's interpreter on the CPU when triton is installed and TRITON_INTERPRET=1 is set
-before the run (it must be set before triton is imported; the interpreter cannot check bf16,
-whose tl.dot it computes on the raw bits):
+under Triton's interpreter on the CPU, in the triton_interp tier (tests/conftest.py sets
+TRITON_INTERPRET=1 where triton is installed and CUDA is not; the interpreter cannot check
+bf16, whose tl.dot it computes on the raw bits):
 
-    TRITON_INTERPRET=1 pytest tests/test_triton_attention.py
+    pytest -m triton_interp tests/test_triton_attention.py     (or make test-triton)
 """
 
 from __future__ import annotations

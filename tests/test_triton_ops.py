@@ -1,7 +1,8 @@
 """tallow.ops (RMSNorm + residual, rotary) against plain float64 references.
 
 Three ways to run each op: the torch fallback on the CPU (always), the Triton kernel under
-the interpreter on the CPU (TRITON_INTERPRET=1), and the public function on CUDA (gpu).
+the interpreter on the CPU (the triton_interp tier: pytest -m triton_interp, make test-triton),
+and the public function on CUDA (gpu). Also silu*mul and the one-row GEMV.
 """
 
 from __future__ import annotations
