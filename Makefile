@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 MODEL ?= default
 
-.PHONY: venv install serve test test-all wheel bench clean
+.PHONY: venv install serve test test-triton test-slow test-all wheel bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,18 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest -q -x --durations=15 tests
+
+# The Triton kernels against their torch references, run by Triton's interpreter on the CPU
+# (tests marked triton_interp). Installs triton 3.6 (no dependencies: no CUDA torch), the version
+# whose interpreter tests/triton_test_devices.py patches for numpy >= 2.4.
+test-triton: install
+	$(BIN)/python -c "import triton, sys; sys.exit(not triton.__version__.startswith('3.6.'))" 2>/dev/null \
+		|| $(BIN)/python -m pip install -q --no-deps "triton==3.6.*"
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m triton_interp --durations=10 tests
+
+# The slow tier (tests marked slow); none collected is not a failure.
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow --durations=10 tests || [ $$? -eq 5 ]
 
 test-all: install
 	$(BIN)/python -m pytest -q -m "" tests

@@ -1,16 +1,18 @@
-"""Test helpers for the serving layer: a scripted fake engine that follows the AsyncEngine
-contract, and a live uvicorn server in a background thread."""
+"""Test helpers for the serving layer: a fake engine for pacing and capacity that follows the
+AsyncEngine contract, the real engine on the default model or on a replay: script, a live
+uvicorn server in a background thread, and waiting on a condition under a deadline."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import json
+import os
 import re
 import socket
 import threading
 import time
+from pathlib import Path
 
-import numpy as np
 import uvicorn
 
 from tallow.config import ServerConfig
@@ -64,13 +66,16 @@ class ChatMLTemplate:
 
 
 class FakeEngine:
-    """A scripted model behind the AsyncEngine contract.
+    """Pacing and capacity behind the AsyncEngine contract, for the tests of the serving layer
+    itself (admission, backpressure, disconnects, metrics, validation): one token every
+    `interval` seconds, at most max_num_seqs sequences running (the rest wait), and what was
+    submitted recorded in `submitted`.
 
-    Greedy decoding continues SCRIPT from a prompt-dependent character offset (the scripted
-    byte gets logit 5, the others small noise), and ends with eos after the script; sampling
-    draws from the softmax with a per-sibling numpy generator (seed + sibling index when
-    seeded); with `reply`, greedy decoding says exactly that. Honours max_tokens, stop_token_ids, ignore_eos, min_tokens, logit_bias and
-    logprobs; simulates a prefix cache over 16-token blocks; emits one token per `interval`.
+    Every sequence says the same thing: the bytes of `reply` (SCRIPT unless given), then eos;
+    past the reply (ignore_eos, min_tokens) the reply starts again. It honours max_tokens, the
+    model length and stop_token_ids, and reports logprob 0 for its token (with placeholders
+    for the other top entries). It has no sampling, no logits and no prefix cache: what a
+    model says, sampling and caching are tested on the real engine (the replay: source).
     """
 
     block_size = 16
@@ -84,16 +89,15 @@ class FakeEngine:
         self.max_num_seqs = max_num_seqs
         self.model_name = "fake-model"
         self.interval = interval
-        self.reply = reply  # a fixed greedy reply instead of SCRIPT from a prompt-dependent offset
+        self.reply = (SCRIPT if reply is None else reply).encode()
         self.ready = True
         self.running: set[FakeStream] = set()
         self.waiting: set[FakeStream] = set()
-        self.cached_blocks: set[bytes] = set()
         self.submitted: list[tuple[list[int], SamplingParams]] = []
 
     def submit(self, prompt_ids, params, request_id=None):
         self.submitted.append((list(prompt_ids), params))
-        return [FakeStream(self, list(prompt_ids), params, j, request_id or "req") for j in range(params.n)]
+        return [FakeStream(self, list(prompt_ids), params, request_id or "req") for _ in range(params.n)]
 
     def generate(self, prompt_ids, params, request_id=None):
         return self.submit(prompt_ids, params, request_id)[0]
@@ -106,38 +110,13 @@ class FakeEngine:
         for stream in list(self.running | self.waiting):
             stream.abort()
 
-    def greedy_text(self, prompt_ids: list[int], num_tokens: int) -> str:
-        """What greedy decoding of num_tokens tokens decodes to (eos aside)."""
-        return self.script_bytes(prompt_ids)[:num_tokens].decode(errors="replace")
-
-    def script_bytes(self, prompt_ids: list[int]) -> bytes:
-        if self.reply is not None:
-            return self.reply.encode()
-        offset = int(hashlib.sha256(bytes(str(prompt_ids), "ascii")).hexdigest(), 16) % len(SCRIPT)
-        return SCRIPT[offset:].encode()
-
-    def cached_prefix(self, prompt_ids: list[int]) -> int:
-        cached = 0
-        for end in range(self.block_size, len(prompt_ids), self.block_size):
-            key = hashlib.sha256(bytes(str(prompt_ids[:end]), "ascii")).digest()
-            if key not in self.cached_blocks:
-                self.cached_blocks.add(key)
-                break
-            cached = end
-        for end in range(cached + self.block_size, len(prompt_ids), self.block_size):
-            self.cached_blocks.add(hashlib.sha256(bytes(str(prompt_ids[:end]), "ascii")).digest())
-        return cached
-
 
 class FakeStream:
-    def __init__(self, engine: FakeEngine, prompt_ids, params: SamplingParams, sibling: int, request_id: str):
+    def __init__(self, engine: FakeEngine, prompt_ids, params: SamplingParams, request_id: str):
         self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
         self.request_id = request_id
-        seed = None if params.seed is None else params.seed + sibling
-        self.rng = np.random.default_rng(seed)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
-        self.num_cached = 0
         engine.waiting.add(self)
         self.task = asyncio.get_running_loop().create_task(self._run())
 
@@ -161,7 +140,7 @@ class FakeStream:
         self._put(ids, logprobs, top, reason)
 
     def _put(self, ids, logprobs, top, reason) -> None:
-        self.queue.put_nowait(TokenOutput(ids, logprobs, top, reason, len(self.prompt_ids), self.num_cached))
+        self.queue.put_nowait(TokenOutput(ids, logprobs, top, reason, len(self.prompt_ids), 0))
 
     async def _run(self) -> None:
         engine, p = self.engine, self.params
@@ -169,39 +148,56 @@ class FakeStream:
             await asyncio.sleep(engine.interval)
         engine.waiting.discard(self)
         engine.running.add(self)
-        self.num_cached = engine.cached_prefix(self.prompt_ids)
-        script = engine.script_bytes(self.prompt_ids)
+        reply = engine.reply
         limit = min(p.max_tokens or engine.max_model_len, engine.max_model_len - len(self.prompt_ids))
         for k in range(limit):
             await asyncio.sleep(engine.interval)
-            logits = np.random.default_rng(k).normal(0.0, 0.5, 258)
-            logits[script[k] if k < len(script) else 257] += 5.0
-            for token_id, bias in (p.logit_bias or {}).items():
-                logits[token_id] += bias
-            if k < p.min_tokens or p.ignore_eos:
-                logits[257] = -np.inf
-            logprobs = logits - np.logaddexp.reduce(logits)
-            if p.greedy:
-                token = int(np.argmax(logits))
+            if k < len(reply):
+                token = reply[k]
+            elif k >= p.min_tokens and not p.ignore_eos:
+                token = 257  # eos
             else:
-                probs = np.exp((logprobs / p.temperature) - np.logaddexp.reduce(logprobs / p.temperature))
-                token = int(self.rng.choice(258, p=probs / probs.sum()))
-            top = None
-            if p.logprobs:
-                best = np.argsort(-logprobs)[:p.logprobs]
-                top = [[(int(t), float(logprobs[t])) for t in best]]
-            chosen = [float(logprobs[token])] if p.logprobs is not None else None
-            stop = token == 257 and not p.ignore_eos or token in p.stop_token_ids
+                token = reply[k % len(reply)] if reply else 32
+            chosen = top = None
+            if p.logprobs is not None:
+                chosen = [0.0]
+                if p.logprobs:
+                    others = [t for t in range(p.logprobs) if t != token][:p.logprobs - 1]
+                    top = [[(token, 0.0)] + [(t, -20.0 - i) for i, t in enumerate(others)]]
+            stop = token == 257 or token in p.stop_token_ids
             if stop or k == limit - 1:
                 self._finish([token], chosen, top, "stop" if stop else "length")
                 return
             self._put([token], chosen, top, None)
 
 
+def engine_idle(engine) -> bool:
+    """No sequence running or waiting."""
+    stats = engine.stats()
+    return stats["running"] == 0 and stats["waiting"] == 0
+
+
+def wait_until(condition, timeout: float = 10.0, interval: float = 0.01) -> None:
+    """Poll condition() until it holds; fail the test when it still does not after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {condition}"
+        time.sleep(interval)
+
+
+async def async_wait_until(condition, timeout: float = 10.0, interval: float = 0.01) -> None:
+    """wait_until for a coroutine: polls without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {condition}"
+        await asyncio.sleep(interval)
+
+
 class LiveServer:
     """uvicorn serving build_app(engine, config) on a free port, in a background thread."""
 
     def __init__(self, engine, config: ServerConfig | None = None):
+        self.engine = engine
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -242,3 +238,27 @@ def start_real_engine():
     except ImportError as e:
         pytest.skip(f"the real engine cannot start yet: {e}")
     return engine
+
+
+AGENT_REPLAY_SCRIPT = Path(__file__).parent / "data" / "replay_agents.json"
+
+
+def scripted_reply(match: str | None, script: Path = AGENT_REPLAY_SCRIPT) -> str:
+    """The reply a replay script gives to a prompt with `match` in it (None: its fallback)."""
+    return next(e["reply"] for e in json.loads(script.read_text())["replies"] if e.get("match") == match)
+
+
+def replay_engine(script, **overrides):
+    """The real engine on the replay: test fixture model (tallow/testing/replay.py). script: a path,
+    or the script itself (a list of replies or a dict), written to a temporary file."""
+    import tempfile
+
+    import tallow.testing  # noqa: F401  (registers the replay: model source)
+    from tallow.config import EngineConfig
+    from tallow.engine.async_engine import AsyncEngine
+
+    if not isinstance(script, (str, os.PathLike)):
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, encoding="utf-8") as f:
+            json.dump(script, f)
+        script = f.name
+    return AsyncEngine.from_config(EngineConfig(model=f"replay:{script}", **{"quantization": "none", **overrides}))

@@ -14,13 +14,13 @@ import asyncio
 import dataclasses
 
 import pytest
-import torch
 
 from tallow.config import EngineConfig
 from tallow.engine.async_engine import AsyncEngine
 from tallow.engine.core import EngineCore
 from tallow.engine.request import PENDING_TOKEN
 from tallow.engine.sampling import SamplingParams
+from serve_utils import async_wait_until
 
 PROMPTS = [
     "The capital of France is",
@@ -35,10 +35,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    from tallow.models.loader import load_model
-
-    return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
+def loaded(default_model):
+    return default_model  # dense: this file's cores use quantization="none"
 
 
 def make_core(loaded, **overrides) -> EngineCore:
@@ -204,10 +202,7 @@ def test_async_engine_streams_with_async_core(loaded):
         stream = engine.generate(ids[4], SamplingParams(max_tokens=500, ignore_eos=True))
         await stream.__anext__()
         await stream.aclose()
-        for _ in range(100):
-            if engine.stats()["running"] == 0 and not engine.core.has_work():
-                break
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: engine.stats()["running"] == 0 and not engine.core.has_work())
         stats = engine.stats()
         await engine.shutdown()
         return alone, list(together), stats

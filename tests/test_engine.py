@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from tallow.engine.async_engine import AsyncEngine
 from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.llm import LLM
+from serve_utils import async_wait_until
 
 PROMPTS = [
     "The capital of France is",
@@ -38,19 +38,19 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def loaded():
+    """The default model of this file's engine cores, which quantize it in place (so not the
+    shared dense default_model)."""
     from tallow.models.loader import load_model
 
-    return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
+    return load_model("default", dtype=torch.float32, device=torch.device("cpu"), cache_dir=EngineConfig().cache_dir)
 
 
 @pytest.fixture(scope="module")
-def dense_loaded():
+def dense_loaded(default_model):
     """Float32 weights, never quantized: recompute preemption and prefix-cache hits change how a
     token's K/V is computed (a prefill chunk instead of a decode step); in float32 that leaves
     greedy outputs unchanged, while the int4 path's bfloat16 activations can flip near-ties."""
-    from tallow.models.loader import load_model
-
-    return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
+    return default_model
 
 
 def make_core(loaded, **overrides) -> EngineCore:
@@ -240,7 +240,8 @@ def test_async_engine_concurrent_and_cancel(loaded):
 
     async def main():
         results = await asyncio.gather(*(collect(x) for x in ids), cancelled())
-        await asyncio.sleep(0.2)
+        # The abort frees the sequence at the engine's next command drain.
+        await async_wait_until(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0)
         stats = engine.stats()
         await engine.shutdown()
         return results, stats
@@ -266,9 +267,9 @@ def test_async_outputs_merge_while_the_consumer_is_behind(loaded):
     async def main():
         steady = [out async for out in engine.generate(ids, params)]
         late = engine.generate(ids, params)
-        deadline = time.monotonic() + 30
-        while (late._pending is None or late._pending.finish_reason is None) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)  # until the final output has reached the unread stream
+        # until the final output has reached the unread stream
+        await async_wait_until(lambda: late._pending is not None and late._pending.finish_reason is not None,
+                               timeout=30)
         merged = [out async for out in late]
         await engine.shutdown()
         return steady, merged
@@ -312,10 +313,7 @@ def test_async_abort_ends_the_stream_before_the_engine_step_ends(loaded):
         outs = await asyncio.wait_for(_drain(stream), 1.0)
         held = not release.is_set()
         release.set()
-        for _ in range(100):
-            if engine.stats()["running"] == 0:
-                break
-            await asyncio.sleep(0.02)
+        await async_wait_until(lambda: engine.stats()["running"] == 0)
         stats = engine.stats()
         await engine.shutdown()
         return outs, held, stats

@@ -5,7 +5,7 @@ import asyncio
 import httpx
 import pytest
 
-from serve_utils import FakeEngine, LiveServer
+from serve_utils import FakeEngine, LiveServer, async_wait_until
 from tallow.config import ServerConfig
 from tallow.serve.admission import AdmissionQueue
 
@@ -17,7 +17,6 @@ STREAM = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "i
 def server():
     engine = FakeEngine(max_num_seqs=1, interval=0.01)
     with LiveServer(engine, ServerConfig(max_queue=1, served_model_name="tallow-test")) as live:
-        live.engine = engine
         yield live
 
 
@@ -32,10 +31,8 @@ def test_requests_past_running_plus_queue_get_429(server):
                 full = await client.post("/v1/chat/completions", json=STREAM)
                 stats = (await client.get("/stats")).json()
             # Both streams were dropped above: the capacity comes back.
-            for _ in range(50):
-                if server.engine.stats()["running"] == 0 and server.app.state.admission.in_flight == 0:
-                    break
-                await asyncio.sleep(0.02)
+            await async_wait_until(lambda: server.engine.stats()["running"] == 0
+                                   and server.app.state.admission.in_flight == 0)
             again = await client.post("/v1/chat/completions", json={**STREAM, "stream": False, "max_tokens": 2})
             return full, stats, again
 

@@ -4,13 +4,11 @@ engine (pings, a full queue)."""
 
 import asyncio
 import json
-import time
 
 import anthropic
 import httpx
 import pytest
-from agent_servers import real_server, replay_server, scripted_reply
-from serve_utils import FakeEngine, LiveServer
+from serve_utils import FakeEngine, LiveServer, scripted_reply, wait_until
 
 from tallow.chat_template import ChatTemplate
 from tallow.config import ServerConfig
@@ -32,13 +30,13 @@ def client_for(server) -> anthropic.Anthropic:
 
 
 @pytest.fixture(scope="module")
-def real():
-    return client_for(real_server())
+def real(real_server):
+    return client_for(real_server)
 
 
 @pytest.fixture(scope="module")
-def replay():
-    return client_for(replay_server())
+def replay(agent_replay_server):
+    return client_for(agent_replay_server)
 
 
 def ask(text: str) -> list[dict]:
@@ -95,7 +93,7 @@ def test_count_tokens_equals_the_prompt_the_message_used(real):
     assert without_system != counted  # the system prompt is part of the prompt (SmolLM2 has a default one)
 
 
-def test_bad_requests_are_invalid_request_errors(real):
+def test_bad_requests_are_invalid_request_errors(real, real_server):
     bad = [dict(max_tokens=0, messages=ask("Hi")),
            dict(max_tokens=8, messages=[]),
            dict(max_tokens=8, messages=ask("Hi"), extra_body={"temperature": 1.5}),
@@ -108,7 +106,7 @@ def test_bad_requests_are_invalid_request_errors(real):
             real.messages.create(model="m", **kwargs)
         assert e.value.body["type"] == "error"
         assert e.value.body["error"]["type"] == "invalid_request_error" and e.value.body["error"]["message"]
-    r = httpx.post(real_server().base_url + "/v1/messages", content=b'{"model": "m"', timeout=10)
+    r = httpx.post(real_server.base_url + "/v1/messages", content=b'{"model": "m"', timeout=10)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -171,7 +169,6 @@ def fake(monkeypatch):
     engine = FakeEngine(max_num_seqs=1, interval=0.3)
     engine.chat_template = ChatTemplate(None, bos_token="<|im_start|>", eos_token="<|im_end|>")
     with LiveServer(engine, ServerConfig(max_queue=0, api_key=KEY)) as live:
-        live.engine = engine
         yield live
     asyncio.run(engine.shutdown())
 
@@ -239,7 +236,4 @@ def test_a_dropped_stream_frees_the_engine(fake):
         while next(lines) != "event: content_block_delta":
             pass
         assert fake.engine.stats()["running"] == 1
-    deadline = time.monotonic() + 1.0
-    while fake.engine.stats()["running"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert fake.engine.stats()["running"] == 0
+    wait_until(lambda: fake.engine.stats()["running"] == 0)

@@ -1,6 +1,7 @@
-"""Hostile input: thousands of generated bodies on every POST /v1 route (and ids on the others)
-against the in-process app over the fake engine. None may be answered with a 5xx, and none
-may leave a sequence running or an admission slot taken."""
+"""Hostile input: generated bodies on every POST /v1 route (100 per route in the fast tier, 600
+in the slow one; and ids on the other routes) against the in-process app over the fake engine.
+None may be answered with a 5xx, and none may leave a sequence running or an admission slot
+taken."""
 
 import asyncio
 import json
@@ -18,7 +19,8 @@ from serve_utils import FakeEngine
 from tallow.config import ServerConfig
 from tallow.serve.app import build_app
 
-EXAMPLES_PER_ROUTE = 600
+# Generated bodies per POST route: 100 in the fast tier, 600 in the slow one (pytest -m slow).
+EXAMPLES_PER_ROUTE = [100, pytest.param(600, marks=pytest.mark.slow)]
 
 scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.integers(-3, 300)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
@@ -142,9 +144,10 @@ def check(app_client, method: str, path: str, body: bytes | None) -> None:
     assert app.state.admission.in_flight == 0, body
 
 
+@pytest.mark.parametrize("examples", EXAMPLES_PER_ROUTE)
 @pytest.mark.parametrize("path", [path for _, path in routes({"POST"})])
-def test_generated_bodies_never_break_a_post_route(app_client, path):
-    @settings(max_examples=EXAMPLES_PER_ROUTE, deadline=None, derandomize=True, database=None,
+def test_generated_bodies_never_break_a_post_route(app_client, path, examples):
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(body=bodies_for(path))
     def fuzz(body: bytes) -> None:

@@ -4,14 +4,13 @@
 import asyncio
 import json
 import logging
-import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_utils import FakeEngine, LiveServer
-from tallow.config import EngineConfig, ServerConfig
+from serve_utils import FakeEngine, LiveServer, replay_engine, wait_until
+from tallow.config import ServerConfig
 from tallow.serve.app import build_app
 import tallow.testing  # noqa: F401  (registers the replay: model source)
 
@@ -35,18 +34,10 @@ def delta(before: dict, after: dict, name: str, **labels) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 @pytest.fixture(scope="module")
 def server():
     engine = FakeEngine(reply=REPLY, interval=0.002)
     with LiveServer(engine, ServerConfig(served_model_name="metered")) as live:
-        live.engine = engine
         yield live
 
 
@@ -100,7 +91,7 @@ def test_gauges_and_aborts_follow_a_live_stream(server):
         lines = r.iter_lines()
         next(lines)
         during = scrape(server)
-    wait_for(lambda: delta(before, scrape(server), "tallow:requests_aborted_total") == 1)
+    wait_until(lambda: delta(before, scrape(server), "tallow:requests_aborted_total") == 1)
     assert during[("vllm:num_requests_running", ())] == 1
     assert delta(before, during, "vllm:time_to_first_token_seconds_count") == 1
     assert scrape(server)[("vllm:num_requests_running", ())] == 0
@@ -118,15 +109,10 @@ REPLAY_REPLY = "Tracing shows where the time goes, one phase at a time."
 
 
 @pytest.fixture(scope="module")
-def replay_server(tmp_path_factory):
-    from tallow.engine.async_engine import AsyncEngine
-
-    script = tmp_path_factory.mktemp("replay") / "reply.json"
-    script.write_text(json.dumps([{"reply": REPLAY_REPLY}]))
-    engine = AsyncEngine.from_config(EngineConfig(model=f"replay:{script}", quantization="none", max_num_seqs=4,
-                                                  num_kv_blocks=64, long_prefill_token_threshold=16))
+def replay_server():
+    engine = replay_engine([{"reply": REPLAY_REPLY}], max_num_seqs=4, num_kv_blocks=64,
+                           long_prefill_token_threshold=16)
     with LiveServer(engine) as live:
-        live.engine = engine
         yield live
     asyncio.run(engine.shutdown())
 

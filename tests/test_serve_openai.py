@@ -1,22 +1,31 @@
-"""The OpenAI endpoints end to end: the official client against a live server, over the fake
-engine and (once the engine, loader and chat template exist) the real default model."""
+"""The OpenAI endpoints end to end: the official client against a live server, over the real
+engine on the replay: test fixture model (scripted replies, so exact expected texts) and on the
+default model."""
 
 import asyncio
 import json
-import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from serve_utils import ByteTokenizer, ChatMLTemplate, FakeEngine, LiveServer, start_real_engine
+from serve_utils import LiveServer, engine_idle, replay_engine, scripted_reply, wait_until
+from tallow.config import ServerConfig
+from tallow.serve.chat_prompt import render_chat
+
+REPLAY_SCRIPT = Path(__file__).parent / "data" / "replay_openai.json"
+REPLY = scripted_reply(None, REPLAY_SCRIPT)  # what the replay model says to anything else
+NON_ASCII_REPLY = scripted_reply("Japanese", REPLAY_SCRIPT)
 
 
-@pytest.fixture(scope="module", params=["fake", "real"])
+@pytest.fixture(scope="module", params=["replay", "real"])
 def server(request):
-    engine = start_real_engine() if request.param == "real" else FakeEngine(max_model_len=4096)
+    if request.param == "real":
+        yield request.getfixturevalue("real_server")
+        return
+    engine = replay_engine(REPLAY_SCRIPT)
     with LiveServer(engine) as live:
-        live.engine = engine
         yield live
     asyncio.run(engine.shutdown())
 
@@ -26,8 +35,14 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
 
 
-def is_fake(server) -> bool:
-    return isinstance(server.engine, FakeEngine)
+def is_replay(server) -> bool:
+    return server.engine.model_name.startswith("replay:")
+
+
+def replayed(server, reply: str, num_tokens: int) -> str:
+    """The text of the first num_tokens tokens of a scripted reply."""
+    tok = server.engine.tokenizer
+    return tok.decode(tok.encode(reply)[:num_tokens])
 
 
 def ask(text: str) -> list[dict]:
@@ -61,10 +76,10 @@ def test_streamed_chat_equals_the_whole_reply(server, client):
     assert finish == whole.choices[0].finish_reason
     assert whole.usage.completion_tokens <= 8
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
-    if is_fake(server):
-        prompt_ids = ByteTokenizer().encode(ChatMLTemplate().render(messages))
-        assert whole.usage.prompt_tokens == len(prompt_ids)
-        assert content == server.engine.greedy_text(prompt_ids, 8)
+    prompt_ids = server.engine.tokenizer.encode(render_chat(server.engine.chat_template, messages, ServerConfig()).text)
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    if is_replay(server):
+        assert content == replayed(server, REPLY, 8)
 
 
 def test_streamed_completion_equals_the_whole_text_and_echo(server, client):
@@ -154,7 +169,10 @@ def test_n_choices_and_seeds(server, client):
 
     first = sample(7)
     assert sample(7) == first
-    assert sample(8) != first
+    if is_replay(server):  # one-hot logits: any seed samples the scripted reply
+        assert first == [replayed(server, REPLY, 6)] * 3
+    else:
+        assert sample(8) != first
 
 
 def test_concurrent_requests_give_the_sequential_texts(server, client):
@@ -187,17 +205,14 @@ def test_repeated_system_prompt_is_served_from_the_prefix_cache(server, client):
 
 def test_non_ascii_text_streams_without_replacement_characters(server, client):
     question = "Write 'naïve café' and the Japanese for cat (猫)."
-    if is_fake(server):  # a question whose scripted reply holds accents, CJK and emoji
-        template, tok = ChatMLTemplate(), ByteTokenizer()
-        question = next(q for q in (f"{question} #{i}" for i in range(200))
-                        if "🙂" in server.engine.greedy_text(tok.encode(template.render(ask(q))), 24))
     deltas, _ = stream_text(client.chat.completions.create(model="m", messages=ask(question), temperature=0,
                                                            max_tokens=24, stream=True))
     whole = client.chat.completions.create(model="m", messages=ask(question), temperature=0, max_tokens=24)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == whole.choices[0].message.content
-    if is_fake(server):
+    if is_replay(server):  # the scripted reply holds accents, CJK and emoji
         assert "🙂" in "".join(deltas) and any(ord(c) > 0x3000 for c in "".join(deltas))
+        assert "".join(deltas) == replayed(server, NON_ASCII_REPLY, 24)
 
 
 def test_usage_chunks(server):
@@ -215,16 +230,7 @@ def test_usage_chunks(server):
     assert counts == sorted(counts) and counts[-1] == chunks[-1]["usage"]["completion_tokens"]
 
 
-def wait_until_idle(engine, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0:
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def test_a_dropped_stream_frees_the_engine_within_a_second(server):
+def test_a_dropped_stream_frees_the_engine(server):
     body = {"messages": ask("Tell me a very long story."), "max_tokens": 2000, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
@@ -232,12 +238,12 @@ def test_a_dropped_stream_frees_the_engine_within_a_second(server):
         for _ in range(6):
             next(lines)
         assert server.engine.stats()["running"] == 1
-    assert wait_until_idle(server.engine, 1.0)
+    wait_until(lambda: engine_idle(server.engine))
 
 
-def test_a_dropped_request_frees_the_engine_within_a_second(server):
+def test_a_dropped_request_frees_the_engine(server):
     body = {"messages": ask("Tell me a very long story."), "max_tokens": 2000, "ignore_eos": True,
             "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=0.5)
-    assert wait_until_idle(server.engine, 1.0)
+    wait_until(lambda: engine_idle(server.engine))

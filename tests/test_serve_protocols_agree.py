@@ -7,18 +7,14 @@ import json
 import anthropic
 import openai
 import pytest
-from agent_servers import real_server, replay_server, scripted_reply
+from serve_utils import scripted_reply
 
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def server():
-    return real_server()
-
-
 @pytest.mark.parametrize("system", [None, "You answer in one short sentence."])
-def test_same_text_from_every_chat_protocol(server, system):
+def test_same_text_from_every_chat_protocol(real_server, system):
+    server = real_server
     question = "What is the capital of France?"
     oai = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
     claude = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0)
@@ -43,10 +39,10 @@ def test_same_text_from_every_chat_protocol(server, system):
         ("max_tokens", "incomplete") if finish == "length" else ("end_turn", "completed"))
 
 
-def test_same_prompt_for_a_tool_conversation_in_every_shape():
+def test_same_prompt_for_a_tool_conversation_in_every_shape(agent_replay_server):
     """A tool call and its result, written in each protocol's own shape, render the same prompt
     (the replay model, Qwen3's template: tools section, <tool_call> and <tool_response>)."""
-    server = replay_server()
+    server = agent_replay_server
     oai = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
     claude = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0)
     question, said, result = "What is the weather in Paris?", "I will look it up.", "22 °C, sunny"

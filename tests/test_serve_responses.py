@@ -6,7 +6,7 @@ import json
 
 import openai
 import pytest
-from agent_servers import real_server, replay_server, scripted_reply
+from serve_utils import scripted_reply
 
 from tallow.serve.responses_store import ResponsesStore
 
@@ -21,13 +21,13 @@ def client_for(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def real():
-    return client_for(real_server())
+def real(real_server):
+    return client_for(real_server)
 
 
 @pytest.fixture(scope="module")
-def replay():
-    return client_for(replay_server())
+def replay(agent_replay_server):
+    return client_for(agent_replay_server)
 
 
 def test_create_and_stream_agree(real):
@@ -58,7 +58,7 @@ def test_create_and_stream_agree(real):
     assert final.usage.output_tokens == usage.output_tokens
 
 
-def test_previous_response_id_continues_from_the_prefix_cache(real):
+def test_previous_response_id_continues_from_the_prefix_cache(real, real_server):
     first = real.responses.create(model="m", input="Name a colour.", max_output_tokens=6, temperature=0)
     second = real.responses.create(model="m", previous_response_id=first.id, input="Name another one.",
                                    max_output_tokens=6, temperature=0)
@@ -66,7 +66,7 @@ def test_previous_response_id_continues_from_the_prefix_cache(real):
     # The prompt holds the first turn, its reply and the new question; the first prompt's full
     # blocks come from the prefix cache.
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-    block_size = real_server().engine.core.config.block_size
+    block_size = real_server.engine.core.config.block_size
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - (block_size - 1) > 0
 
 

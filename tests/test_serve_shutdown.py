@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from serve_utils import wait_until
+
 SHUTDOWN_TIMEOUT_S = 4.0
 
 
@@ -89,7 +91,7 @@ def test_sigterm_drains_then_exits_zero(serve):
 
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
+    wait_until(lambda: httpx.get(url + "/health").status_code == 503)  # the server has taken the signal
     refused = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     health = httpx.get(url + "/health")
     code = proc.wait(timeout=SHUTDOWN_TIMEOUT_S + 20)
@@ -105,5 +107,7 @@ def test_sigterm_drains_then_exits_zero(serve):
     assert (long.status, long.finish_reason, long.done) == (200, "abort", True)
     assert 0 < long.tokens < 4000
     assert code == 0, output
-    assert SHUTDOWN_TIMEOUT_S <= elapsed < SHUTDOWN_TIMEOUT_S + 10
+    # It drained for the whole timeout before aborting. No upper bound: the machine may be slow,
+    # and proc.wait's timeout above is the limit.
+    assert elapsed >= SHUTDOWN_TIMEOUT_S
     assert "draining" in output and "aborting 1 requests" in output

@@ -9,10 +9,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from serve_utils import LiveServer, start_real_engine
+from serve_utils import LiveServer, replay_engine
 from tallow.chat_template import ChatTemplate
-from tallow.config import EngineConfig, ServerConfig
-from tallow.engine.async_engine import AsyncEngine
+from tallow.config import ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.chat_prompt import render_chat
 import tallow.testing  # noqa: F401  (registers the replay: model source)
@@ -39,27 +38,27 @@ def scripted_call(reply: str) -> list[tuple[str, dict]]:
     return [(c["name"], c["arguments"]) for c in (json.loads(b.split("</tool_call>")[0]) for b in blocks)]
 
 
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
 def serve(engine):
     """An openai client on a live server over engine, shut down afterwards."""
     try:
         with LiveServer(engine) as live:
-            yield openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0)
+            yield openai_client(live)
     finally:
         asyncio.run(engine.shutdown())
 
 
-def replay_engine(script: str) -> AsyncEngine:
-    return AsyncEngine.from_config(EngineConfig(model=f"replay:{DATA / script}", quantization="none"))
-
-
 @pytest.fixture(scope="module")
 def client():
-    yield from serve(replay_engine("replay_serve_tools.json"))
+    yield from serve(replay_engine(DATA / "replay_serve_tools.json"))
 
 
 @pytest.fixture(scope="module")
 def open_think_client():
-    yield from serve(replay_engine("replay_serve_open_think.json"))
+    yield from serve(replay_engine(DATA / "replay_serve_open_think.json"))
 
 
 def ask(text: str) -> list[dict]:
@@ -286,10 +285,9 @@ def test_templates_with_tools_render_their_own_section():
 # ---- the real default model ------------------------------------------------------------------
 
 
-def test_the_default_model_answers_a_request_with_tools():
-    for client in serve(start_real_engine()):
-        whole, streamed = both(client, ask("What is the weather in Paris? Use the tool."), tools=[WEATHER],
-                               temperature=0, max_tokens=32)
+def test_the_default_model_answers_a_request_with_tools(real_server):
+    whole, streamed = both(openai_client(real_server), ask("What is the weather in Paris? Use the tool."),
+                           tools=[WEATHER], temperature=0, max_tokens=32)
     assert whole.finish_reason in ("stop", "length", "tool_calls")
     for name, arguments in calls_of(whole):  # a parsed call is well-formed
         assert name and isinstance(arguments, dict)

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from tallow.models.llama import LlamaForCausalLM
 from tallow.models.loader import load_model
 from tallow.models.sharding import ShardLayout
 import tallow.testing  # noqa: F401  (registers the replay: model source)
+from serve_utils import wait_until
 
 # Prompts of 3, 9 and 22 tokens: blocks of 4 tokens, so prefill and 24 decode steps cross block
 # boundaries; a token budget of 16 chunks the long prefill and mixes it with decode tokens.
@@ -281,10 +281,7 @@ def test_workers_exit_when_the_engine_process_dies(llama_dir):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == -9, proc.stderr
     worker = int(proc.stdout.split()[0])
-    deadline = time.monotonic() + 15
-    while _alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(worker), "the worker outlived the engine process"
+    wait_until(lambda: not _alive(worker), timeout=15, interval=0.1)  # else the worker outlived the engine
 
 
 def _alive(pid: int) -> bool:

@@ -1,11 +1,11 @@
 """Triton paged attention against a plain torch reference.
 
 Runs on CUDA (marked gpu) at model-like shapes in bf16/fp16/fp32, and a tiny fp32 subset runs
-under Triton's interpreter on the CPU when triton is installed and TRITON_INTERPRET=1 is set
-before the run (it must be set before triton is imported; the interpreter cannot check bf16,
-whose tl.dot it computes on the raw bits):
+under Triton's interpreter on the CPU, in the triton_interp tier (tests/conftest.py sets
+TRITON_INTERPRET=1 where triton is installed and CUDA is not; the interpreter cannot check
+bf16, whose tl.dot it computes on the raw bits):
 
-    TRITON_INTERPRET=1 pytest tests/test_triton_attention.py
+    pytest -m triton_interp tests/test_triton_attention.py     (or make test-triton)
 """
 
 from __future__ import annotations
@@ -153,6 +153,32 @@ def test_prefill_with_cached_prefix(device, shape):
 def test_mixed_batch(device):
     # Decode rows, a prefill chunk over a cached prefix, a fresh prompt, and padding.
     check(device, torch.float32, [1, 13, 1, 7], [9, 30, 1, 7], num_padding=2, **SMALL)
+
+
+@pytest.mark.parametrize("device", [INTERPRETER, CUDA])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(2, 16), (3, 24)], ids=["kv2-d16", "kv3-d24"])
+def test_kv_write_copies_each_row_to_its_slot(device, cache_dtype, heads):
+    """write_kv_cache alone: k and v as strided views of a fused qkv output, float32 rows into
+    a float32 or float16 cache (rounded as torch rounds), the padding slot -1 skipped and
+    every other cache row left as it was."""
+    from tallow.engine.attention.triton_kv_write import write_kv_cache
+
+    num_kv_heads, head_dim = heads
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 4 + 2 * num_kv_heads, head_dim, generator=g).to(device)
+    k, v = qkv[:, 4: 4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]
+    slots = torch.tensor([3, 17, -1, 40, 8, 0])  # blocks of 4: different blocks and offsets
+    k_cache = torch.randn(12, 4, num_kv_heads, head_dim, generator=g).to(device, cache_dtype)
+    v_cache = torch.randn(12, 4, num_kv_heads, head_dim, generator=g).to(device, cache_dtype)
+    want_k = k_cache.clone().view(-1, num_kv_heads, head_dim)
+    want_v = v_cache.clone().view(-1, num_kv_heads, head_dim)
+    real = slots >= 0
+    want_k[slots[real]] = k[real.to(device)].to(cache_dtype)
+    want_v[slots[real]] = v[real.to(device)].to(cache_dtype)
+    write_kv_cache(k, v, k_cache, v_cache, slots.to(device))
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim), want_k)
+    assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim), want_v)
 
 
 def test_decode_splits_follow_batch_size():

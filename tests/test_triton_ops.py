@@ -1,7 +1,8 @@
 """tallow.ops (RMSNorm + residual, rotary) against plain float64 references.
 
 Three ways to run each op: the torch fallback on the CPU (always), the Triton kernel under
-the interpreter on the CPU (TRITON_INTERPRET=1), and the public function on CUDA (gpu).
+the interpreter on the CPU (the triton_interp tier: pytest -m triton_interp, make test-triton),
+and the public function on CUDA (gpu). Also silu*mul and the one-row GEMV.
 """
 
 from __future__ import annotations
@@ -127,13 +128,14 @@ def test_rotary_with_kv_write_equals_rotary_then_write(where, heads):
         assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim), want_v)
 
 
-@pytest.mark.parametrize("where", [INTERPRETER, CUDA])
-@pytest.mark.parametrize("shape", [(96, 160), (4096, 4096), (30, 1000)], ids=["small", "o_proj", "ragged"])
+@pytest.mark.parametrize("where, shape", [
+    *(pytest.param(where.values[0], shape, marks=where.marks, id=f"{name}-{where.values[0]}")
+      for where in (INTERPRETER, CUDA) for name, shape in (("small", (96, 160)), ("ragged", (30, 1000)))),
+    pytest.param("cuda", (4096, 4096), marks=CUDA.marks, id="o_proj-cuda"),  # too slow to interpret
+])
 def test_triton_gemv_matches_float64(where, shape):
     from tallow.ops.triton_gemv import triton_gemv
 
-    if where == "cpu" and shape[0] > 1000:
-        pytest.skip("large shapes only on the GPU")
     g = torch.Generator().manual_seed(0)
     N, K = shape
     dtypes = [torch.float32] if where == "cpu" else [torch.float32, torch.bfloat16]
@@ -146,6 +148,21 @@ def test_triton_gemv_matches_float64(where, shape):
             assert y.shape == (1, N) and y.dtype == dtype
             err = (y.double() - ref).abs().max().item()
             assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), (dtype, err)
+
+
+@pytest.mark.parametrize("where", [INTERPRETER, CUDA])
+@pytest.mark.parametrize("width", [64, 3000], ids=["one-block", "ragged-blocks"])
+def test_silu_and_mul_matches_float64(where, width):
+    """silu(gate) * up over [T, 2d] rows, d past the kernel's 1024-column block in the second case."""
+    from tallow.ops.triton_activation import triton_silu_and_mul
+
+    g = torch.Generator().manual_seed(4)
+    for dtype in dtypes_on(where):
+        x = (torch.randn(3, width, generator=g) * 3).to(where, dtype)
+        gate, up = x.double().chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(triton_silu_and_mul(x).double(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,9 @@
-"""Where the Triton tests run: on CUDA (marked gpu), or under Triton's interpreter on the CPU.
+"""Where the Triton tests run: on CUDA (marked gpu), or under Triton's interpreter on the CPU
+(marked triton_interp: a tier of its own, `make test-triton`, left out of the fast tier).
 
-The interpreter runs only when TRITON_INTERPRET=1 is set before triton is imported, e.g.
-`TRITON_INTERPRET=1 pytest tests/test_triton_attention.py`.
+The interpreter runs only when TRITON_INTERPRET=1 is set before triton is imported; on a
+machine without CUDA, tests/conftest.py sets it when triton is installed, so
+`pytest -m triton_interp tests` runs the kernels interpreted.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")])
-INTERPRETER = pytest.param(
-    "cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 before triton is imported"))
+INTERPRETER = pytest.param("cpu", marks=[
+    pytest.mark.triton_interp,
+    pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 before triton is imported")])
 
 
 def _index_scalars_with_numpy_2_4() -> None:
