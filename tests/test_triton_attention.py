@@ -162,7 +162,7 @@ def test_kv_write_copies_each_row_to_its_slot(device, cache_dtype, heads):
     """write_kv_cache alone: k and v as strided views of a fused qkv output, float32 rows into
     a float32 or float16 cache (rounded as torch rounds), the padding slot -1 skipped and
     every other cache row left as it was."""
-    from tallow.engine.attention.triton_kv_write import write_kv_cache
+    from tallow.attention.triton_kv_write import write_kv_cache
 
     num_kv_heads, head_dim = heads
     g = torch.Generator().manual_seed(3)
