@@ -177,22 +177,6 @@ def engine_idle(engine) -> bool:
     return stats["running"] == 0 and stats["waiting"] == 0
 
 
-def wait_until(condition, timeout: float = 10.0, interval: float = 0.01) -> None:
-    """Poll condition() until it holds; fail the test when it still does not after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {condition}"
-        time.sleep(interval)
-
-
-async def async_wait_until(condition, timeout: float = 10.0, interval: float = 0.01) -> None:
-    """wait_until for a coroutine: polls without blocking the event loop."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {condition}"
-        await asyncio.sleep(interval)
-
-
 class LiveServer:
     """uvicorn serving build_app(engine, config) on a free port, in a background thread."""
 

@@ -20,8 +20,7 @@ from tallow.engine.async_engine import AsyncEngine
 from tallow.engine.core import EngineCore
 from tallow.engine.request import PENDING_TOKEN
 from tallow.engine.sampling import SamplingParams
-from serve_utils import async_wait_until
-
+from deadlines import async_wait_until
 PROMPTS = [
     "The capital of France is",
     "Once upon a time",

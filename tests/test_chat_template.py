@@ -14,8 +14,7 @@ import pytest
 from tallow.chat_template import ChatTemplate
 from tallow.errors import TallowError
 from tallow.tokenizer import read_gguf_tokenizer_metadata
-from serve_utils import wait_until
-
+from deadlines import wait_until
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -14,8 +14,7 @@ from tallow.engine.async_engine import AsyncEngine
 from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.llm import LLM
-from serve_utils import async_wait_until
-
+from deadlines import async_wait_until
 PROMPTS = [
     "The capital of France is",
     "Once upon a time",

@@ -5,7 +5,8 @@ import asyncio
 import httpx
 import pytest
 
-from serve_utils import FakeEngine, LiveServer, async_wait_until
+from deadlines import async_wait_until
+from serve_utils import FakeEngine, LiveServer
 from tallow.config import ServerConfig
 from tallow.serve.admission import AdmissionQueue
 

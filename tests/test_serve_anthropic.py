@@ -8,7 +8,8 @@ import json
 import anthropic
 import httpx
 import pytest
-from serve_utils import FakeEngine, LiveServer, scripted_reply, wait_until
+from deadlines import wait_until
+from serve_utils import FakeEngine, LiveServer, scripted_reply
 
 from tallow.chat_template import ChatTemplate
 from tallow.config import ServerConfig

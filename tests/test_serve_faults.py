@@ -9,7 +9,8 @@ import logging
 import httpx
 import pytest
 
-from serve_utils import LiveServer, engine_idle, replay_engine, wait_until
+from deadlines import wait_until
+from serve_utils import LiveServer, engine_idle, replay_engine
 from tallow.config import ServerConfig
 from tallow.output import pipeline as pipeline_module
 from tallow.output.stop import StopMatcher

@@ -9,7 +9,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_utils import FakeEngine, LiveServer, replay_engine, wait_until
+from deadlines import wait_until
+from serve_utils import FakeEngine, LiveServer, replay_engine
 from tallow.config import ServerConfig
 from tallow.serve.app import build_app
 import tallow.testing  # noqa: F401  (registers the replay: model source)

@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from serve_utils import LiveServer, engine_idle, replay_engine, scripted_reply, wait_until
+from deadlines import wait_until
+from serve_utils import LiveServer, engine_idle, replay_engine, scripted_reply
 from tallow.config import ServerConfig
 from tallow.serve.chat_prompt import render_chat
 

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from serve_utils import wait_until
+from deadlines import wait_until
 
 SHUTDOWN_TIMEOUT_S = 4.0
 

@@ -28,8 +28,7 @@ from tallow.models.llama import LlamaForCausalLM
 from tallow.models.loader import load_model
 from tallow.models.sharding import ShardLayout
 import tallow.testing  # noqa: F401  (registers the replay: model source)
-from serve_utils import wait_until
-
+from deadlines import wait_until
 # Prompts of 3, 9 and 22 tokens: blocks of 4 tokens, so prefill and 24 decode steps cross block
 # boundaries; a token budget of 16 chunks the long prefill and mixes it with decode tokens.
 PROMPTS = [[5, 6, 7], [11, 3, 8, 40, 2, 9, 71, 30, 12], list(range(40, 62))]
