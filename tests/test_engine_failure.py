@@ -7,11 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
@@ -22,6 +17,7 @@ from tallow.config import EngineConfig
 from tallow.engine.async_engine import AsyncEngine
 from tallow.engine.sampling import SamplingParams
 from tallow.errors import TallowError
+from serve_process import StreamReader, spawn_server, stop
 
 REPLY = "One, two, three, four, five, six, seven, eight, nine, ten."
 DEADLINE_S = 30
@@ -117,60 +113,17 @@ def test_a_fault_confined_to_one_request_fails_only_that_one(engine):
 # ---- `tallow serve` in a subprocess ------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class StreamReader(threading.Thread):
-    """Streams one long chat completion; keeps its status, the error frame and whether [DONE] came."""
-
-    def __init__(self, url: str):
-        super().__init__(daemon=True)
-        self.url = url
-        self.started = threading.Event()
-        self.status = self.error = None
-        self.done = False
-
-    def run(self) -> None:
-        body = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 4000, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=60) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    self.done = True
-                elif line.startswith("data: "):
-                    chunk = json.loads(line[6:])
-                    self.error = chunk.get("error", self.error)
-                    self.started.set()
-
-
 GRACE_S = 4.0
 
 
 def test_serve_answers_503_then_exits_non_zero_when_the_engine_fails(script, tmp_path):
     fault = tmp_path / "fault"
-    port = free_port()
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tallow.testing", "--fail-scheduler-when", str(fault), "serve",
-         "--model", f"replay:{script}", "--port", str(port), "--shutdown-timeout", str(GRACE_S),
-         "--max-num-seqs", "4", "--kv-cache-memory", "0.05"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
+    proc, url = spawn_server(["--model", f"replay:{script}", "--shutdown-timeout", str(GRACE_S),
+                              "--max-num-seqs", "4", "--kv-cache-memory", "0.05"], log,
+                             cli_args=("--fail-scheduler-when", str(fault)))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        readers = [StreamReader(url) for _ in range(3)]
+        readers = [StreamReader(url, max_tokens=4000) for _ in range(3)]
         for reader in readers:
             reader.start()
         for reader in readers:
@@ -185,9 +138,7 @@ def test_serve_answers_503_then_exits_non_zero_when_the_engine_fails(script, tmp
         code = proc.wait(timeout=GRACE_S + 30)
         elapsed = time.monotonic() - failed_at
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     log.seek(0)
     output = log.read()
 

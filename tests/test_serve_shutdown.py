@@ -3,54 +3,16 @@ a request in flight that ends within --shutdown-timeout finishes normally, one t
 longer is aborted at the timeout (its stream still ends properly), and the process exits 0."""
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
 
 from deadlines import wait_until
+from serve_process import StreamReader, spawn_server, stop
 
 SHUTDOWN_TIMEOUT_S = 4.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class StreamReader(threading.Thread):
-    """Streams one chat completion; keeps its status, finish reason and whether [DONE] came."""
-
-    def __init__(self, url: str, max_tokens: int):
-        super().__init__(daemon=True)
-        self.url, self.max_tokens = url, max_tokens
-        self.started = threading.Event()
-        self.status = self.finish_reason = None
-        self.done = False
-        self.tokens = 0
-
-    def run(self) -> None:
-        body = {"messages": [{"role": "user", "content": f"count to {self.max_tokens}"}], "max_tokens": self.max_tokens,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=60) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    self.done = True
-                elif line.startswith("data: "):
-                    chunk = json.loads(line[6:])
-                    self.started.set()
-                    for choice in chunk["choices"]:
-                        self.finish_reason = choice["finish_reason"] or self.finish_reason
-                    if chunk.get("usage"):
-                        self.tokens = chunk["usage"]["completion_tokens"]
 
 
 @pytest.fixture
@@ -60,26 +22,11 @@ def serve(tmp_path):
     # however fast the machine (it ran to the end once on a fast CI runner).
     script.write_text(json.dumps({"step_delay_s": 0.005,
                                   "replies": [{"reply": "One, two, three, four, five, six, seven, eight, nine, ten."}]}))
-    port = free_port()
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tallow.testing", "serve", "--model", f"replay:{script}", "--port", str(port),
-         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--max-num-seqs", "4", "--kv-cache-memory", "0.05"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    proc, url = spawn_server(["--model", f"replay:{script}", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                              "--max-num-seqs", "4", "--kv-cache-memory", "0.05"], log)
     yield proc, url, log
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    stop(proc)
 
 
 def test_sigterm_drains_then_exits_zero(serve):
