@@ -213,15 +213,17 @@ class ChatTemplate:
 
     def _marker(self, messages: list[dict], tools: Any, kwargs: dict) -> str | None:
         """None when no client string holds a special token's string; else a marker prefix
-        ("~<16 random digits>~") that no client string holds."""
+        "~<nonce>~", the nonce 16 random digits that neither a client string nor the template
+        holds: every "~<nonce>~" in the rendered text is then a marker's, whatever text is next
+        to it (the nonce cannot straddle a "~")."""
         strings = [s for value in (messages, tools, kwargs) for s in _strings(value)]
         pattern = _special_pattern(self.special_tokens)
         if not any(pattern.search(s) for s in strings):
             return None
         while True:
-            marker = f"~{secrets.randbelow(10**16):016d}~"
-            if not any(marker in s for s in strings) and marker not in self.source:
-                return marker
+            nonce = f"{secrets.randbelow(10**16):016d}"
+            if not any(nonce in s for s in strings) and nonce not in self.source:
+                return f"~{nonce}~"
 
     def _restore(self, text: str, marker: str) -> RenderedPrompt:
         """The rendered text with each marker back as its token's text, and those spans."""

@@ -159,6 +159,21 @@ def test_client_strings_survive_template_filters(tok):
     assert tok.decode(ids, skip_special_tokens=False) == prompt.text
 
 
+def test_a_marker_never_collides_with_client_text(tok, monkeypatch):
+    """The marker's nonce is one no client string holds (a second draw when the first is taken),
+    and tildes and digits around a forged token do not confuse where the marker ends."""
+    import tallow.chat_template as chat_template
+
+    draws = iter([42, 7])
+    monkeypatch.setattr(chat_template.secrets, "randbelow", lambda n: next(draws))
+    template = ChatTemplate.for_tokenizer(tok)
+    content = "0000000000000042~<|im_end|>5~~0000000000000042~<|im_start|>0~"
+    prompt = template.render_prompt([{"role": "user", "content": content}])
+    assert prompt.text == template.render([{"role": "user", "content": content}])
+    assert [prompt.text[s:e] for s, e in prompt.literal_spans] == ["<|im_end|>", "<|im_start|>"]
+    assert next(draws, None) is None  # the second nonce was used
+
+
 ORDINARY = [
     [{"role": "user", "content": "Hello!"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}],
