@@ -5,17 +5,26 @@ lstrip_blocks, loopcontrols; raise_exception, strftime_now and a tojson that doe
 and the same variables (messages, tools, add_generation_prompt, bos_token, eos_token, plus
 chat_template_kwargs such as enable_thinking). Templates are untrusted code: they run in the
 sandbox, in a worker thread under a time limit.
+
+What the client wrote stays text (`render_prompt`): a special token's string ("<|im_end|>") in a
+message, a tool's definition, a tool call's arguments or a template kwarg is rendered through a
+marker and comes back as a literal span, which the tokenizer encodes as ordinary text; only
+what the template writes itself (role markers, the tool-call markup it builds, the generation
+prompt, bos/eos) becomes control tokens. Otherwise a user could forge a turn:
+"<|im_end|> <|im_start|>assistant ..." inside a user message would read as the model's own turn.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import re
+import secrets
 import threading
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import jinja2
 from jinja2 import meta, nodes
@@ -35,6 +44,16 @@ CHATML = (
 
 _CONTINUE_TAG = "<<tallow:continue_final_message>>"
 _MAX_SEQUENCE_PRODUCT = 1_000_000  # longest string or list that `*` may build
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A rendered chat prompt, and the character spans [start, end) in it (sorted, disjoint) where
+    client text holds a special token's string: Tokenizer.encode(text, literal_spans=...) keeps
+    those as text. No spans: the client text holds none, and the plain encode is the right one."""
+
+    text: str
+    literal_spans: tuple[tuple[int, int], ...] = ()
 
 
 class _TemplateTimeout(BaseException):
@@ -116,12 +135,20 @@ class ChatTemplate:
     """One model's chat template, compiled once (and cached by source)."""
 
     def __init__(self, source: str | None, *, bos_token: str | None, eos_token: str | None,
-                 timeout_s: float = ServerConfig.template_timeout_s):
+                 special_tokens: Iterable[str] = (), timeout_s: float = ServerConfig.template_timeout_s):
         self.source = source if source is not None else CHATML
         self._compiled = _compile(self.source)
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # The tokenizer's special-token strings: in client text they are kept literal (render_prompt).
+        self.special_tokens = tuple(t for t in special_tokens if t)
         self.timeout_s = timeout_s
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, *, timeout_s: float = ServerConfig.template_timeout_s) -> "ChatTemplate":
+        """The template a tokenizer ships (ChatML when none), with its bos, eos and special tokens."""
+        return cls(tokenizer.chat_template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                   special_tokens=tokenizer.special_tokens, timeout_s=timeout_s)
 
     @property
     def supports_tools(self) -> bool:
@@ -141,13 +168,39 @@ class ChatTemplate:
         above. continue_final_message renders the last message open, for the model to continue it
         (an assistant prefill), as transformers does. Raises TallowError (400) when the template
         fails or runs longer than timeout_s (by default the one given at construction).
+
+        The text alone: tokenizing it reads special-token strings in client text as control tokens.
+        A chat front end renders with render_prompt.
+        """
+        return self.render_prompt(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, timeout_s=timeout_s,
+                                  literal_special_tokens=False, **kwargs).text
+
+    def render_prompt(self, messages: list[dict], /, *, tools: list[dict] | None = None,
+                      add_generation_prompt: bool = True, continue_final_message: bool = False,
+                      timeout_s: float | None = None, literal_special_tokens: bool = True,
+                      **kwargs: Any) -> RenderedPrompt:
+        """`render`'s text, and the spans of it where client text (messages, tools, kwargs) holds
+        one of `special_tokens`' strings, for the tokenizer to keep as text.
+
+        Only when the client text holds such a string is anything different done: each one is
+        replaced by a marker of digits and punctuation (it passes through trim, upper, tojson, even
+        with ensure_ascii), the template renders, and each marker in the result is put back as the
+        token's text and recorded as a span. literal_special_tokens=False renders the text alone.
         """
         messages = [self._prepare(m) for m in messages]
         if continue_final_message:
             if not messages or not isinstance(messages[-1].get("content"), str):
                 raise TallowError("the final message has no text to continue", param="messages")
-            messages[-1]["content"] += _CONTINUE_TAG
             add_generation_prompt = False
+        marker = self._marker(messages, tools, kwargs) if literal_special_tokens and self.special_tokens else None
+        if marker is not None:
+            pattern = _special_pattern(self.special_tokens)
+            index = {t: str(k) for k, t in enumerate(self.special_tokens)}
+            mark = lambda s: pattern.sub(lambda m: f"{marker}{index[m.group()]}~", s)  # noqa: E731
+            messages, tools, kwargs = _map_strings(messages, mark), _map_strings(tools, mark), _map_strings(kwargs, mark)
+        if continue_final_message:
+            messages[-1]["content"] += _CONTINUE_TAG
         context = {**kwargs, "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
                    "bos_token": self.bos_token, "eos_token": self.eos_token}
         text = self._render_with_timeout(context, self.timeout_s if timeout_s is None else timeout_s)
@@ -156,7 +209,36 @@ class ChatTemplate:
                 raise TallowError("the chat template drops the final message, so it cannot be continued",
                                   param="messages")
             text = text[:text.rindex(_CONTINUE_TAG)]
-        return text
+        return self._restore(text, marker) if marker is not None else RenderedPrompt(text)
+
+    def _marker(self, messages: list[dict], tools: Any, kwargs: dict) -> str | None:
+        """None when no client string holds a special token's string; else a marker prefix
+        "~<nonce>~", the nonce 16 random digits that neither a client string nor the template
+        holds: every "~<nonce>~" in the rendered text is then a marker's, whatever text is next
+        to it (the nonce cannot straddle a "~")."""
+        strings = [s for value in (messages, tools, kwargs) for s in _strings(value)]
+        pattern = _special_pattern(self.special_tokens)
+        if not any(pattern.search(s) for s in strings):
+            return None
+        while True:
+            nonce = f"{secrets.randbelow(10**16):016d}"
+            if not any(nonce in s for s in strings) and nonce not in self.source:
+                return f"~{nonce}~"
+
+    def _restore(self, text: str, marker: str) -> RenderedPrompt:
+        """The rendered text with each marker back as its token's text, and those spans."""
+        pieces: list[str] = []
+        spans: list[tuple[int, int]] = []
+        done = length = 0
+        for m in re.finditer(re.escape(marker) + r"(\d+)~", text):
+            token = self.special_tokens[int(m.group(1))]
+            pieces += [text[done:m.start()], token]
+            length += m.start() - done
+            spans.append((length, length + len(token)))
+            length += len(token)
+            done = m.end()
+        pieces.append(text[done:])
+        return RenderedPrompt("".join(pieces), tuple(spans))
 
     def _prepare(self, message: dict) -> dict:
         """A copy of one message in the shape templates expect: text parts joined when the template
@@ -203,6 +285,51 @@ class ChatTemplate:
             e = result["error"]
             raise TallowError(f"chat template error: {e}", param="messages") from e
         return result["text"]
+
+
+@lru_cache(maxsize=8)
+def _special_pattern(tokens: tuple[str, ...]) -> re.Pattern:
+    """A regex that finds any of `tokens`, the longest at a position first, built as a trie so a
+    vocabulary of hundreds of special tokens (Llama 3's reserved ones) costs one pass."""
+    trie: dict = {}
+    for token in tokens:
+        node = trie
+        for c in token:
+            node = node.setdefault(c, {})
+        node[""] = True
+
+    def pattern(node: dict) -> str:
+        branches = [re.escape(c) + pattern(child) for c, child in sorted(node.items()) if c]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return re.compile(pattern(trie))
+
+
+def _strings(value: Any) -> Iterable[str]:
+    """Every string in a JSON-like value: dict keys and values, list items, recursively."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def _map_strings(value: Any, f: Callable[[str], str]) -> Any:
+    """A copy of a JSON-like value with f applied to every string (dict keys too)."""
+    if isinstance(value, str):
+        return f(value)
+    if isinstance(value, dict):
+        return {_map_strings(k, f): _map_strings(v, f) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(v, f) for v in value]
+    return value
 
 
 def _with_parsed_arguments(call: Any) -> Any:

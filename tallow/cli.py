@@ -66,10 +66,10 @@ def _generate(core, args: argparse.Namespace) -> int:
     if args.chat:
         from tallow.chat_template import ChatTemplate
 
-        template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
-        ids = tok.encode(template.render(messages, add_generation_prompt=True))
+        prompt = ChatTemplate.for_tokenizer(tok).render_prompt(messages, add_generation_prompt=True)
+        ids = tok.encode(prompt.text, literal_spans=prompt.literal_spans)
     else:
         ids = tok.encode(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -109,7 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     scfg = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         max_queue=args.max_queue, log_level=args.log_level, trace=args.trace,
-                        shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes)
+                        shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
+                        allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     # Trace lines are asked for (--trace or x-tallow-trace: 1): shown whatever the log level.
     logging.getLogger("tallow.trace").setLevel(logging.INFO)
     if args.api_key:
@@ -151,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
     s.add_argument("--max-body-bytes", type=int, default=sd.max_body_bytes,
                    help="larger request bodies are refused with 413")
+    s.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="read special-token strings (<|im_end|>, ...) in chat message content, tool definitions "
+                        "and tool-call arguments as control tokens; by default they are plain text, so a client "
+                        "cannot forge turns (/v1/completions prompts always read them)")
     from tallow.output.reasoning import REASONING_PARSERS
     from tallow.output.tool_parsers import TOOL_PARSERS
 

@@ -91,3 +91,6 @@ class ServerConfig:
     responses_max_bytes: int = 64 * 1024 * 1024
     # The longest a chat template may take to render one request (then 400).
     template_timeout_s: float = 5.0
+    # Special-token strings ("<|im_end|>") in what a chat client sends become control tokens, as
+    # before tallow kept them text (a user could then forge turns). /v1/completions always reads them.
+    allow_special_tokens_in_content: bool = False

@@ -104,16 +104,22 @@ class LLM:
         return results
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, *, tools=None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """messages: one conversation (a list of {role, content}) or a list of conversations."""
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             allow_special_tokens_in_content: bool = False) -> list[RequestOutput]:
+        """messages: one conversation (a list of {role, content}) or a list of conversations.
+
+        Special-token strings in the messages, tools and kwargs are plain text (a message cannot
+        forge a turn with "<|im_end|>"), unless allow_special_tokens_in_content.
+        """
         from tallow.chat_template import ChatTemplate
 
         tok = self.tokenizer
-        template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+        template = ChatTemplate.for_tokenizer(tok)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            text = template.render(conv, tools=tools, add_generation_prompt=add_generation_prompt,
-                                   **(chat_template_kwargs or {}))
-            prompts.append(tok.encode(text))
+            prompt = template.render_prompt(conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            literal_special_tokens=not allow_special_tokens_in_content,
+                                            **(chat_template_kwargs or {}))
+            prompts.append(tok.encode(prompt.text, literal_spans=prompt.literal_spans))
         return self.generate(prompts, sampling_params)

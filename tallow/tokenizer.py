@@ -6,13 +6,14 @@ types stored under llama.cpp's key names) or from a Hugging Face folder (tokeniz
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import mmap
 import struct
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -92,6 +93,9 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self._added_text = {i: t.content for i, t in added.items()}
         self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
+        # The text of each special token ("<|im_start|>", ...): what a chat template may write and
+        # what a client's message text may not turn into (ChatTemplate's literal spans).
+        self.special_tokens = tuple(added[i].content for i in sorted(self.special_token_ids))
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template
         self.bos_token = self.id_to_token(bos_token_id) if bos_token_id is not None else None
@@ -170,13 +174,50 @@ class Tokenizer:
 
     # ---- text <-> ids -------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, *,
+               literal_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Token ids of `text`. Special-token strings in it (like "<|im_start|>") become their ids;
-        add_special_tokens puts BOS in front when the model wants one."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        add_special_tokens puts BOS in front when the model wants one.
+
+        literal_spans: sorted, disjoint character spans [start, end) of `text` (a chat prompt's client
+        text, ChatTemplate.render_prompt) where a special token's string is plain text: a special
+        token that overlaps one is not matched, and the text between the special tokens that are
+        matched is tokenized whole with special tokens read as characters ("<|im_end|>" -> "<", "|",
+        "im", ...). Without spans, or where they hold no special-token string, the ids are exactly
+        those of the plain encode.
+        """
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids = encoding.ids if not literal_spans else self._encode_around(text, encoding, literal_spans)
         if add_special_tokens and self.add_bos:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def _encode_around(self, text: str, encoding, literal_spans: Sequence[tuple[int, int]]) -> list[int]:
+        """The special tokens the plain encode matched outside the spans (their offsets include any
+        whitespace an lstrip/rstrip token takes), and the text between them encoded literally: the
+        same pieces the plain encode splits at, less the ones inside client text."""
+        starts = [s for s, _ in literal_spans]
+        ids: list[int] = []
+        done = 0
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
+            if token_id not in self.special_token_ids or _overlaps(literal_spans, starts, start, end):
+                continue
+            if start > done:
+                ids += self._literal_backend.encode(text[done:start], add_special_tokens=False).ids
+            ids.append(token_id)
+            done = end
+        if done < len(text):
+            ids += self._literal_backend.encode(text[done:], add_special_tokens=False).ids
+        return ids
+
+    @cached_property
+    def _literal_backend(self) -> Backend:
+        """A copy of the backend that reads special-token strings as text (`encode_special_tokens`;
+        added tokens that are not special still match). A copy, so the flag never changes under a
+        concurrent encode of the shared backend."""
+        backend = Backend.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -222,6 +263,12 @@ class Tokenizer:
         if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
             return bytes([int(token[3:5], 16)])
         return token.replace("\u2581", " ").encode("utf-8")
+
+
+def _overlaps(spans: Sequence[tuple[int, int]], starts: list[int], start: int, end: int) -> bool:
+    """Whether [start, end) overlaps one of the sorted, disjoint spans (starts: their starts)."""
+    k = bisect.bisect_left(starts, end) - 1  # the last span starting before `end`
+    return k >= 0 and spans[k][1] > start
 
 
 # ---- GGUF -------------------------------------------------------------------------------------

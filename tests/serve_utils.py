@@ -40,10 +40,15 @@ class ByteTokenizer:
     add_bos = False
     _special_re = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = []
-        for piece in self._special_re.split(text):
-            ids += [self.SPECIALS[piece]] if piece in self.SPECIALS else list(piece.encode())
+    special_tokens = tuple(SPECIALS)
+
+    def encode(self, text: str, add_special_tokens: bool = False, literal_spans=()) -> list[int]:
+        ids, done = [], 0
+        for start, end in [*literal_spans, (len(text), len(text))]:  # spans: plain bytes
+            for piece in self._special_re.split(text[done:start]):
+                ids += [self.SPECIALS[piece]] if piece in self.SPECIALS else list(piece.encode())
+            ids += list(text[start:end].encode())
+            done = end
         return ids
 
     def token_to_id(self, token: str) -> int | None:

@@ -40,3 +40,13 @@ def test_a_model_that_cannot_load_is_one_line_of_error(tmp_path, capsys):
     assert main(["generate", "hi", "--model", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tallow generate: error: ") and str(missing) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, allowed", [([], False), (["--allow-special-tokens-in-content"], True)])
+def test_serve_keeps_special_tokens_in_chat_content_text_unless_allowed(monkeypatch, argv, allowed):
+    import tallow.serve.app
+
+    seen = {}
+    monkeypatch.setattr(tallow.serve.app, "run_server", lambda engine, server: seen.setdefault("server", server) and 0)
+    assert main(["serve", *argv]) == 0
+    assert seen["server"].allow_special_tokens_in_content is allowed

@@ -253,3 +253,17 @@ def test_ids_past_the_vocabulary_have_no_text(ours):
     assert ours.token_bytes(past) == b""
     hello = ours.encode("Hello")
     assert "".join(detok.push(i) for i in [*hello, past, *hello]) == "HelloHello"
+
+
+def test_literal_spans_read_special_tokens_as_text_like_sentencepiece(sentencepiece_model):
+    """sentencepiece itself never reads a control symbol in text: inside a literal span, ours does
+    the same; outside one the control token is still matched, and the text after it gets its own
+    "▁" prefix as after any added token."""
+    sp = sentencepiece_model
+    tok = Tokenizer.from_gguf_metadata(gguf_metadata_of(sp))
+    eot = sp.piece_to_id("<end_of_turn>")
+    text = "fox<end_of_turn>fox"
+    assert tok.encode(text) == [*tok.encode("fox"), eot, *tok.encode("fox")]
+    assert tok.encode(text, literal_spans=((3, 16),)) == sp.encode(text)
+    text = "<end_of_turn>fox<end_of_turn>"
+    assert tok.encode(text, literal_spans=((16, 29),)) == [eot, *sp.encode("fox<end_of_turn>")]

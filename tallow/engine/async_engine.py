@@ -151,7 +151,7 @@ class AsyncEngine:
             from tallow.chat_template import ChatTemplate
 
             tok = self.tokenizer
-            self._chat_template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+            self._chat_template = ChatTemplate.for_tokenizer(tok)
         return self._chat_template
 
     @property

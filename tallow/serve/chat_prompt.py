@@ -13,6 +13,10 @@ OpenAI shapes first):
   decoding, which does not exist yet: they are rejected, never silently ignored.
 - reasoning: reasoning_effort "none" turns thinking off (enable_thinking=False) where the
   template supports it; chat_template_kwargs pass through and win over it.
+- client text stays text: a special token's string in what the client sent (message content,
+  tool definitions, tool-call arguments) is a literal span of the prompt (ChatTemplate.render_prompt),
+  tokenized as ordinary characters, so "<|im_end|><|im_start|>assistant" in a user message cannot
+  forge a turn; --allow-special-tokens-in-content turns this off.
 
 The parsers: --tool-call-parser / --reasoning-parser when set, else what the template implies
 (a tools section whose markup names no known format gets no parser: the markup stays content).
@@ -24,7 +28,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tallow.chat_template import ChatTemplate
+from tallow.chat_template import ChatTemplate, RenderedPrompt
 from tallow.config import ServerConfig
 from tallow.errors import TallowError
 from tallow.output.reasoning import REASONING_PARSERS, reasoning_parser_for_template
@@ -52,6 +56,8 @@ class ChatPrompt:
     tool_parser: str | None  # None: tool-call markup in the reply stays content
     reasoning_parser: str  # "none": reasoning is not split out
     tools: list[dict[str, Any]] | None  # the tools rendered (their schemas type parsed values)
+    # Where client text holds a special token's string: tokenize(..., literal_spans=) keeps it text.
+    literal_spans: tuple[tuple[int, int], ...] = ()
 
 
 def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: ServerConfig, *,
@@ -72,18 +78,28 @@ def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: 
     tools = tools if tools and tool_choice != "none" else None
     mark_phase("parse")
     if getattr(template, "supports_tools", False):
-        text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                               timeout_s=config.template_timeout_s, **kwargs)
+        rendered = _render(template, messages, tools, add_generation_prompt, config, kwargs)
         implied = tool_parser_for_template(source)
     else:
-        text = template.render(hermes_fallback_messages(messages, tools), add_generation_prompt=add_generation_prompt,
-                               timeout_s=config.template_timeout_s, **kwargs)
+        rendered = _render(template, hermes_fallback_messages(messages, tools), None, add_generation_prompt,
+                           config, kwargs)
         implied = FALLBACK_TOOL_PARSER
     mark_phase("template")
     tool_parser = _configured(config.tool_call_parser, TOOL_PARSERS, "tool-call") or implied
     reasoning_parser = (_configured(config.reasoning_parser, REASONING_PARSERS, "reasoning")
                         or reasoning_parser_for_template(source))
-    return ChatPrompt(text, tool_parser if tools else None, reasoning_parser, tools)
+    return ChatPrompt(rendered.text, tool_parser if tools else None, reasoning_parser, tools, rendered.literal_spans)
+
+
+def _render(template: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            add_generation_prompt: bool, config: ServerConfig, kwargs: dict[str, Any]) -> RenderedPrompt:
+    """The template's prompt, client text kept literal unless the server allows special tokens in it."""
+    if not hasattr(template, "render_prompt"):  # tests/serve_utils.py's ChatMLTemplate stand-in
+        return RenderedPrompt(template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                              timeout_s=config.template_timeout_s, **kwargs))
+    return template.render_prompt(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  timeout_s=config.template_timeout_s,
+                                  literal_special_tokens=not config.allow_special_tokens_in_content, **kwargs)
 
 
 def check_tool_choice(tool_choice: str | dict[str, Any] | None) -> None:

@@ -159,8 +159,9 @@ class AnthropicMessages(StreamProtocol):
         sampling = SamplingFields(stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, stop=req.stop_sequences)
         return plan_completion(
-            sampling, [tokenize(engine.tokenizer, prompt.text)], vocab_size=engine.model_config.vocab_size,
-            max_model_len=engine.max_model_len, config=config, max_tokens=req.max_tokens, logprobs=None,
+            sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
+            vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
+            config=config, max_tokens=req.max_tokens, logprobs=None,
             prompt_param="messages", prompt_text=prompt.text, split_reasoning=True,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
             max_tool_calls=1 if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use else None)
@@ -174,7 +175,7 @@ class AnthropicMessages(StreamProtocol):
         prompt = _render(req, engine, config)
         if isinstance(prompt, Rejection):
             return prompt
-        return {"input_tokens": len(tokenize(engine.tokenizer, prompt.text))}
+        return {"input_tokens": len(tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans))}
 
     def error(self, message: str) -> list[str]:
         return [event("error", error_body(ANTHROPIC, 500, message))]

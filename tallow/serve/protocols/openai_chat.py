@@ -36,8 +36,9 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
         except TallowError as e:
             return Rejection.from_error(e)
         return plan_completion(
-            req, [tokenize(engine.tokenizer, prompt.text)], vocab_size=engine.model_config.vocab_size,
-            max_model_len=engine.max_model_len, config=config,
+            req, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
+            vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
+            config=config,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages",
             prompt_text=prompt.text, split_reasoning=True, reasoning_parser=prompt.reasoning_parser,

@@ -126,8 +126,9 @@ class OpenAIResponses(StreamProtocol):
             return Rejection.from_error(e)
         sampling = SamplingFields(stream=req.stream, temperature=req.temperature, top_p=req.top_p)
         plan = plan_completion(
-            sampling, [tokenize(engine.tokenizer, prompt.text)], vocab_size=engine.model_config.vocab_size,
-            max_model_len=engine.max_model_len, config=config, max_tokens=req.max_output_tokens, logprobs=None,
+            sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
+            vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
+            config=config, max_tokens=req.max_output_tokens, logprobs=None,
             prompt_param="input", prompt_text=prompt.text, split_reasoning=True,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
             max_tool_calls=1 if req.parallel_tool_calls is False else None)
