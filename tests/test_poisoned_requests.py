@@ -25,7 +25,7 @@ from tallow.engine.sampler import Sampler
 from tallow.engine.sampling import SamplingParams
 
 ORDINARY = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
-MAX_TOKENS = 24
+MAX_TOKENS = 40
 
 
 def ordinary_body(prompt: str, stream: bool) -> dict:
@@ -96,31 +96,15 @@ POISONED = [
 ]
 
 
-@pytest.mark.parametrize("route,body,status,param", POISONED,
-                         ids=[f"{i}-{p or 'valid'}" for i, (_, _, _, p) in enumerate(POISONED)])
-def test_poisoned_request_in_a_running_batch(real_server, alone, route, body, status, param):
-    async def main():
-        async with httpx.AsyncClient(base_url=real_server.base_url, timeout=120) as client:
-            started = [asyncio.Event() for _ in ORDINARY]
-            others = [asyncio.create_task(_stream_text(client, p, e)) for p, e in zip(ORDINARY, started)]
-            # The batch runs: every ordinary request has its first tokens.
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-            if isinstance(body, str):
-                r = await client.post(route, content=body, headers={"content-type": "application/json"})
-            else:
-                r = await client.post(route, json=body)
-            text = (await r.aread()).decode()
-            return r, text, await asyncio.gather(*others)
-
-    r, text, others = asyncio.run(main())
-    assert r.status_code == status, text
+def _check_answer(route, body, status, param, r: httpx.Response, text: str) -> None:
+    assert r.status_code == status, (route, body, text)
     if status == 400:
         error = r.json()["error"]
         if route == "/v1/messages":
-            assert r.json()["type"] == "error" and param in error["message"]
+            assert r.json()["type"] == "error" and param in error["message"], text
         else:
-            assert error["param"] == param and error["type"] == "invalid_request_error"
-    elif body.get("stream") if isinstance(body, dict) else False:
+            assert error["param"] == param and error["type"] == "invalid_request_error", text
+    elif isinstance(body, dict) and body.get("stream"):
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
         assert events
         for data in events:  # valid JSON only: no NaN or Infinity
@@ -128,6 +112,33 @@ def test_poisoned_request_in_a_running_batch(real_server, alone, route, body, st
             assert "error" not in chunk
     else:
         json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a body: {text}"))
+
+
+def test_poisoned_requests_in_a_running_batch(real_server, alone):
+    """Every poisoned request goes into one running batch of three ordinary streams (sent one
+    after another; the valid ones run in the batch); the three finish with their text alone."""
+    async def send(client, route, body):
+        if isinstance(body, str):
+            r = await client.post(route, content=body, headers={"content-type": "application/json"})
+        else:
+            r = await client.post(route, json=body)
+        return r, (await r.aread()).decode()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=real_server.base_url, timeout=120) as client:
+            started = [asyncio.Event() for _ in ORDINARY]
+            others = [asyncio.create_task(_stream_text(client, p, e)) for p, e in zip(ORDINARY, started)]
+            # The batch runs: every ordinary request has its first tokens.
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            answers = [await send(client, route, body) for route, body, status, _ in POISONED if status == 400]
+            answers += await asyncio.gather(*(send(client, route, body)
+                                              for route, body, status, _ in POISONED if status != 400))
+            return answers, await asyncio.gather(*others)
+
+    answers, others = asyncio.run(main())
+    cases = [c for c in POISONED if c[2] == 400] + [c for c in POISONED if c[2] != 400]
+    for (route, body, status, param), (r, text) in zip(cases, answers):
+        _check_answer(route, body, status, param, r, text)
     assert [s for s, _ in others] == [200] * len(ORDINARY), others
     assert [t for _, t in others] == [alone[p] for p in ORDINARY]
 
