@@ -294,3 +294,49 @@ def test_cuda_step_makes_no_host_sync():
         for gpu_seq, cpu_seq, token in zip(gpu_seqs, cpu_seqs, out.token_ids.tolist()):
             gpu_seq.append_token(token)
             cpu_seq.append_token(token)
+
+
+# ---- non-finite rows ---------------------------------------------------------------------------
+def test_a_nan_row_is_flagged_and_the_other_rows_sample_as_without_it():
+    """A row of NaN logits in a batch of greedy, top-p and top-k rows: the sampler does not
+    raise, flags that row alone, and every other row draws the token it draws without it."""
+    vocab = 64
+    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0.9, seed=4, top_p=0.8),
+              SamplingParams(temperature=1.0, seed=5, top_k=3, min_p=0.1)]
+    rows = torch.stack([step_logits(vocab, 0, k) for k in range(3)])
+    clean = Sampler(vocab, torch.device("cpu"))(rows, [make_seq(p) for p in params])
+    poisoned = torch.cat([rows, torch.full((1, vocab), float("nan"))])
+    seqs = [make_seq(p) for p in params] + [make_seq(SamplingParams(temperature=0.7, seed=9, top_p=0.5))]
+    out = Sampler(vocab, torch.device("cpu"))(poisoned, seqs)
+    assert out.invalid.tolist() == [False, False, False, True]
+    assert out.token_ids[:3].tolist() == clean.token_ids.tolist()
+    assert not clean.invalid.any()
+
+
+def test_a_row_of_only_minus_inf_is_flagged():
+    vocab = 16
+    rows = torch.stack([step_logits(vocab, 1, 0), torch.full((vocab,), -float("inf"))])
+    out = Sampler(vocab, torch.device("cpu"))(rows, [make_seq(SamplingParams(temperature=0)),
+                                                    make_seq(SamplingParams(temperature=0.5, top_p=0.3))])
+    assert out.invalid.tolist() == [False, True]
+
+
+@pytest.mark.parametrize("penalty", [1.2e-38, 1e-30, 3.4e38])
+def test_extreme_repetition_penalties_keep_logprobs_finite(penalty):
+    """x / r overflows for a tiny r: clamped to the largest float, so the softmax and the
+    logprobs stay finite and the row is not flagged."""
+    vocab = 32
+    row = (step_logits(vocab, 2, 0) * 50).unsqueeze(0)
+    for temperature in (0, 0.5):
+        p = SamplingParams(temperature=temperature, repetition_penalty=penalty, logprobs=3, seed=1)
+        out = Sampler(vocab, torch.device("cpu"))(row, [make_seq(p, prompt=tuple(range(vocab)))])
+        assert not out.invalid.any()
+        assert torch.isfinite(out.logprobs).all()
+
+
+def test_top_p_of_a_float32_zero_is_refused_and_keeps_one_token_in_the_sampler():
+    with pytest.raises(Exception, match="top_p"):
+        SamplingParams(top_p=1e-46)
+    x = step_logits(32, 3, 0).unsqueeze(0)
+    kept = apply_top_p(x, torch.zeros(1))
+    assert torch.isfinite(kept).sum() == 1 and kept.argmax() == x.argmax()

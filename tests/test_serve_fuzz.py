@@ -22,8 +22,13 @@ from tallow.serve.app import build_app
 # Generated bodies per POST route: 100 in the fast tier, 600 in the slow one (pytest -m slow).
 EXAMPLES_PER_ROUTE = [100, pytest.param(600, marks=pytest.mark.slow)]
 
+# Numbers at the edges of what the engine's int64 and float32 tensors hold, and past them; NaN
+# and the infinities reach the wire as JSON's non-standard NaN / Infinity literals.
+EDGE_NUMBERS = [2**63, 2**64, -(2**63) - 1, 2**63 - 1, -(2**63), 1e-46, 1e-300, 1e300, math.nan, math.inf,
+                -math.inf]
+edge_numbers = st.sampled_from(EDGE_NUMBERS)
 scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.integers(-3, 300)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12) | edge_numbers)
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)
 small_ints = st.integers(-2, 40)
@@ -113,7 +118,8 @@ def bodies_for(path: str) -> st.SearchStrategy[bytes]:
     required, optional = VALID_BODIES.get(path, ({}, {}))
     valid = st.fixed_dictionaries(required, optional=optional)
     names = sorted(set(required) | set(optional) | set(FIELDS))
-    mutated = st.tuples(valid, st.sampled_from(names), json_values).map(lambda t: {**t[0], t[1]: t[2]})
+    mutated = st.tuples(valid, st.sampled_from(names), json_values | edge_numbers).map(
+        lambda t: {**t[0], t[1]: t[2]})
     anything = st.fixed_dictionaries({}, optional=FIELDS) | json_values
     return (valid | mutated | anything).map(lambda body: json.dumps(body).encode()) | st.binary(max_size=64)
 
@@ -175,3 +181,64 @@ def test_json_numbers_that_are_not_finite_are_refused(app_client):
         body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": value}).encode()
         response = loop.run_until_complete(client.post("/v1/chat/completions", content=body))
         assert response.status_code == 400
+
+
+# Every numeric field some route reads (a path into the body), with the smallest valid body per route.
+NUMERIC_FIELDS = [("max_tokens",), ("max_completion_tokens",), ("max_output_tokens",), ("temperature",),
+                  ("top_p",), ("top_k",), ("min_p",), ("n",), ("seed",), ("presence_penalty",),
+                  ("frequency_penalty",), ("repetition_penalty",), ("min_tokens",), ("logprobs",),
+                  ("top_logprobs",), ("logit_bias", "5"), ("stop_token_ids", 0), ("prompt", 0),
+                  ("thinking", "budget_tokens")]
+MINIMAL_BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True},
+    "/v1/completions": {"prompt": [5, 6], "max_tokens": 4, "logprobs": 1},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 16},
+}
+
+
+def _with_value(body: dict, path: tuple, value) -> dict:
+    body = json.loads(json.dumps(body))
+    if path == ("logit_bias", "5"):
+        body["logit_bias"] = {"5": value}
+    elif path == ("thinking", "budget_tokens"):
+        body["thinking"] = {"type": "enabled", "budget_tokens": value}
+    elif path in (("stop_token_ids", 0), ("prompt", 0)):
+        body[path[0]] = [value]
+    else:
+        body[path[0]] = value
+    return body
+
+
+@pytest.mark.parametrize("path", sorted(MINIMAL_BODIES))
+def test_numeric_edge_values_on_every_field(app_client, path):
+    """Each edge number in each numeric field: never a 5xx; and a request the plan accepts runs
+    through the real sampler in a batch with three ordinary rows without raising, those rows
+    drawing the tokens they draw without it."""
+    import torch
+
+    from tallow.engine.request import Sequence
+    from tallow.engine.sampler import Sampler
+    from tallow.engine.sampling import SamplingParams
+
+    _, _, _, engine = app_client
+    vocab = engine.model_config.vocab_size
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    ordinary = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1, top_p=0.9),
+                SamplingParams(temperature=1.0, seed=2, top_k=5, logprobs=2)]
+
+    def sample(params: list[SamplingParams]):
+        seqs = [Sequence([5, 6, 7], p, eos_token_ids={0}) for p in params]
+        out = Sampler(vocab, torch.device("cpu"))(logits[: len(seqs)], seqs)
+        return out.token_ids.tolist(), out.invalid.tolist()
+
+    alone, _ = sample(ordinary)
+    for field in NUMERIC_FIELDS:
+        for value in EDGE_NUMBERS:
+            body = json.dumps(_with_value(MINIMAL_BODIES[path], field, value)).encode()
+            engine.submitted.clear()
+            check(app_client, "POST", path, body)
+            for _, params in engine.submitted:
+                tokens, invalid = sample(ordinary + [params])
+                assert tokens[:3] == alone and not any(invalid), (body, params)

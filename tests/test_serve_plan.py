@@ -69,6 +69,21 @@ REJECTIONS = [
     (TEXT, {"prompt": "hi", "logprobs": 21}, "logprobs"),
     (TEXT, {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     (TEXT, {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    # Numeric edges: the engine's int64 / float32 tensors, and finite numbers only.
+    (TEXT, {"prompt": "hi", "seed": 2**63}, "seed"),
+    (TEXT, {"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
+    (TEXT, {"prompt": "hi", "top_k": 2**63}, "top_k"),
+    (TEXT, {"prompt": "hi", "top_p": 1e-46}, "top_p"),
+    (TEXT, {"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),
+    (TEXT, {"prompt": "hi", "repetition_penalty": 1e300}, "repetition_penalty"),
+    (TEXT, {"prompt": "hi", "n": 2**64}, "n"),
+    (TEXT, {"prompt": "hi", "max_tokens": 2**64}, "max_tokens"),
+    (TEXT, {"prompt": [2**64]}, "prompt"),
+    (TEXT, {"prompt": "hi", "stop_token_ids": [2**63]}, "stop_token_ids[0]"),
+    (CHAT, {"messages": USER, "logit_bias": {"1_000": 1}}, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {" 7 ": 1}}, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"\u0663": 1}}, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"-1": 1}}, "logit_bias"),
 ]
 
 
@@ -87,6 +102,39 @@ def test_malformed_json_is_a_400(app):
     r = post(app, CHAT, content=b'{"messages": [')
     assert r.status_code == 400
     assert "JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": Infinity}', "repetition_penalty"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": -Infinity}}', "logit_bias.5"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": [1, NaN]}}',
+     "chat_template_kwargs.a[1]"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}', "temperature"),
+])
+def test_non_finite_json_numbers_are_400s_naming_where(app, engine, raw, param):
+    r = post(app, CHAT, content=raw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert engine.submitted == []
+
+
+def test_nan_inside_a_string_is_text(app, engine):
+    r = post(app, CHAT, {"messages": [{"role": "user", "content": "NaN and Infinity"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_numeric_edges_that_are_valid_reach_the_engine(app, engine):
+    """Seeds at both ends of int64, top_k past the vocabulary (clamped to it), min_p that is 0 as a
+    float32, a subnormal-free tiny temperature (greedy)."""
+    r = post(app, TEXT, {"prompt": "hi", "max_tokens": 2, "seed": 2**63 - 1, "top_k": 2**63 - 1, "n": 2,
+                         "min_p": 1e-46, "temperature": 1e-300})
+    assert r.status_code == 200, r.text
+    params = engine.submitted[-1][1]
+    assert params.seed == 2**63 - 1 and params.top_k == 258 and params.greedy
+    r = post(app, TEXT, {"prompt": "hi", "max_tokens": 2, "seed": -(2**63), "temperature": 1})
+    assert r.status_code == 200, r.text
+    assert engine.submitted[-1][1].seed == -(2**63)
 
 
 def test_prompt_beyond_the_context_is_rejected_with_its_length(app, engine):

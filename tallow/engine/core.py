@@ -181,7 +181,8 @@ class EngineCore:
         seqs = [first]
         for i in range(1, params.n):
             # A seeded request's choices differ: choice i samples with seed + i (as vLLM does).
-            child = params if params.seed is None else replace(params, seed=params.seed + i)
+            # The sum wraps around the signed 64-bit range a seed must stay in.
+            child = params if params.seed is None else replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
             seqs.append(Sequence(prompt_ids, child, eos_token_ids=self.eos_token_ids,
                                  max_model_len=self.max_model_len,
                                  request_id=f"{first.request_id}-{i}", prefill_after=first))
@@ -275,6 +276,7 @@ class EngineCore:
             res = self.runner.collect(launched)
         except Exception:
             return self._fail_step(out)
+        self._fail_invalid_rows(out, res)
         self.scheduler.resolve(out, res.token_ids)
         return self._outputs(out, res, live)
 
@@ -283,6 +285,18 @@ class EngineCore:
         log.exception("engine step failed; failing its %d sequences (seq, start, tokens): %s", len(shape), shape)
         failed = self.scheduler.fail(out)
         return [(seq, final_output(seq)) for seq in failed]
+
+    def _fail_invalid_rows(self, out: SchedulerOutput, res: StepResult) -> None:
+        """Fail alone each sequence whose sampling row had no finite logits (the sampler flags
+        them): the other rows' tokens stand."""
+        if not res.invalid_rows:
+            return
+        sampling = [s.seq for s in out.scheduled if s.samples]
+        failed = [sampling[i] for i in res.invalid_rows if not sampling[i].is_finished]
+        for seq in failed:
+            log.error("request %s: its logits were not finite at output token %d; failing it alone",
+                      seq.request_id, seq.num_output_tokens)
+        self.scheduler.fail_sequences(failed)
 
     def _step_sync(self) -> list[tuple[Sequence, TokenOutput]]:
         out = self.scheduler.schedule()
@@ -295,6 +309,7 @@ class EngineCore:
         except Exception:
             return self._fail_step(out)
         self.num_steps += 1
+        self._fail_invalid_rows(out, res)
         self.scheduler.update(out, res.token_ids)
         if not self.scheduler.running:  # nothing runs on: the sampler's cached batch plan is stale
             self.runner.sampler.release()
@@ -306,6 +321,7 @@ class EngineCore:
         outputs = []
         i = 0
         token_ids, logprobs, top = res.token_ids, res.logprobs, res.top
+        invalid = set(res.invalid_rows)
         finished = SequenceStatus.FINISHED
         for r, s in enumerate(out.scheduled):
             if not s.samples:
@@ -314,6 +330,10 @@ class EngineCore:
                 i += 1
                 continue
             seq = s.seq
+            if i in invalid:  # failed alone (_fail_invalid_rows): no token
+                outputs.append((seq, final_output(seq)))
+                i += 1
+                continue
             lp = tp = None
             if logprobs is not None:
                 k = seq.params.logprobs

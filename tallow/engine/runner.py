@@ -21,7 +21,7 @@ run eagerly then: no CUDA graphs yet.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -65,7 +65,7 @@ class LaunchedStep:
     step's pending inputs read them there) while their host copies travel."""
 
     token_ids: torch.Tensor  # [S] int64 on the device
-    host: list[torch.Tensor]  # token ids, then logprobs and top ids/logprobs when asked
+    host: list[torch.Tensor]  # token ids, invalid-row flags, then logprobs and top ids/logprobs when asked
     has_logprobs: bool
     has_top: bool
     done: torch.cuda.Event | None  # recorded after the copies (None on the CPU)
@@ -78,6 +78,8 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[float] | None
     top: TopLogprobs | None
+    # Sampling rows (indices into token_ids) whose logits were not finite: their tokens mean nothing.
+    invalid_rows: list[int] = field(default_factory=list)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -304,7 +306,7 @@ class ModelRunner:
         sampled = self.sampler(logits, [s.seq for s in out.scheduled if s.samples])
         # Logprobs travel in their own dtype: tolist() widens each to the same Python float
         # that a float64 copy would give.
-        tensors = [sampled.token_ids]
+        tensors = [sampled.token_ids, sampled.invalid]
         if sampled.logprobs is not None:
             tensors.append(sampled.logprobs)
         if sampled.top_ids is not None:
@@ -326,9 +328,10 @@ class ModelRunner:
             launched.done.synchronize()
         host = launched.host
         token_ids = host[0].tolist()
-        logprobs = host[1].tolist() if launched.has_logprobs else None
+        invalid = host[1].nonzero().flatten().tolist() if host[1].any() else []
+        logprobs = host[2].tolist() if launched.has_logprobs else None
         top = TopLogprobs(host[-2].tolist(), host[-1].tolist()) if launched.has_top else None
-        return StepResult(token_ids, logprobs, top)
+        return StepResult(token_ids, logprobs, top, invalid)
 
     def logits(self, out: SchedulerOutput, prev_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The float32 logits [rows, vocab] of the step's sampling rows (scheduler order), after

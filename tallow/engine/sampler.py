@@ -42,6 +42,10 @@ class SamplerOutput:
     logprobs: Tensor | None  # [N] float32: log-prob of the chosen token (None when no row asked)
     top_ids: Tensor | None  # [N, K] int64, K = the largest logprobs k asked (None when K == 0)
     top_logprobs: Tensor | None  # [N, K] float32, sorted descending
+    # [N] bool: the row's processed logits hold NaN or +inf, or only -inf, so it has no
+    # distribution to draw from (its token and logprobs mean nothing). Computed on the device
+    # and copied to the host with the token ids; the engine fails those rows alone.
+    invalid: Tensor | None = None
 
 
 @dataclass
@@ -82,13 +86,14 @@ class Sampler:
             chosen = self._sample(processed.index_select(0, rows), plan.sampled_seqs, plan.sampling)
             token_ids = processed.argmax(dim=-1).index_copy(0, rows, chosen)
 
+        invalid = ~processed.amax(dim=-1).isfinite()
         logprobs = top_ids = top_logprobs = None
         if plan.logprobs:
             all_logprobs = processed.log_softmax(dim=-1)
             logprobs = all_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
             if plan.top_k_logprobs > 0:
                 top_logprobs, top_ids = all_logprobs.topk(plan.top_k_logprobs, dim=-1)
-        return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)
+        return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, invalid)
 
     def release(self) -> None:
         """Drop the last batch plan and what it holds (its sequences, penalty tensors)."""
@@ -148,7 +153,9 @@ class Sampler:
             x = torch.where(prompt_mask | in_output, torch.where(x > 0, x / r, x * r), x)
         if plan.frequency is not None:
             x = x - plan.frequency * counts - plan.presence * in_output
-        logits.index_copy_(0, index, x)
+        # x / r overflows to inf for a small r: the largest float keeps such tokens the likeliest
+        # without the NaN that inf - inf gives in the softmax.
+        logits.index_copy_(0, index, x.clamp(max=torch.finfo(x.dtype).max))
 
     def _penalty_counts(self, seqs: list[Sequence], device: torch.device,
                         plan: "BatchPlan | None" = None) -> tuple[Tensor, Tensor]:
@@ -249,7 +256,8 @@ class SamplingTensors:
         self.seeded = [j for j, p in enumerate(params) if p.seed is not None]
 
     def apply(self, logits: Tensor) -> Tensor:
-        x = logits / self.temperature
+        # A low temperature can overflow a large logit: clamped as in the penalties.
+        x = (logits / self.temperature).clamp_(max=torch.finfo(logits.dtype).max)
         if self.top_k is not None:
             x = apply_top_k(x, self.top_k, self.k_max)
         if self.top_p is not None:
@@ -346,7 +354,9 @@ def _nucleus_threshold(x: Tensor, top_p: Tensor, head: Tensor) -> tuple[Tensor, 
     probs = (head - x.logsumexp(dim=-1, keepdim=True)).exp()
     mass_above = probs.cumsum(dim=-1) - probs
     inside = mass_above < top_p.unsqueeze(1)
-    threshold = head.gather(1, inside.sum(dim=-1, keepdim=True) - 1)
+    # At least the first: a row whose masses are NaN (non-finite logits: the engine fails that
+    # row) keeps an index the gather takes, so the other rows still sample.
+    threshold = head.gather(1, (inside.sum(dim=-1, keepdim=True) - 1).clamp_(min=0))
     # Rows with top_p 1 keep everything, even where rounding lifts the cumulative mass to 1.
     off = top_p >= 1.0
     return threshold.masked_fill(off.unsqueeze(1), -math.inf), off | ~inside[:, -1]

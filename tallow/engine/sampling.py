@@ -5,9 +5,25 @@ The batched Sampler lives in tallow/engine/sampler.py.
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass, field
 
 from tallow.errors import TallowError
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The smallest normal float32: a repetition penalty below it is 0 or subnormal in the sampler's
+# float32 tensors, where x / r overflows for any logit.
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def as_float32(x: float) -> float:
+    """x rounded to float32 as the sampler's tensors hold it (inf beyond float32's range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 @dataclass
@@ -49,14 +65,21 @@ class SamplingParams:
             bad("n", f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            bad("temperature", f"temperature must be non-negative, got {self.temperature}")
+        # Comparisons are written so that NaN fails them.
+        if not 0 <= self.temperature < math.inf:
+            bad("temperature", f"temperature must be non-negative and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not as_float32(self.top_p) > 0.0:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}, which is 0 as a float32")
+        if self.top_k > INT64_MAX:
+            bad("top_k", f"top_k must be at most {INT64_MAX}, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
+            # The sampler divides by it in float32: 0, a subnormal or inf there gives inf or NaN.
+            bad("repetition_penalty", f"repetition_penalty must be positive and finite as a float32 "
+                f"(in [{FLOAT32_TINY:.6g}, {FLOAT32_MAX:.6g}]), got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -65,6 +88,11 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", f"logprobs must be non-negative, got {self.logprobs}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            bad("seed", f"seed must be a signed 64-bit integer, in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
+        for token, value in (self.logit_bias or {}).items():
+            if not -math.inf < value < math.inf:
+                bad("logit_bias", f"logit_bias values must be finite, got {value} for token {token}")
 
     @property
     def greedy(self) -> bool:

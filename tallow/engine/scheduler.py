@@ -282,6 +282,18 @@ class Scheduler:
         self.running = [seq for seq in self.running if not seq.is_finished]
         return failed
 
+    def fail_sequences(self, seqs: list[Sequence]) -> None:
+        """Finish with "error" sequences whose own row of a step went wrong (the rest of the step
+        stands), wherever they are queued now."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            elif seq in self.waiting:  # preempted since the step was scheduled
+                self.waiting.remove(seq)
+            self._finish(seq, "error")
+
     def check_invariants(self) -> None:
         """Every queued sequence is in the state of its queue; the KV cache is consistent."""
         assert all(seq.status is SequenceStatus.RUNNING and seq.block_table for seq in self.running)

@@ -9,6 +9,7 @@ SamplingParams the engine runs.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -81,12 +82,21 @@ class RequestPlan:
         return replace(self.params, max_tokens=self.max_tokens[prompt_index])
 
 
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")
+
 # Union members and validator wrappers that pydantic puts in an error's location.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none)$|[\[\-]|^[A-Z]")
 
 
 def parse_request(raw: bytes, schema: type[Model]) -> Model | Rejection:
-    """Parse and type-check a JSON body; the first problem becomes a 400 naming its field."""
+    """Parse and type-check a JSON body; the first problem becomes a 400 naming its field.
+
+    NaN, Infinity and -Infinity are not JSON, though Python's and pydantic's parsers take them
+    as numbers: a body holding one is refused, naming where."""
+    if b"NaN" in raw or b"Infinity" in raw:
+        rejection = _non_finite_literal(raw)
+        if rejection is not None:
+            return rejection
     try:
         return schema.model_validate_json(raw)
     except ValidationError as e:
@@ -97,6 +107,37 @@ def parse_request(raw: bytes, schema: type[Model]) -> Model | Rejection:
         if not param:
             return Rejection.invalid(f"The request body is invalid: {error['msg']}")
         return Rejection.invalid(f"{param}: {error['msg']}", param)
+
+
+class _NonFinite(str):
+    """A NaN / Infinity literal met while parsing (json.loads' parse_constant)."""
+
+
+def _non_finite_literal(raw: bytes) -> Rejection | None:
+    """The 400 of a body holding a NaN or Infinity literal (outside strings), or None."""
+    try:
+        body = json.loads(raw, parse_constant=_NonFinite)
+    except (ValueError, RecursionError):
+        return None  # not JSON at all: the schema's parse says so
+    path = _find_non_finite(body, "")
+    if path is None:
+        return None
+    literal, param = path
+    where = f"{param}: " if param else ""
+    return Rejection.invalid(f"{where}{literal} is not valid JSON: numbers must be finite", param or None)
+
+
+def _find_non_finite(value: Any, path: str) -> tuple[str, str] | None:
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, _NonFinite):
+            return str(value), path
+        if isinstance(value, dict):
+            stack += [(v, f"{path}.{k}" if path else k) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value)))]
+    return None
 
 
 def _field_path(loc: tuple) -> str:
@@ -155,7 +196,7 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
             n=req.n, max_tokens=max(clamped),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+            top_k=min(max(req.top_k or 0, 0), vocab_size), min_p=req.min_p, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=logit_bias, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
@@ -179,10 +220,8 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int,
         return Rejection.invalid(f"logit_bias holds at most {limit} entries, got {len(bias)}", "logit_bias")
     out = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            token_id = -1
+        # A token id in plain ASCII decimal: int() would also take "1_000", " 7 " and "٣".
+        token_id = int(key) if _TOKEN_ID.fullmatch(key) and len(key) <= 20 else -1
         if not 0 <= token_id < vocab_size:
             return Rejection.invalid(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
                                      "logit_bias")

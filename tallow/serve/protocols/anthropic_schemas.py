@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from tallow.serve.protocols.openai_schemas import WireModel
+from tallow.serve.protocols.openai_schemas import Count, WireModel
 
 
 class TextBlock(WireModel):
@@ -102,7 +102,7 @@ class ToolChoice(WireModel):
 
 class ThinkingConfig(WireModel):
     type: Literal["enabled", "adaptive", "disabled"]
-    budget_tokens: int | None = Field(default=None, ge=1)
+    budget_tokens: Count | None = Field(default=None, ge=1)
 
 
 class MessagesInput(WireModel):
@@ -128,10 +128,10 @@ class MessagesInput(WireModel):
 
 
 class MessagesRequest(MessagesInput):
-    max_tokens: int = Field(ge=1)
+    max_tokens: Count = Field(ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: Count | None = Field(default=None, ge=0)  # above the vocabulary: clamped to it (plan.py)
     stop_sequences: list[str] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None

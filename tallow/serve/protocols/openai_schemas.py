@@ -12,14 +12,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Integers the engine holds in int64 tensors or hands to torch (a seed: torch's generators take a
+# signed 64-bit seed, and vLLM's API bounds it the same way).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(le=INT64_MAX)]
+
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 class WireModel(BaseModel):
-    # Strict: "0.5" is not a float and "true" is not a bool; unknown fields are ignored.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Strict: "0.5" is not a float and "true" is not a bool; unknown fields are ignored. A float
+    # field takes finite numbers only (1e400 parses to inf); NaN and Infinity literals anywhere in
+    # a body are refused before this (plan.parse_request).
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(WireModel):
@@ -33,23 +41,23 @@ class SamplingFields(WireModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Count | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    n: Count = Field(default=1, ge=1)
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, Bias] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: Count | None = Field(default=None, ge=-1)  # above the vocabulary: clamped to it (plan.py)
     min_p: Probability = 0.0
     repetition_penalty: float = Field(default=1.0, gt=0.0)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: Count = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -98,9 +106,9 @@ class NamedToolChoice(WireModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Count | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: Count | None = Field(default=None, ge=0)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # Accepted, not enforced: every call the model writes is returned.
@@ -112,7 +120,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: Count | None = Field(default=None, ge=0)

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from tallow.serve.protocols.openai_schemas import WireModel
+from tallow.serve.protocols.openai_schemas import Count, WireModel
 
 
 class TextContent(WireModel):
@@ -95,7 +95,7 @@ class ResponsesRequest(WireModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: Count | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     tools: list[FunctionTool] | None = None
