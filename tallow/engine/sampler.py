@@ -77,16 +77,20 @@ class Sampler:
         plan = self._plan(seqs, logits)
         processed = self.process_logits(logits, seqs, plan)
 
+        # The greedy pick and each row's largest logit come from one pass (max); the largest
+        # logit is not finite exactly when the row has no distribution (NaN, +inf, all -inf).
         if plan.sampled_seqs is None:
-            token_ids = processed.argmax(dim=-1)
+            highest, token_ids = processed.max(dim=-1)
         elif plan.sampled_index is None:
             token_ids = self._sample(processed, plan.sampled_seqs, plan.sampling)
+            highest = processed.amax(dim=-1)
         else:
             rows = plan.sampled_index
             chosen = self._sample(processed.index_select(0, rows), plan.sampled_seqs, plan.sampling)
-            token_ids = processed.argmax(dim=-1).index_copy(0, rows, chosen)
+            highest, greedy = processed.max(dim=-1)
+            token_ids = greedy.index_copy(0, rows, chosen)
 
-        invalid = ~processed.amax(dim=-1).isfinite()
+        invalid = ~highest.isfinite()
         logprobs = top_ids = top_logprobs = None
         if plan.logprobs:
             all_logprobs = processed.log_softmax(dim=-1)
