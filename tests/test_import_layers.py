@@ -34,9 +34,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("tallow.cli", "tallow.llm", "tallow.testing", "tallow"),  # "tallow": the package's __init__ (the facade)
 ]
 
-# (importer, imported) pairs that break a rule today and are on their way out.
-ALLOWED: set[tuple[str, str]] = set()
-
 
 def layer_of(module: str) -> int | None:
     best = None
@@ -87,7 +84,7 @@ def imports_of(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, 
     return found
 
 
-def violations(root: Path = ROOT, allowed: set[tuple[str, str]] = ALLOWED) -> list[str]:
+def violations(root: Path = ROOT) -> list[str]:
     problems = []
     for path in sorted(root.rglob("*.py")):
         module = module_name(path, root)
@@ -102,9 +99,6 @@ def violations(root: Path = ROOT, allowed: set[tuple[str, str]] = ALLOWED) -> li
             # `from pkg import name`: name is a module or an attribute of pkg (then pkg decides).
             theirs = next((layer_of(p) for p in _prefixes(imported) if layer_of(p) is not None), None)
             where = f"{path.relative_to(root.parent)}:{line}: {module} imports {imported}"
-            pair = next(((module, prefix) for prefix in _prefixes(imported) if (module, prefix) in allowed), None)
-            if pair is not None:
-                continue
             if theirs is None:
                 problems.append(f"{where} (in no layer)")
             elif theirs > mine:
@@ -129,22 +123,6 @@ def test_every_import_in_tallow_points_down_the_layers():
     assert violations() == []
 
 
-def test_allowances_are_still_needed():
-    """An allowance that nothing uses any more is dropped from ALLOWED."""
-    unused = [pair for pair in ALLOWED if pair not in _used_pairs()]
-    assert unused == []
-
-
-def _used_pairs() -> set[tuple[str, str]]:
-    used = set()
-    for path in ROOT.rglob("*.py"):
-        module = module_name(path, ROOT)
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for _, imported in imports_of(tree, module, path.name == "__init__.py"):
-            used.update((module, prefix) for prefix in _prefixes(imported))
-    return used
-
-
 @pytest.mark.parametrize("importer, source, expected", [
     ("models/bad.py", "from tallow.engine.core import EngineCore\n", "up: layer 5 from layer 3"),
     ("attention/bad.py", "def f():\n    import tallow.models.llama\n", "up: layer 3 from layer 2"),
@@ -161,7 +139,7 @@ def test_a_synthetic_upward_import_is_caught(tmp_path, importer, source, expecte
         (root / package).mkdir(parents=True, exist_ok=True)
         (root / package / "__init__.py").write_text("")
     (root / importer).write_text(source)
-    problems = violations(root, allowed=set())
+    problems = violations(root)
     assert len(problems) == 1 and expected in problems[0], problems
 
 
@@ -173,4 +151,4 @@ def test_type_checking_imports_and_downward_imports_pass(tmp_path):
     (root / "models" / "fine.py").write_text(
         "from typing import TYPE_CHECKING\nfrom tallow.attention.metadata import AttentionMetadata\n"
         "from tallow.errors import TallowError\nif TYPE_CHECKING:\n    from tallow.distributed.group import X\n")
-    assert violations(root, allowed=set()) == []
+    assert violations(root) == []
