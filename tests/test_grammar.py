@@ -469,3 +469,60 @@ def test_llm_generate_takes_a_grammar(tiny_loaded):
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
         assert out.outputs[0].finish_reason == "stop"
+
+
+def test_compile_cache_is_an_lru_bounded_by_bytes(tokenizer):
+    from tallow.engine.grammar import GrammarBackend, GrammarLimits
+
+    specs = [GrammarSpec("regex", f"[a-z]{{{i}}}") for i in range(1, 6)]
+    one = 64 * 1024 + 16 * len(specs[0].text)  # the estimate of one of them
+    backend = GrammarBackend(tokenizer, limits=GrammarLimits(cache_bytes=3 * one + 100))
+    try:
+        futures = [backend.compile(s) for s in specs[:3]]
+        assert backend.compile(specs[0]) is futures[0]  # a hit, now the most recent
+        backend.compile(specs[3])  # evicts specs[1], the least recently used
+        assert backend.cache_size() == 3 and backend.cache_bytes <= 3 * one + 100
+        assert backend.compile(specs[0]) is futures[0]
+        assert backend.compile(specs[1]) is not futures[1]  # compiled again
+        for s in specs:
+            assert backend.compile(s).result(timeout=30) is not None
+    finally:
+        backend.shutdown()
+
+
+def test_a_grammar_past_the_compile_time_limit_fails_its_sequence(core):
+    from tallow.engine.grammar import GrammarLimits
+
+    backend = grammar_backend(core.tokenizer)
+    gate = threading.Event()
+    stuck = GrammarSpec("regex", "stuck[0-9]")
+    limits = backend.limits
+    backend.compile_delay_hook = lambda spec: gate.wait(30) if spec == stuck else None
+    backend.limits = GrammarLimits(compile_timeout_s=0.2)
+    try:
+        seq = core.make_sequences(core.tokenizer.encode("x"), SamplingParams(max_tokens=5, grammar=stuck))[0]
+        core.add(seq)
+        outputs = []
+        steps = 0
+        while core.has_work():
+            outputs += core.step()
+            steps += 1
+            assert steps < 500
+        assert seq.finish_reason == "error" and seq.num_output_tokens == 0
+        assert outputs[-1][1].finish_reason == "error"
+    finally:
+        gate.set()
+        backend.limits = limits
+        backend.compile_delay_hook = None
+        backend.clear_cache()
+
+
+def test_usage_reports_fill_only_when_not_zero():
+    from tallow.serve.executor import Usage
+    from tallow.serve.protocols.base import usage_json
+
+    plain = Usage(prompt_tokens=5, completion_tokens=7, cached_tokens=2)
+    filled = Usage(prompt_tokens=5, completion_tokens=7, cached_tokens=2, fill=4)
+    assert "fill" not in plain.to_openai() and filled.to_openai()["fill"] == 4
+    for usage in (plain, filled):
+        assert json.loads(usage_json(usage)) == usage.to_openai()
