@@ -526,3 +526,35 @@ def test_usage_reports_fill_only_when_not_zero():
     assert "fill" not in plain.to_openai() and filled.to_openai()["fill"] == 4
     for usage in (plain, filled):
         assert json.loads(usage_json(usage)) == usage.to_openai()
+
+
+def test_asynchronous_scheduling_gives_the_same_outputs_with_grammar_rows_joining(tiny_loaded, core):
+    """With async_scheduling the steps turn synchronous while a grammar row is queued (its mask
+    needs its previous token) and asynchronous again after: free rows running asynchronously
+    when grammar rows join mid-run, and after they end, get the tokens of the synchronous loop."""
+    tok = core.tokenizer
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    schemas = bounded_schemas(3)
+
+    def drive(engine: EngineCore):
+        first = [engine.make_sequences(tok.encode(p), free)[0] for p in PROMPTS]
+        for s in first:
+            engine.add(s)
+        for _ in range(5):
+            engine.step()
+        late = [engine.make_sequences(tok.encode(PROMPTS[i]), SamplingParams(
+            temperature=0.0, max_tokens=80, grammar=schema_spec(schemas[i])))[0] for i in range(3)]
+        for s in late:
+            engine.add(s)
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            assert steps < 1000
+        return [(s.output_ids, s.finish_reason) for s in first + late], engine.num_overlapped_steps
+
+    asyn = make_core(tiny_loaded, async_scheduling=True)
+    got, overlapped = drive(asyn)
+    expected, _ = drive(core)
+    assert got == expected
+    assert overlapped > 0
