@@ -18,6 +18,14 @@ What a request carries is a GrammarSpec (SamplingParams.grammar). The engine sid
 - Jump-forward ("fill"): after a sampled token, when the grammar allows exactly one
   continuation for several tokens (llguidance's compute_ff_tokens), those tokens are appended
   without sampling; the next step computes them as a chunk. The sequence counts them (`fill`).
+  Forced tokens follow the grammar's canonical tokenization, so the output can differ from
+  masked sampling without jump-forward, where the model may spell a fixed key in other tokens.
+  A chunk of k forced tokens costs about one decode step where decoding is memory-bound (GPU,
+  CPU at batch 1); at larger CPU batches the forward is compute-bound and the gain is smaller.
+- Asynchronous scheduling: a grammar row's mask needs its previous token, so while a grammar
+  sequence is queued the engine runs synchronous steps (as for penalties); the mask is still
+  filled on the host while the device runs the step's forward (launch queues the forward
+  before the sampler runs).
 
 Backend choice: llguidance (no dependencies, native mask computation) over xgrammar (pulls
 transformers and triton); benchmarks/grammar_backends.py has the measurements.
