@@ -565,3 +565,15 @@ def test_asynchronous_scheduling_gives_the_same_outputs_with_grammar_rows_joinin
     expected, _ = drive(core)
     assert got == expected
     assert overlapped > 0
+
+
+def test_a_tokenizer_llguidance_cannot_read_gives_a_grammar_error(tmp_path):
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    from tallow.tokenizer import Tokenizer
+
+    Backend(models.WordLevel({"<unk>": 0, "<eos>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    with pytest.raises(GrammarError, match="not available with this model's tokenizer"):
+        check_grammar(GrammarSpec("regex", "a+"), Tokenizer.from_hf_dir(tmp_path))

@@ -318,7 +318,11 @@ def grammar_backend(tokenizer: Tokenizer) -> GrammarBackend:
         backend = _backends.get(tokenizer)
         width = _vocab_widths.get(tokenizer)
         if backend is None or (width is not None and backend.vocab_size < width):
-            backend = _backends[tokenizer] = GrammarBackend(tokenizer, width)
+            try:
+                backend = GrammarBackend(tokenizer, width)
+            except Exception as e:  # llguidance cannot read this tokenizer
+                raise GrammarError(f"structured output is not available with this model's tokenizer: {e}") from e
+            _backends[tokenizer] = backend
         return backend
 
 
