@@ -60,12 +60,17 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """A constraint on a sequence's output.
+    r"""A constraint on a sequence's output.
 
     kind / text:
-      json_schema  the schema as canonical JSON text (json.dumps(sort_keys=True, separators=(",", ":")))
+      json_schema  the schema as compact JSON text in the client's key order:
+                   json.dumps(schema, separators=(",", ":")), NOT sort_keys=True: llguidance
+                   writes an object's properties in the order the schema lists them, so sorted
+                   text would reorder the output's keys (a pydantic model's fields alphabetically)
       json_object  "" (any JSON object)
-      regex        the pattern (llguidance's regex syntax: Rust's regex crate, no look-around)
+      regex        the pattern (llguidance's regex syntax: Rust's regex crate, no look-around); \d
+                   is an ASCII digit, as in JSON schema patterns (Rust's own \d takes any
+                   Unicode digit, and a small model picks exotic ones)
       choice       a JSON list of strings: the output is exactly one of them
       lark         an llguidance Lark grammar (may embed %json{...} sub-schemas), or a GBNF
                    grammar (llama.cpp's), which llguidance converts to Lark
@@ -131,7 +136,7 @@ def grammar_text(spec: GrammarSpec) -> str:
         if kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
         if kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(text)
+            return llg.LLMatcher.grammar_from_regex(ascii_digits(text))
         if kind == "choice":
             choices = json.loads(text)
             if (not isinstance(choices, list) or not choices
@@ -146,6 +151,39 @@ def grammar_text(spec: GrammarSpec) -> str:
         raise
     except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
         raise GrammarError(f"invalid {kind}: {e}") from None
+
+
+def ascii_digits(pattern: str) -> str:
+    """The pattern with each \\d an ASCII digit: [0-9] (0-9 inside a character class)."""
+    if "\\d" not in pattern:
+        return pattern
+    out: list[str] = []
+    depth = 0  # character classes nest in Rust's syntax ([a-z&&[^aeiou]])
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            nxt = pattern[i + 1]
+            out.append(("0-9" if depth else "[0-9]") if nxt == "d" else c + nxt)
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+            out.append(c)
+            i += 1
+            # A "]" first in a class (after an optional "^") is a literal.
+            if i < n and pattern[i] == "^":
+                out.append("^")
+                i += 1
+            if i < n and pattern[i] == "]":
+                out.append("]")
+                i += 1
+            continue
+        if c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 class _Entry:
