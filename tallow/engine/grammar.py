@@ -11,8 +11,9 @@ What a request carries is a GrammarSpec (SamplingParams.grammar). The engine sid
   of the compiled grammar's. A sequence whose grammar is still compiling waits in the scheduler's
   queue; the step never waits for a compile.
 - Token bitmasks: `fill_bitmasks` writes one bit per vocabulary token for each constrained row
-  (llguidance, in native code, in parallel over the rows); `apply_bitmasks` unpacks them on the
-  logits' device and sets the forbidden logits to -inf. The sampler applies them after
+  (llguidance, in native code, in parallel over the rows); `apply_bitmasks` sets the forbidden
+  logits to -inf on the logits' device (CUDA: the words copied without a sync and unpacked
+  there; CPU: a 0/-inf bias read per mask byte from a table). The sampler applies them after
   logit_bias, min_tokens and the penalties, before temperature / top-k / top-p / min-p, so
   reported logprobs are those of the masked distribution (as vLLM's).
 - Jump-forward ("fill"): after a sampled token, when the grammar allows exactly one
@@ -34,8 +35,8 @@ transformers and triton); benchmarks/grammar_backends.py has the measurements.
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import threading
 import time
