@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tallow.engine.forced_tokens import apply_forced_tokens
 from tallow.engine.request import Sequence
 from tallow.engine.sampling import SamplingParams
 
@@ -90,6 +91,8 @@ class Sampler:
             highest, greedy = processed.max(dim=-1)
             token_ids = greedy.index_copy(0, rows, chosen)
 
+        if plan.forced_rows:  # reasoning budgets (engine/forced_tokens.py)
+            token_ids = apply_forced_tokens(token_ids, seqs, plan.forced_rows)
         invalid = ~highest.isfinite()
         logprobs = top_ids = top_logprobs = None
         if plan.logprobs:
@@ -305,6 +308,7 @@ class BatchPlan:
             self.bias_index = tuple(_to_device([rows, cols], torch.int64, device))
             self.bias_values = _to_device(values, dtype, device)
         self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
+        self.forced_rows = [i for i, p in enumerate(params) if p.reasoning_budget is not None]
 
         self.penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         self.penalty_index = self.repetition = self.frequency = self.presence = None

@@ -62,7 +62,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions_total = 0
         # Queued or running sequences whose sampling reads their token ids on the host
-        # (penalties): asynchronous scheduling waits for every step's tokens while any is here.
+        # (penalties, a reasoning budget): asynchronous scheduling waits for every step's tokens while any is here.
         self.num_host_token_seqs = 0
 
     @property
@@ -90,7 +90,7 @@ class Scheduler:
                               param="prompt", code="context_length_exceeded")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        if seq.params.needs_penalties:
+        if seq.params.needs_host_tokens:
             self.num_host_token_seqs += 1
 
     def abort(self, seq: Sequence) -> None:
@@ -316,7 +316,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq)
-        if seq.params.needs_penalties:
+        if seq.params.needs_host_tokens:
             self.num_host_token_seqs -= 1
 
 
