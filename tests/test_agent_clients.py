@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openapi_schemas import validate, validate_event
 from serve_utils import AGENT_REPLAY_SCRIPT, FakeEngine, LiveServer, replay_engine
 
 from tallow.config import ServerConfig
@@ -286,7 +287,10 @@ def test_usage_agrees_between_message_start_and_the_final_delta(server):
 
 
 def check_responses_stream(events: list[tuple[str, dict]]) -> dict:
-    """Every item and content part opened is closed, in order; returns the final response."""
+    """Every item and content part opened is closed, in order, every event conforms to OpenAI's
+    schema; returns the final response."""
+    for _, data in events:
+        validate_event(data)
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
     assert [n for n, _ in events[:2]] == ["response.created", "response.in_progress"]
     open_items, open_parts, done_items = {}, set(), []
@@ -434,6 +438,7 @@ def test_custom_tool_calls_come_back_as_custom_tool_call_items(server, stream):
         assert delta == "*** Begin Patch\n*** End Patch"
     else:
         response = r.json()
+        validate("Response", response)
     [call] = response["output"]
     assert (call["type"], call["name"], call["input"]) == ("custom_tool_call", "apply_patch",
                                                            "*** Begin Patch\n*** End Patch")
