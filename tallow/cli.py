@@ -110,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scfg = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         max_queue=args.max_queue, log_level=args.log_level, trace=args.trace,
                         shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
-                        allow_special_tokens_in_content=args.allow_special_tokens_in_content)
+                        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                        strict_model_names=args.strict_model_names, strict_tools=args.strict_tools)
     # Trace lines are asked for (--trace or x-tallow-trace: 1): shown whatever the log level.
     logging.getLogger("tallow.trace").setLevel(logging.INFO)
     if args.api_key:
@@ -156,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="read special-token strings (<|im_end|>, ...) in chat message content, tool definitions "
                         "and tool-call arguments as control tokens; by default they are plain text, so a client "
                         "cannot forge turns (/v1/completions prompts always read them)")
+    s.add_argument("--strict-model-names", action="store_true",
+                   help="answer 404 to a model name other than the served one (by default any name is "
+                        "served by the one model, as agent CLIs send their own names)")
+    s.add_argument("--strict-tools", action="store_true",
+                   help="refuse (400) Responses requests with hosted tools this server cannot run (web_search, "
+                        "file_search, code_interpreter, ...); by default they are dropped and named in the "
+                        "X-Tallow-Dropped-Tools response header")
     from tallow.output.reasoning import REASONING_PARSERS
     from tallow.output.tool_parsers import TOOL_PARSERS
 

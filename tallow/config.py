@@ -97,3 +97,12 @@ class ServerConfig:
     # Special-token strings ("<|im_end|>") in what a chat client sends become control tokens, as
     # before tallow kept them text (a user could then forge turns). /v1/completions always reads them.
     allow_special_tokens_in_content: bool = False
+    # Any model name in a request is served by the one model (agent CLIs send their own names);
+    # with this, a name other than the served one answers 404 model_not_found.
+    strict_model_names: bool = False
+    # Responses' hosted tools (web_search, file_search, ...) are dropped from what the model sees,
+    # named in the X-Tallow-Dropped-Tools header and the log; with this they are a 400.
+    strict_tools: bool = False
+    # The key that authenticates (and encrypts) Responses' reasoning.encrypted_content blobs; unset:
+    # a random key per server process (blobs from before a restart are then refused).
+    reasoning_key: str | None = field(default_factory=lambda: os.environ.get("TALLOW_REASONING_KEY"))

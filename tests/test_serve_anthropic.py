@@ -183,7 +183,9 @@ def test_pings_while_waiting_and_overloaded_when_the_queue_is_full(fake):
         busy = httpx.post(url, json={**body, "stream": False}, headers=HEADERS, timeout=10)
         names = [first] + [line for line in lines if line.startswith("event: ")]
     assert busy.status_code == 529 and busy.json()["error"]["type"] == "overloaded_error"
-    assert names[0] == "event: message_start"
+    # message_start waits for the first output (its usage then holds the prefix cache's share):
+    # the silence before it is pinged too.
+    assert names.index("event: message_start") < names.index("event: content_block_start")
     assert "event: ping" in names[:names.index("event: content_block_start")]
     assert names[-2:] == ["event: message_delta", "event: message_stop"]
 
@@ -225,7 +227,7 @@ def test_engine_failures_are_anthropic_errors(fake, monkeypatch):
     assert whole.status_code == 500 and whole.json()["error"]["type"] == "api_error"
     with httpx.stream("POST", url, json={**body, "stream": True}, headers=HEADERS, timeout=10) as r:
         lines = [line for line in r.iter_lines() if line]
-    assert lines[0] == "event: message_start" and lines[-2] == "event: error"
+    assert lines[-2] == "event: error"
     error = json.loads(lines[-1].removeprefix("data: "))
     assert error["type"] == "error" and error["error"]["type"] == "api_error" and error["error"]["message"]
 

@@ -88,7 +88,7 @@ def test_retrieve_delete_and_unknown_ids(real):
 
 
 def test_bad_requests(real):
-    for kwargs in (dict(input="Hi", tools=[{"type": "web_search"}]),
+    for kwargs in (dict(input="Hi", tools=[{"type": "retrieval"}]),
                    dict(input="Hi", tools=[WEATHER_TOOL], tool_choice="required"),
                    dict(input="Hi", max_output_tokens=0),
                    dict(input=[{"type": "message", "role": "user", "content": [{"type": "input_image"}]}])):

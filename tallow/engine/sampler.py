@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from tallow.engine.grammar import apply_bitmasks, grammar_bitmasks
+from tallow.engine.forced_tokens import apply_forced_tokens
 from tallow.engine.request import Sequence
 from tallow.engine.sampling import SamplingParams
 
@@ -97,6 +98,8 @@ class Sampler:
             highest, greedy = processed.max(dim=-1)
             token_ids = greedy.index_copy(0, rows, chosen)
 
+        if plan.forced_rows:  # reasoning budgets (engine/forced_tokens.py)
+            token_ids = apply_forced_tokens(token_ids, seqs, plan.forced_rows)
         invalid = ~highest.isfinite()
         logprobs = top_ids = top_logprobs = None
         if plan.logprobs:
@@ -327,6 +330,7 @@ class BatchPlan:
         self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
         # Rows with a grammar (it may not constrain them yet: still in the free reasoning).
         self.grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        self.forced_rows = [i for i, p in enumerate(params) if p.reasoning_budget is not None]
 
         self.penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         self.penalty_index = self.repetition = self.frequency = self.presence = None

@@ -50,6 +50,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Structured output: the output follows this grammar (tallow/engine/grammar.py); None: free.
     grammar: GrammarSpec | None = None
+    # A reasoning budget (Anthropic's thinking.budget_tokens): once the output holds this many
+    # tokens inside an open reasoning block (opened by the prompt, reasoning_open, or by the
+    # reasoning_start_ids in the output), the reasoning_end_ids are forced, one per step
+    # (engine/forced_tokens.py), and the answer starts.
+    reasoning_budget: int | None = None
+    reasoning_start_ids: tuple[int, ...] = ()
+    reasoning_end_ids: tuple[int, ...] = ()
+    reasoning_open: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,3 +115,9 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether sampling reads the sequence's token ids on the host (penalties, a reasoning
+        budget): asynchronous scheduling then waits for every step's tokens."""
+        return self.needs_penalties or self.reasoning_budget is not None

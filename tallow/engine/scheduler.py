@@ -62,7 +62,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions_total = 0
         # Queued or running sequences whose sampling reads their token ids on the host
-        # (penalties): asynchronous scheduling waits for every step's tokens while any is here.
+        # (penalties, a reasoning budget): asynchronous scheduling waits for every step's tokens while any is here.
         self.num_host_token_seqs = 0
 
     @property
@@ -327,8 +327,8 @@ class Scheduler:
 
 def _reads_host_tokens(seq: Sequence) -> bool:
     """The sampler reads the sequence's token ids on the host before its next token: penalties
-    count them, and a grammar's mask follows them."""
-    return seq.params.needs_penalties or seq.grammar is not None
+    count them, a reasoning budget watches them, and a grammar's mask follows them."""
+    return seq.params.needs_host_tokens or seq.grammar is not None
 
 
 def _prompt_computed(seq: Sequence) -> bool:

@@ -32,6 +32,7 @@ from tallow.serve.protocols.base import StreamProtocol
 from tallow.serve.protocols.openai_chat import OpenAIChat
 from tallow.serve.protocols.openai_completions import OpenAICompletions
 from tallow.serve.protocols.responses import OpenAIResponses
+from tallow.serve.reasoning_blob import ReasoningSealer
 from tallow.serve.responses_store import ResponsesStore
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,9 @@ class ReleasingStream(StreamingResponse):
     aborts the run when the client goes away, and that ends the frames. A string of several
     frames goes out in one write."""
 
-    def __init__(self, frames: AsyncIterator[str], release: Callable[[], None]):
+    def __init__(self, frames: AsyncIterator[str], release: Callable[[], None], headers: dict | None = None):
         super().__init__(frames, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.release = release
 
     async def __call__(self, scope, receive, send) -> None:
@@ -163,7 +164,8 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         return JSONResponse(counted)
 
     responses_store = ResponsesStore(server_config.responses_ttl_s, server_config.responses_max_bytes)
-    responses_protocol = OpenAIResponses.with_store(responses_store)
+    app.state.reasoning_sealer = ReasoningSealer(server_config.reasoning_key)
+    responses_protocol = OpenAIResponses.with_store(responses_store, app.state.reasoning_sealer)
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
@@ -196,6 +198,11 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         if isinstance(plan, Rejection):
             counters["rejected"] += 1
             return plan.response(protocol_cls.error_protocol)
+        if server_config.strict_model_names and plan.model not in (None, state.model_name):
+            counters["rejected"] += 1
+            return error_response(protocol_cls.error_protocol, 404,
+                                  f"The model '{plan.model}' does not exist; this server serves '{state.model_name}'",
+                                  "invalid_request_error", "model", "model_not_found")
         admission = state.admission.try_admit(len(plan.prompts) * plan.params.n)
         if admission is None:
             counters["queue_full"] += 1
@@ -226,7 +233,7 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
                     message = e.message if isinstance(e, TallowError) else f"internal error: {type(e).__name__}"
                     yield "".join(protocol.error(message))
 
-            return ReleasingStream(frames(), admission.release)
+            return ReleasingStream(frames(), admission.release, plan.response_headers)
         try:
             async with abort_on_disconnect(request, run):
                 async for _ in run.updates():
@@ -240,7 +247,7 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         finally:
             admission.release()
         counters["completed"] += 1
-        return JSONResponse(protocol.response(run.summary()))
+        return JSONResponse(protocol.response(run.summary()), headers=plan.response_headers or None)
 
     return app
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -77,6 +77,11 @@ class RequestPlan:
     # parallel_tool_calls: false (Anthropic: disable_parallel_tool_use): generation ends at the
     # end of the first tool call.
     max_tool_calls: int | None = None
+    # The model name the request asked for (the route answers 404 to another name than the served
+    # one under --strict-model-names; otherwise the one model serves every name).
+    model: str | None = None
+    # Headers the route adds to the response (Responses: the hosted tools it dropped).
+    response_headers: dict[str, str] = field(default_factory=dict)
 
     def params_for(self, prompt_index: int) -> SamplingParams:
         return replace(self.params, max_tokens=self.max_tokens[prompt_index])
@@ -207,7 +212,7 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
     options = req.stream_options
     return RequestPlan(
         prompts=prompts, params=params, max_tokens=clamped, requested_max_tokens=max_tokens,
-        stream=req.stream, include_usage=bool(req.stream and options and options.include_usage),
+        stream=req.stream, model=req.model, include_usage=bool(req.stream and options and options.include_usage),
         continuous_usage_stats=bool(req.stream and options and options.continuous_usage_stats),
         **plan_fields)
 

@@ -8,6 +8,15 @@ usage); message_stop. Errors come in Anthropic's shape (serve/errors.py; a full 
 
 Usage follows Anthropic's accounting: input_tokens are the prompt tokens computed for this
 request, cache_read_input_tokens those served from the prefix cache; their sum is the prompt.
+message_start goes out with the first output (the prefix cache's share is known then; pings
+keep a long prefill's stream alive), so its usage and the final message_delta's agree.
+
+Claude Code's requests: system messages inside `messages` are system turns where the template
+renders them there, else joined to the system prompt in order; thinking {"type": "enabled",
+"budget_tokens"} is enforced (the engine forces the end-of-reasoning tag at the budget,
+engine/forced_tokens.py), {"type": "adaptive"} turns reasoning on; context_management's
+clear_thinking edits drop earlier thinking from the prompt; cache_control, metadata and the
+anthropic-beta header / ?beta=true query are accepted (the prefix cache needs no markers).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
@@ -28,6 +38,7 @@ from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_comple
 from tallow.serve.protocols.anthropic_schemas import MessagesInput, MessagesRequest
 from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.output.events import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
+from tallow.output.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from tallow.serve.protocols.openai_schemas import SamplingFields
 
 # A stream silent this long (a queued request, a long prefill) gets a ping event.
@@ -120,13 +131,31 @@ def _render(req: MessagesInput, engine, config: ServerConfig) -> ChatPrompt | Re
                                      f"tools[{k}].type")
         if tool.input_schema is None:
             return Rejection.invalid(f"tools[{k}].input_schema: Field required", f"tools[{k}].input_schema")
+    for k, edit in enumerate(req.context_management.edits if req.context_management else []):
+        if not edit.type.startswith("clear_thinking"):
+            return Rejection.invalid(f"context_management.edits[{k}].type: the edit {edit.type!r} is not supported; "
+                                     "clear_thinking edits are", f"context_management.edits[{k}].type")
     tools = [tool.to_openai() for tool in req.tools] if req.tools else None
     # "any" and "tool" never get here from a Messages request (plan_request refuses them); counting
     # tokens renders them as "auto" does.
     choice = "none" if req.tool_choice is not None and req.tool_choice.type == "none" else "auto"
+
+    def render(merge_system: bool) -> ChatPrompt:
+        return render_chat(engine.chat_template, req.template_messages(merge_system), config, tools=tools,
+                           tool_choice=choice, template_kwargs={"enable_thinking": req.thinking_enabled})
+
     try:
-        return render_chat(engine.chat_template, req.template_messages(), config, tools=tools, tool_choice=choice,
-                           template_kwargs={"enable_thinking": req.thinking_enabled})
+        if req.has_mid_system():
+            # System turns in place where the template renders them there; else (it raises, or
+            # leaves them out) joined to the system prompt.
+            try:
+                prompt = render(False)
+                if all(m.text().strip() in prompt.text for m in req.messages if m.role == "system"):
+                    return prompt
+            except TallowError:
+                pass
+            return render(True)
+        return render(False)
     except TallowError as e:
         return Rejection.from_error(e)
 
@@ -141,6 +170,7 @@ class AnthropicMessages(StreamProtocol):
         self._num_blocks = 0
         self._open: str | None = None  # the streaming block: "text", "thinking" or "tool_use:<index>"
         self._stop: tuple[str, str | None] = ("end_turn", None)  # stop_reason, stop_sequence
+        self._started = False  # message_start sent
 
     @classmethod
     def plan_request(cls, raw: bytes, engine, config: ServerConfig) -> RequestPlan | Rejection:
@@ -156,15 +186,24 @@ class AnthropicMessages(StreamProtocol):
         prompt = _render(req, engine, config)
         if isinstance(prompt, Rejection):
             return prompt
-        sampling = SamplingFields(stream=req.stream, temperature=req.temperature, top_p=req.top_p,
+        sampling = SamplingFields(model=req.model, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, stop=req.stop_sequences)
-        return plan_completion(
+        plan = plan_completion(
             sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
             config=config, max_tokens=req.max_tokens, logprobs=None,
             prompt_param="messages", prompt_text=prompt.text, split_reasoning=True,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
             max_tool_calls=1 if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use else None)
+        fmt = REASONING_PARSERS.get(prompt.reasoning_parser or "none")
+        if budget is not None and fmt is not None and not isinstance(plan, Rejection):
+            # thinking.budget_tokens enforced: the engine forces the end tag at the budget.
+            tok = engine.tokenizer
+            plan.params = replace(plan.params, reasoning_budget=budget,
+                                  reasoning_start_ids=tuple(tok.encode(fmt.open_tag)),
+                                  reasoning_end_ids=tuple(tok.encode(fmt.close_tag)),
+                                  reasoning_open=prompt_opens_reasoning(prompt.text, fmt))
+        return plan
 
     @staticmethod
     def count_tokens(raw: bytes, engine, config: ServerConfig) -> dict | Rejection:
@@ -182,11 +221,18 @@ class AnthropicMessages(StreamProtocol):
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:
-        message = self._message([], None, None, {"input_tokens": len(self.plan.prompts[0]), "output_tokens": 0})
+        self._started = False  # message_start waits for the first output: see the module docstring
+        return []
+
+    def _message_start(self, usage: Usage) -> list[str]:
+        if self._started:
+            return []
+        self._started = True
+        message = self._message([], None, None, _usage(usage))
         return [event("message_start", {"type": "message_start", "message": message})]
 
     def add_events(self, update: ChoiceUpdate, usage: Usage) -> list[str]:
-        frames = []
+        frames = self._message_start(usage)
         for ev in update.events:
             if isinstance(ev, ContentEvent):
                 frames += self._delta("text", {"type": "text_delta", "text": ev.text})
@@ -207,7 +253,7 @@ class AnthropicMessages(StreamProtocol):
 
     def finish(self, usage: Usage) -> list[str]:
         stop_reason, stop_sequence = self._stop
-        return [event("message_delta", {"type": "message_delta",
+        return self._message_start(usage) + [event("message_delta", {"type": "message_delta",
                                         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                         "usage": _usage(usage)}),
                 event("message_stop", {"type": "message_stop"})]

@@ -55,8 +55,13 @@ ContentBlock = Annotated[TextBlock | ThinkingBlock | RedactedThinkingBlock | Too
 
 
 class MessageParam(WireModel):
-    role: Literal["user", "assistant"]
+    # "system": a mid-conversation system message (the mid-conversation-system beta Claude Code uses).
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else _join(
+            b for b in self.content if isinstance(b, TextBlock))
 
     def to_template(self) -> list[dict[str, Any]]:
         """This turn as chat-template messages (a user turn with tool results gives several)."""
@@ -64,6 +69,8 @@ class MessageParam(WireModel):
             return [{"role": self.role, "content": self.content}]
         blocks = self.content
         text = _join(b for b in blocks if isinstance(b, TextBlock))
+        if self.role == "system":
+            return [{"role": "system", "content": text}]
         if self.role == "user":
             results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                        for b in blocks if isinstance(b, ToolResultBlock)]
@@ -105,6 +112,22 @@ class ThinkingConfig(WireModel):
     budget_tokens: Count | None = Field(default=None, ge=1)
 
 
+class KeepThinkingTurns(WireModel):
+    type: Literal["thinking_turns"]
+    value: Count = Field(ge=0)
+
+
+class ContextEdit(WireModel):
+    # clear_thinking_*: thinking blocks of earlier assistant turns are left out of the prompt;
+    # `keep` says how many of the latest turns with thinking keep theirs (default 1, or "all").
+    type: str
+    keep: Literal["all"] | KeepThinkingTurns | None = None
+
+
+class ContextManagement(WireModel):
+    edits: list[ContextEdit] = []
+
+
 class MessagesInput(WireModel):
     """What decides the prompt: the body of count_tokens, and the base of a Messages request."""
 
@@ -114,17 +137,44 @@ class MessagesInput(WireModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    context_management: ContextManagement | None = None
 
     @property
     def thinking_enabled(self) -> bool:
         return self.thinking is not None and self.thinking.type != "disabled"
 
-    def template_messages(self) -> list[dict[str, Any]]:
+    def template_messages(self, merge_system: bool = False) -> list[dict[str, Any]]:
+        """The chat template's messages. System messages inside `messages` are system turns in
+        place, or with merge_system joined to the system prompt in order (for templates that
+        cannot render a system turn there)."""
         system = self.system if isinstance(self.system, str) or self.system is None else _join(self.system)
-        out = [{"role": "system", "content": system}] if system else []
+        systems = [system] if system else []
+        out: list[dict[str, Any]] = []
         for message in self.messages:
-            out += message.to_template()
-        return out
+            if merge_system and message.role == "system":
+                systems.append(message.text())
+            else:
+                out += message.to_template()
+        if systems:
+            out.insert(0, {"role": "system", "content": "\n\n".join(systems)})
+        return self._clear_thinking(out)
+
+    def _clear_thinking(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """context_management's clear_thinking edits: reasoning dropped from all but the latest
+        `keep` assistant turns that have it."""
+        keep = None
+        for edit in (self.context_management.edits if self.context_management else []):
+            if edit.type.startswith("clear_thinking"):
+                keep = edit.keep if edit.keep is not None else KeepThinkingTurns(type="thinking_turns", value=1)
+        if keep is None or keep == "all":
+            return messages
+        thinking = [i for i, m in enumerate(messages) if m.get("reasoning_content")]
+        for i in thinking[:max(len(thinking) - keep.value, 0)]:
+            messages[i] = {k: v for k, v in messages[i].items() if k != "reasoning_content"}
+        return messages
+
+    def has_mid_system(self) -> bool:
+        return any(m.role == "system" for m in self.messages)
 
 
 class MessagesRequest(MessagesInput):

@@ -80,7 +80,7 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
         choices = []
         for choice in summary.choices:
             message = {"role": "assistant", "content": choice.content if choice.content or not choice.tool_calls
-                       else None}
+                       else None, "refusal": None}
             if choice.reasoning:
                 message["reasoning_content"] = message["reasoning"] = choice.reasoning
             if choice.tool_calls:

@@ -1,18 +1,24 @@
 """OpenAI Responses: POST /v1/responses (GET and DELETE /v1/responses/{id} read the store).
 
-The reply becomes output items: a reasoning item (reasoning_text), a message (one output_text
-part), a function_call per tool call. A stream announces each item (output_item.added, then
-content_part.added for reasoning and messages), streams its text or arguments
-(reasoning_text.delta, output_text.delta, function_call_arguments.delta), closes it in the
+The reply becomes output items: a reasoning item (reasoning_text; with reasoning.summary also a
+summary_text part, the reasoning text itself: there is no summarizer; with include
+["reasoning.encrypted_content"] its text sealed in encrypted_content, which a later request's
+input opens again), a message (one output_text part), a function_call per tool call (a
+custom_tool_call for a custom tool; namespaced tools as responses_tools.py maps them). A
+stream announces each item (output_item.added, then content_part.added for reasoning and
+messages), streams its text or arguments (reasoning_text.delta, output_text.delta,
+function_call_arguments.delta; a custom tool's input goes out whole at its end), closes it in the
 reverse order (... .done), and ends with response.completed, or response.incomplete when
 max_output_tokens cut the reply short. Every event carries a sequence_number.
 
 With store (the default) the finished response is kept, with its conversation, for
-previous_response_id; the protocol class is bound to the app's ResponsesStore by with_store().
+previous_response_id; with store: false nothing is kept. The protocol class is bound to the app's
+ResponsesStore and ReasoningSealer by with_store().
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +31,11 @@ from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
 from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.serve.protocols.openai_schemas import SamplingFields
-from tallow.serve.protocols.responses_schemas import ResponsesRequest
+from tallow.serve.protocols.responses_schemas import (INCLUDE_HONOURED, INCLUDE_HOSTED, ReasoningItem,
+                                                      ReasoningText, ResponsesRequest)
+from tallow.serve.protocols.responses_tools import DROPPED_TOOLS_HEADER, ToolError, ToolSet, build_tool_set, \
+    custom_input
+from tallow.serve.reasoning_blob import ReasoningSealer
 from tallow.serve.responses_store import ResponsesStore
 from tallow.output.events import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
 
@@ -37,6 +47,7 @@ class ResponsesPlan(RequestPlan):
     request: ResponsesRequest | None = None
     # This request's turns, those of previous_response_id included; instructions are not.
     conversation: list[dict[str, Any]] = field(default_factory=list)
+    tool_set: ToolSet = field(default_factory=ToolSet)
 
 
 def _item_id(prefix: str) -> str:
@@ -45,7 +56,7 @@ def _item_id(prefix: str) -> str:
 
 def _message_item(text: str = "") -> dict[str, Any]:
     return {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
 def _reasoning_item(text: str = "") -> dict[str, Any]:
@@ -53,23 +64,43 @@ def _reasoning_item(text: str = "") -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _function_call_item(call_id: str, name: str, arguments: str = "") -> dict[str, Any]:
-    return {"type": "function_call", "id": _item_id("fc"), "status": "in_progress", "call_id": call_id,
-            "name": name, "arguments": arguments}
+def _function_call_item(tools: ToolSet, call_id: str, flat_name: str, arguments: str = "") -> dict[str, Any]:
+    """The item of a call to `flat_name` (the name the model wrote): a function_call (with its
+    namespace, if any) or a custom_tool_call."""
+    ref = tools.ref(flat_name)
+    if ref.kind == "custom":
+        item = {"type": "custom_tool_call", "id": _item_id("ctc"), "call_id": call_id, "name": ref.name,
+                "input": custom_input(arguments) if arguments else ""}
+    else:
+        item = {"type": "function_call", "id": _item_id("fc"), "status": "in_progress", "call_id": call_id,
+                "name": ref.name, "arguments": arguments}
+    if ref.namespace is not None:
+        item["namespace"] = ref.namespace
+    return item
 
 
-def _assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
+def _assistant_turn(output: list[dict[str, Any]], tools: ToolSet) -> dict[str, Any]:
     """The output items as the assistant's chat turn, for the stored conversation."""
     turn: dict[str, Any] = {"role": "assistant", "content": _text(output, "message")}
     reasoning = _text(output, "reasoning")
     if reasoning:
         turn["reasoning_content"] = reasoning
     calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": item["arguments"]}}
-             for item in output if item["type"] == "function_call"]
+              "function": {"name": tools.flat_name(item["name"], item.get("namespace")),
+                           "arguments": item["arguments"] if item["type"] == "function_call"
+                           else json.dumps({"input": item["input"]}, ensure_ascii=False)}}
+             for item in output if item["type"] in ("function_call", "custom_tool_call")]
     if calls:
         turn["tool_calls"] = calls
     return turn
+
+
+def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A request's tool as the response echoes it: a function tool with its strict and parameters
+    (null when not given), as OpenAI's Response object has them; other tools as sent."""
+    if tool.get("type") == "function":
+        return {**tool, "strict": tool.get("strict"), "parameters": tool.get("parameters")}
+    return tool
 
 
 def _text(output: list[dict[str, Any]], item_type: str) -> str:
@@ -79,6 +110,7 @@ def _text(output: list[dict[str, Any]], item_type: str) -> str:
 class OpenAIResponses(StreamProtocol):
     id_prefix = "resp_"
     store: ResponsesStore
+    sealer: ReasoningSealer
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -87,23 +119,40 @@ class OpenAIResponses(StreamProtocol):
         self._output: list[dict[str, Any]] = []  # the items of the stream, the open one last
         self._open: str | None = None  # the open item: "message", "reasoning" or "call:<index>"
         self._finish_reason: str | None = None
+        self._custom_arguments = ""  # the open custom tool call's arguments ({"input": ...}) so far
+        self._tools: ToolSet = self.plan.tool_set
+        include = self.req.include or ()
+        self._encrypt = "reasoning.encrypted_content" in include
+        self._summary = self.req.reasoning is not None and self.req.reasoning.summary is not None
 
     @classmethod
-    def with_store(cls, store: ResponsesStore) -> type[OpenAIResponses]:
-        """The protocol bound to `store`: plans read previous responses from it, answers go into it."""
-        return type(cls.__name__, (cls,), {"store": store})
+    def with_store(cls, store: ResponsesStore, sealer: ReasoningSealer | None = None) -> type[OpenAIResponses]:
+        """The protocol bound to `store` (plans read previous responses from it, answers go into it)
+        and to `sealer` (reasoning.encrypted_content)."""
+        return type(cls.__name__, (cls,), {"store": store, "sealer": sealer or ReasoningSealer()})
 
     @classmethod
     def plan_request(cls, raw: bytes, engine, config: ServerConfig) -> RequestPlan | Rejection:
         req = parse_request(raw, ResponsesRequest)
         if isinstance(req, Rejection):
             return req
-        for k, tool in enumerate(req.tools or []):
-            if tool.type != "function":
-                return Rejection.invalid(f"tools[{k}]: the built-in tool type {tool.type!r} is not supported; "
-                                         "only function tools are", f"tools[{k}].type")
-            if tool.name is None:
-                return Rejection.invalid(f"tools[{k}].name: Field required", f"tools[{k}].name")
+        try:
+            tool_set = build_tool_set(req.tools or [], strict=config.strict_tools)
+        except ToolError as e:
+            return Rejection.invalid(str(e), e.param)
+        for value in req.include or []:
+            if value not in INCLUDE_HONOURED and value not in INCLUDE_HOSTED:
+                return Rejection.invalid(f"include: {value!r} is not supported by this server; supported: "
+                                         f"{', '.join(sorted(INCLUDE_HONOURED | INCLUDE_HOSTED))}", "include")
+        if not isinstance(req.input, str):
+            for k, item in enumerate(req.input):
+                if isinstance(item, ReasoningItem) and item.encrypted_content is not None:
+                    text = cls.sealer.open(item.encrypted_content)
+                    if text is None:
+                        return Rejection.invalid(f"input[{k}].encrypted_content: not reasoning this server sealed "
+                                                 "(altered, or from another server or key)",
+                                                 f"input[{k}].encrypted_content")
+                    item.content = [ReasoningText(type="reasoning_text", text=text)]
         conversation = []
         if req.previous_response_id is not None:
             previous = cls.store.get(req.previous_response_id)
@@ -111,7 +160,7 @@ class OpenAIResponses(StreamProtocol):
                 return Rejection.invalid(f"Previous response with id '{req.previous_response_id}' not found.",
                                          "previous_response_id", status=404)
             conversation = list(previous.conversation)
-        conversation += req.input_messages()
+        conversation += req.input_messages(tool_set.flat_name)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
         if not conversation:
             return Rejection.invalid("input must not be empty", "input")
@@ -119,12 +168,12 @@ class OpenAIResponses(StreamProtocol):
             return Rejection.invalid(f"the conversation holds at most {config.max_messages} messages", "input")
         try:
             prompt = render_chat(engine.chat_template, messages, config,
-                                 tools=[t.to_chat() for t in req.tools] if req.tools else None,
+                                 tools=tool_set.chat_tools or None,
                                  tool_choice=req.tool_choice,
                                  reasoning_effort=req.reasoning.effort if req.reasoning else None)
         except TallowError as e:
             return Rejection.from_error(e)
-        sampling = SamplingFields(stream=req.stream, temperature=req.temperature, top_p=req.top_p)
+        sampling = SamplingFields(model=req.model, stream=req.stream, temperature=req.temperature, top_p=req.top_p)
         plan = plan_completion(
             sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
@@ -134,7 +183,9 @@ class OpenAIResponses(StreamProtocol):
             max_tool_calls=1 if req.parallel_tool_calls is False else None)
         if isinstance(plan, Rejection):
             return plan
-        return ResponsesPlan(**vars(plan), request=req, conversation=conversation)
+        if tool_set.dropped:
+            plan.response_headers[DROPPED_TOOLS_HEADER] = ",".join(tool_set.dropped)
+        return ResponsesPlan(**vars(plan), request=req, conversation=conversation, tool_set=tool_set)
 
     def error(self, message: str) -> list[str]:
         error = error_body(OPENAI, 500, message)["error"]  # Responses' error event: the type is its code
@@ -158,9 +209,13 @@ class OpenAIResponses(StreamProtocol):
             elif isinstance(ev, ToolCallDeltaEvent):
                 for d in ev.deltas:
                     if d.name is not None:
-                        frames += self._open_item(f"call:{d.index}", lambda: _function_call_item(d.id, d.name))
+                        frames += self._open_item(f"call:{d.index}",
+                                                  lambda: _function_call_item(self._tools, d.id, d.name))
                     if d.arguments:
                         item = self._output[-1]
+                        if item["type"] == "custom_tool_call":  # its input goes out whole at the end
+                            self._custom_arguments += d.arguments
+                            continue
                         item["arguments"] += d.arguments
                         frames.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
                                                   output_index=len(self._output) - 1, delta=d.arguments))
@@ -206,9 +261,16 @@ class OpenAIResponses(StreamProtocol):
             return []
         self._open = None
         item, output_index = self._output[-1], len(self._output) - 1
-        item["status"] = "incomplete" if self._finish_reason == "length" else "completed"
         at = {"item_id": item["id"], "output_index": output_index}
         frames = []
+        if item["type"] == "custom_tool_call":  # no status in OpenAI's custom_tool_call
+            item["input"] = custom_input(self._custom_arguments) if self._custom_arguments else ""
+            self._custom_arguments = ""
+            if item["input"]:
+                frames.append(self._event("response.custom_tool_call_input.delta", **at, delta=item["input"]))
+            frames.append(self._event("response.custom_tool_call_input.done", **at, input=item["input"]))
+        else:
+            item["status"] = "incomplete" if self._finish_reason == "length" else "completed"
         if item["type"] == "function_call":
             frames.append(self._event("response.function_call_arguments.done", **at, name=item["name"],
                                       arguments=item["arguments"]))
@@ -217,7 +279,25 @@ class OpenAIResponses(StreamProtocol):
             extra = {"logprobs": []} if part["type"] == "output_text" else {}
             frames.append(self._event(done, **at, content_index=k, text=part["text"], **extra))
             frames.append(self._event("response.content_part.done", **at, content_index=k, part=part))
+        if item["type"] == "reasoning":
+            frames += self._finish_reasoning(item, at)
         frames.append(self._event("response.output_item.done", output_index=output_index, item=item))
+        return frames
+
+    def _finish_reasoning(self, item: dict[str, Any], at: dict[str, Any]) -> list[str]:
+        """A closing reasoning item's summary (its text: no summarizer) and sealed text, as asked."""
+        text = item["content"][0]["text"]
+        frames = []
+        if self._summary:
+            part = {"type": "summary_text", "text": text}
+            item["summary"] = [part]
+            frames += [self._event("response.reasoning_summary_part.added", **at, summary_index=0,
+                                   part={"type": "summary_text", "text": ""}),
+                       self._event("response.reasoning_summary_text.delta", **at, summary_index=0, delta=text),
+                       self._event("response.reasoning_summary_text.done", **at, summary_index=0, text=text),
+                       self._event("response.reasoning_summary_part.done", **at, summary_index=0, part=part)]
+        if self._encrypt:
+            item["encrypted_content"] = self.sealer.seal(text)
         return frames
 
     # ---- one body ---------------------------------------------------------------------
@@ -225,13 +305,16 @@ class OpenAIResponses(StreamProtocol):
         choice = summary.choices[0]
         output = []
         if choice.reasoning:
-            output.append(_reasoning_item(choice.reasoning))
+            item = _reasoning_item(choice.reasoning)
+            self._finish_reasoning(item, {})
+            output.append(item)
         if choice.content:
             output.append(_message_item(choice.content))
-        output += [_function_call_item(call.id, call.name, call.arguments) for call in choice.tool_calls]
+        output += [_function_call_item(self._tools, call.id, call.name, call.arguments) for call in choice.tool_calls]
         for item in output:
-            item["status"] = "completed"
-        if output and choice.finish_reason == "length":
+            if item["type"] != "custom_tool_call":
+                item["status"] = "completed"
+        if output and choice.finish_reason == "length" and output[-1]["type"] != "custom_tool_call":
             output[-1]["status"] = "incomplete"
         return self._answer(output, summary.usage, choice.finish_reason)
 
@@ -240,7 +323,7 @@ class OpenAIResponses(StreamProtocol):
         status = "incomplete" if finish_reason == "length" else "completed"
         response = self._response(status, output, usage)
         if self.req.store:
-            self.store.put(self.request_id, response, self.plan.conversation + [_assistant_turn(output)])
+            self.store.put(self.request_id, response, self.plan.conversation + [_assistant_turn(output, self._tools)])
         return response
 
     def _response(self, status: str, output: list[dict[str, Any]], usage: Usage | None) -> dict:
@@ -253,14 +336,14 @@ class OpenAIResponses(StreamProtocol):
             "model": self.model_name, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
+                          "summary": req.reasoning.summary if req.reasoning else None},
             "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "tools": [_echo_tool(t) for t in req.tools or []],
             "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
-            "usage": None if usage is None else self._usage(usage, _text(output, "reasoning")),
-            "user": None, "metadata": req.metadata or {},
-        }
+            "metadata": req.metadata or {},
+        } | ({} if usage is None else {"usage": self._usage(usage, _text(output, "reasoning"))})
 
     def _usage(self, usage: Usage, reasoning: str) -> dict:
         """OpenAI's accounting: input_tokens include the cached ones; reasoning tokens are the

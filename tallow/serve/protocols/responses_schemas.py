@@ -2,13 +2,15 @@
 translation into the OpenAI-shaped chat messages that the chat template takes.
 
 Items map onto chat turns: a message item is a turn (developer -> system), consecutive
-function_call items join the assistant turn before them as its tool_calls, a
-function_call_output is a "tool" message, a reasoning item becomes the next assistant turn's
-reasoning_content.
+function_call (and custom_tool_call) items join the assistant turn before them as its
+tool_calls, a function_call_output (custom_tool_call_output) is a "tool" message, a reasoning
+item becomes the next assistant turn's reasoning_content. Tools stay raw dicts here: their
+types (function, custom, namespace, hosted) are read by responses_tools.py.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
@@ -35,10 +37,19 @@ class FunctionCallItem(WireModel):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
+
+
+class CustomToolCallItem(WireModel):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    namespace: str | None = None
 
 
 class FunctionCallOutputItem(WireModel):
-    type: Literal["function_call_output"]
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
     output: str | list[TextContent]
 
@@ -55,6 +66,8 @@ class ReasoningItem(WireModel):
     type: Literal["reasoning"]
     summary: list[ReasoningText] = []
     content: list[ReasoningText] | None = None
+    # This server's sealed reasoning (reasoning_blob.py); the protocol opens it into content.
+    encrypted_content: str | None = None
 
     def text(self) -> str:
         return "\n".join(p.text for p in self.content or self.summary)
@@ -66,24 +79,18 @@ def _item_type(item: Any) -> str:
 
 
 InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
                       | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[FunctionCallOutputItem, Tag("custom_tool_call_output")]
                       | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
 
 
-class FunctionTool(WireModel):
-    # Built-in tools (web_search, file_search, ...) have other types and no name: the protocol
-    # answers them with a 400 of its own.
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    def to_chat(self) -> dict[str, Any]:
-        function = {"name": self.name, "parameters": self.parameters or {"type": "object", "properties": {}}}
-        if self.description is not None:
-            function["description"] = self.description
-        return {"type": "function", "function": function}
+# `include` values: what this server honours, and what concerns only hosted tools (which it drops,
+# so no such item is ever produced). Others are a 400.
+INCLUDE_HONOURED = frozenset({"reasoning.encrypted_content"})
+INCLUDE_HOSTED = frozenset({"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                            "message.input_image.image_url", "computer_call_output.output.image_url",
+                            "code_interpreter_call.outputs"})
 
 
 class ReasoningConfig(WireModel):
@@ -98,7 +105,7 @@ class ResponsesRequest(WireModel):
     max_output_tokens: Count | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    tools: list[FunctionTool] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
@@ -106,9 +113,14 @@ class ResponsesRequest(WireModel):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    include: list[str] | None = None
+    # Accepted: the prefix cache finds shared prefixes by itself; client_metadata is the client's own.
+    prompt_cache_key: str | None = None
+    client_metadata: dict[str, Any] | None = None
 
-    def input_messages(self) -> list[dict[str, Any]]:
-        """The input items as chat-template messages (instructions not included)."""
+    def input_messages(self, flat_name=lambda name, namespace: name) -> list[dict[str, Any]]:
+        """The input items as chat-template messages (instructions not included); flat_name gives
+        the name the model sees for a (namespaced) tool."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         out: list[dict[str, Any]] = []
@@ -118,11 +130,13 @@ class ResponsesRequest(WireModel):
                 reasoning = item.text()
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
-            elif isinstance(item, FunctionCallItem):
+            elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
                 if not out or out[-1]["role"] != "assistant":
                     out.append({"role": "assistant", "content": ""})
+                arguments = (item.arguments if isinstance(item, FunctionCallItem)
+                             else json.dumps({"input": item.input}, ensure_ascii=False))
                 call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
+                        "function": {"name": flat_name(item.name, item.namespace), "arguments": arguments}}
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 role = "system" if item.role == "developer" else item.role
