@@ -9,6 +9,7 @@ import math
 import struct
 from dataclasses import dataclass, field
 
+from tallow.engine.grammar import GrammarSpec
 from tallow.errors import TallowError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -47,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
