@@ -83,7 +83,24 @@ class FunctionTool(WireModel):
         function = {"name": self.name, "parameters": self.parameters or {"type": "object", "properties": {}}}
         if self.description is not None:
             function["description"] = self.description
+        if self.strict:
+            function["strict"] = True
         return {"type": "function", "function": function}
+
+
+class TextFormat(WireModel):
+    """text.format: the reply as text, any JSON object, or JSON of a schema (flat, unlike Chat's)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(WireModel):
+    format: TextFormat | None = None
+    verbosity: str | None = None
 
 
 class ReasoningConfig(WireModel):
@@ -102,6 +119,7 @@ class ResponsesRequest(WireModel):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
