@@ -35,6 +35,9 @@ class TokenOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     stop_token_id: int | None = None
+    # Jump-forward tokens among the sequence's output so far (appended without sampling because
+    # its grammar allowed nothing else: usage.fill); the final output's is the total.
+    fill: int = 0
 
 
 def final_output(seq: Sequence) -> TokenOutput:

@@ -1,32 +1,307 @@
-"""STUB of the grammar interface (the grammar-engine branch owns this module and replaces it):
-the request side is written against it."""
+"""Grammar-constrained decoding (structured output) on llguidance.
+
+What a request carries is a GrammarSpec (SamplingParams.grammar). The engine side:
+
+- GrammarBackend (one per tokenizer and vocabulary width, `grammar_backend`): the llguidance
+  tokenizer, a small thread pool that compiles grammars off the engine thread, and an LRU cache
+  of compiled grammars keyed by (kind, text) and bounded by (estimated) bytes. `check_grammar`
+  (the planning thread) validates a spec in about a millisecond and starts its compile, so the
+  engine usually finds it compiled.
+- GrammarState (one per sequence, `Sequence.grammar`): the sequence's llguidance matcher, a copy
+  of the compiled grammar's. A sequence whose grammar is still compiling waits in the scheduler's
+  queue; the step never waits for a compile.
+- Token bitmasks: `fill_bitmasks` writes one bit per vocabulary token for each constrained row
+  (llguidance, in native code, in parallel over the rows); `apply_bitmasks` unpacks them on the
+  logits' device and sets the forbidden logits to -inf. The sampler applies them after
+  logit_bias, min_tokens and the penalties, before temperature / top-k / top-p / min-p, so
+  reported logprobs are those of the masked distribution (as vLLM's).
+- Jump-forward ("fill"): after a sampled token, when the grammar allows exactly one
+  continuation for several tokens (llguidance's compute_ff_tokens), those tokens are appended
+  without sampling; the next step computes them as a chunk. The sequence counts them (`fill`).
+
+Backend choice: llguidance (no dependencies, native mask computation) over xgrammar (pulls
+transformers and triton); benchmarks/grammar_backends.py has the measurements.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from tallow.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    kind: Literal["json_schema", "json_object", "regex", "choice", "lark"]
+    """A constraint on a sequence's output.
+
+    kind / text:
+      json_schema  the schema as canonical JSON text (json.dumps(sort_keys=True, separators=(",", ":")))
+      json_object  "" (any JSON object)
+      regex        the pattern (llguidance's regex syntax: Rust's regex crate, no look-around)
+      choice       a JSON list of strings: the output is exactly one of them
+      lark         an llguidance Lark grammar (may embed %json{...} sub-schemas)
+    start_after: token ids of the end-of-reasoning marker: the output is free until it ends with
+      these ids, then the grammar applies (None: from the first output token).
+
+    JSON is generated compactly with ", " and ": " separators and no other whitespace (so
+    fixed keys are forced tokens); a schema's own "x-guidance" object overrides that (e.g.
+    {"x-guidance": {"lenient": true}} ignores keywords llguidance cannot enforce instead of
+    rejecting the schema).
+    """
+
+    kind: GrammarKind
     text: str
     start_after: tuple[int, ...] | None = None
 
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r} (expected one of {', '.join(KINDS)})")
+        if self.start_after is not None:
+            object.__setattr__(self, "start_after", tuple(int(t) for t in self.start_after))
+            if not self.start_after:
+                raise GrammarError("start_after must hold at least one token id (or be None)")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the compile cache is keyed by (start_after is per sequence, not compiled)."""
+        return (self.kind, self.text)
+
 
 class GrammarError(ValueError):
-    """The backend's reason, fit for a 400."""
+    """A grammar the backend rejects (or one over a limit); the message is the reason, fit for a 400."""
 
 
-def check_grammar(spec: GrammarSpec, tokenizer) -> None:
-    import llguidance
+@dataclass(frozen=True)
+class GrammarLimits:
+    max_text_bytes: int = 1 << 20  # the spec's text (a schema, pattern or grammar)
+    compile_timeout_s: float = 10.0  # a sequence whose grammar takes longer ends with "error"
+    cache_bytes: int = 64 << 20  # the compiled-grammar cache (estimated bytes)
+    max_grammar_size: int = 500_000  # llguidance: symbols in the grammar's productions
+    initial_lexer_fuel: int = 1_000_000  # llguidance: regex analysis at compile (~50k/ms)
+    step_lexer_fuel: int = 200_000  # llguidance: lexer work per mask (~14k/ms)
+    step_max_items: int = 50_000  # llguidance: Earley items per mask (~20k/ms)
 
-    kind = {"json_object": "json_schema"}.get(spec.kind, spec.kind)
-    text = '{"type": "object"}' if spec.kind == "json_object" else spec.text
+
+# JSON output: compact, one space after separators, no other whitespace (a schema's "x-guidance"
+# object overrides these). Without free whitespace, a fixed key is a run of forced tokens and a
+# small model cannot pad the output with newlines until max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The llguidance grammar of a spec (not validated yet); GrammarError for malformed text."""
+    import llguidance as llg
+
+    kind, text = spec.kind, spec.text
     try:
-        grammar = llguidance.grammar_from(kind, text)
-    except ValueError as e:
-        raise GrammarError(str(e)) from e
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error and not error.startswith("WARNING"):
-        raise GrammarError(error)
+        if kind == "json_schema":
+            schema = json.loads(text)
+            if not isinstance(schema, (dict, bool)):
+                raise GrammarError("a JSON schema must be an object (or true/false)")
+            return llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        if kind == "json_object":
+            return llg.LLMatcher.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(text)
+        if kind == "choice":
+            choices = json.loads(text)
+            if (not isinstance(choices, list) or not choices
+                    or not all(isinstance(c, str) for c in choices)):
+                raise GrammarError("choice must be a non-empty list of strings")
+            # Lark string literals take JSON's escapes.
+            alternatives = " | ".join(json.dumps(c) if c else '""' for c in dict.fromkeys(choices))
+            return llg.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        return llg.LLMatcher.grammar_from_lark(text)
+    except GrammarError:
+        raise
+    except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        raise GrammarError(f"invalid {kind}: {e}") from None
+
+
+class _Entry:
+    __slots__ = ("future", "nbytes")
+
+    def __init__(self, future: Future, nbytes: int):
+        self.future, self.nbytes = future, nbytes
+
+
+class GrammarBackend:
+    """llguidance for one tokenizer and vocabulary width: validation, the compile pool and
+    cache, and batched bitmask filling. Thread-safe (the planning threads check and start
+    compiles, the engine thread takes matchers and fills masks)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None,
+                 limits: GrammarLimits | None = None, compile_workers: int = 2):
+        import llguidance as llg
+
+        self.limits = limits or GrammarLimits()
+        # Logits are as wide as the model's vocabulary; tokens past the tokenizer's are never allowed.
+        self.vocab_size = max(vocab_size or 0, tokenizer.vocab_size)
+        eos = sorted(tokenizer.eos_token_ids)
+        self.ll_tokenizer = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                            eos_token=eos or None)
+        self.words = (self.vocab_size + 31) // 32  # int32 words of one row's bitmask
+        self._ll_limits = llg.LLParserLimits(
+            max_grammar_size=self.limits.max_grammar_size, initial_lexer_fuel=self.limits.initial_lexer_fuel,
+            step_lexer_fuel=self.limits.step_lexer_fuel, step_max_items=self.limits.step_max_items,
+            verbose_errors=False)
+        self._pool = ThreadPoolExecutor(max_workers=compile_workers, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self.cache_bytes = 0
+        self._executor = None  # llguidance's thread pool for masks, made on first use
+        # A hook for tests: called in the compile thread before each compile.
+        self.compile_delay_hook = None
+
+    # ---- validation and compilation -------------------------------------------------------
+    def _checked_grammar(self, spec: GrammarSpec) -> str:
+        import llguidance as llg
+
+        size = len(spec.text.encode("utf-8", "surrogatepass"))
+        if size > self.limits.max_text_bytes:
+            raise GrammarError(f"the {spec.kind} is {size} bytes, over the limit of {self.limits.max_text_bytes}")
+        grammar = grammar_text(spec)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer,
+                                                                          limits=self._ll_limits)
+        if is_error:
+            raise GrammarError(f"invalid {spec.kind}: {_clean(messages[0])}")
+        return grammar
+
+    def check(self, spec: GrammarSpec) -> None:
+        """Raise GrammarError if the spec cannot be compiled; start compiling it otherwise."""
+        with self._lock:
+            entry = self._cache.get(spec.key)
+            if entry is not None:
+                self._cache.move_to_end(spec.key)
+        if entry is not None:
+            if entry.future.done() and entry.future.exception() is not None:
+                raise entry.future.exception()
+            return
+        self._checked_grammar(spec)
+        self.compile(spec)
+
+    def compile(self, spec: GrammarSpec) -> Future:
+        """The compiled grammar of spec (a Future of an llguidance LLMatcher in its start state,
+        to copy from), from the cache or a new compile in the pool."""
+        key = spec.key
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+                return entry.future
+            # Estimated bytes: llguidance does not report its own; the grammar text dominates
+            # for schemas, plus the lexer's state cache that grows while it runs.
+            entry = _Entry(Future(), 64 * 1024 + 16 * len(spec.text))
+            self._cache[key] = entry
+            self.cache_bytes += entry.nbytes
+            self._evict()
+        self._pool.submit(self._compile, spec, entry)
+        return entry.future
+
+    def _compile(self, spec: GrammarSpec, entry: _Entry) -> None:
+        import llguidance as llg
+
+        future = entry.future
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            if self.compile_delay_hook is not None:
+                self.compile_delay_hook(spec)
+            t0 = time.perf_counter()
+            grammar = self._checked_grammar(spec)
+            matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self._ll_limits)
+            if matcher.is_error():
+                raise GrammarError(f"invalid {spec.kind}: {_clean(matcher.get_error())}")
+            log.debug("compiled a %s grammar of %d bytes in %.1f ms", spec.kind, len(spec.text),
+                      1e3 * (time.perf_counter() - t0))
+        except GrammarError as e:
+            self._forget(spec.key, entry)
+            future.set_exception(e)
+        except Exception as e:  # the backend failed: the request fails, never the engine
+            self._forget(spec.key, entry)
+            future.set_exception(GrammarError(f"the {spec.kind} could not be compiled: {e}"))
+        else:
+            future.set_result(matcher)
+
+    def _forget(self, key, entry: _Entry) -> None:
+        """A failed compile is not cached (the next request with it gets a fresh reason)."""
+        with self._lock:
+            if self._cache.get(key) is entry:
+                del self._cache[key]
+                self.cache_bytes -= entry.nbytes
+
+    def _evict(self) -> None:
+        while self.cache_bytes > self.limits.cache_bytes and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self.cache_bytes -= old.nbytes
+
+    def cache_size(self) -> int:
+        with self._lock:
+            return len(self._cache)
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+            self.cache_bytes = 0
+
+    # ---- masks -----------------------------------------------------------------------------
+    def fill_bitmasks(self, matchers: list, out: np.ndarray) -> None:
+        """Row j of out [M, words] int32 <- matchers[j]'s allowed next tokens, one bit per token
+        (bit b of word w: token 32 w + b)."""
+        import llguidance as llg
+        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+
+        if len(matchers) == 1:
+            fill_next_token_bitmask(matchers[0], out, 0)
+            return
+        if self._executor is None:
+            self._executor = llg.LLExecutor(num_threads=max(1, min(8, os.cpu_count() or 1)))
+        fill_next_token_bitmask_par(self._executor, [(m, j) for j, m in enumerate(matchers)], out)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _clean(message: str) -> str:
+    return message.strip().removeprefix("WARNING: ")
+
+
+# One backend per tokenizer object (the engine's, which the planning threads also hold).
+_backends: "weakref.WeakKeyDictionary[Tokenizer, GrammarBackend]" = weakref.WeakKeyDictionary()
+_backends_lock = threading.Lock()
+
+
+def grammar_backend(tokenizer: Tokenizer, vocab_size: int | None = None) -> GrammarBackend:
+    """The GrammarBackend of a tokenizer, made on first use (about 0.3 s: llguidance reads the
+    vocabulary). The engine makes it at start-up with the model's vocabulary width."""
+    with _backends_lock:
+        backend = _backends.get(tokenizer)
+        if backend is None or (vocab_size is not None and backend.vocab_size < vocab_size):
+            backend = _backends[tokenizer] = GrammarBackend(tokenizer, vocab_size)
+        return backend
+
+
+def check_grammar(spec: GrammarSpec, tokenizer: Tokenizer) -> None:
+    """Raise GrammarError (the backend's reason) when spec cannot constrain this tokenizer's
+    model; otherwise start compiling it, so the engine usually finds it ready. About a
+    millisecond for a typical schema; call it where a request is planned (a 400 on error)."""
+    grammar_backend(tokenizer).check(spec)

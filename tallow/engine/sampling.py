@@ -48,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output: the output follows this grammar (tallow/engine/grammar.py); None: free.
     grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
@@ -92,6 +93,8 @@ class SamplingParams:
             bad("logprobs", f"logprobs must be non-negative, got {self.logprobs}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             bad("seed", f"seed must be a signed 64-bit integer, in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            bad("grammar", f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
         for token, value in (self.logit_bias or {}).items():
             if not -math.inf < value < math.inf:
                 bad("logit_bias", f"logit_bias values must be finite, got {value} for token {token}")
