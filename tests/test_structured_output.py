@@ -353,3 +353,102 @@ def test_with_thinking_off_the_grammar_starts_at_the_first_token(reasoning_clien
     r = reasoning_client.chat.completions.create(model="m", messages=ask("A riddle for you."), response_format=fmt,
                                                  max_tokens=200, reasoning_effort="none")
     assert json.loads(r.choices[0].message.content) == {"answer": "echo", "confidence": 3}
+
+
+# ---- planning: the fields -> SamplingParams.grammar (no model) -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def planner():
+    """What plan_request reads of an engine: the default tokenizer with Qwen3's template (tools, <think>)."""
+    from types import SimpleNamespace
+
+    from tallow.chat_template import ChatTemplate
+    from tallow.models.config import ModelConfig
+    from tallow.models.loader import default_model_path
+    from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
+
+    tok = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(default_model_path()))
+    source = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+    template = ChatTemplate(source, bos_token=tok.bos_token, eos_token=tok.eos_token,
+                            special_tokens=tok.special_tokens)
+    return SimpleNamespace(tokenizer=tok, chat_template=template, max_model_len=4096,
+                           model_config=ModelConfig("llama", tok.vocab_size, 64, 128, 2, 4, 2, 16))
+
+
+def plan(planner, protocol: str, body: dict):
+    from tallow.config import ServerConfig
+    from tallow.serve.protocols.anthropic import AnthropicMessages
+    from tallow.serve.protocols.openai_chat import OpenAIChat
+    from tallow.serve.protocols.responses import OpenAIResponses
+    from tallow.serve.responses_store import ResponsesStore
+
+    cls = {"chat": OpenAIChat, "anthropic": AnthropicMessages,
+           "responses": OpenAIResponses.with_store(ResponsesStore(ttl_s=60, max_bytes=1 << 20))}[protocol]
+    return cls.plan_request(json.dumps(body).encode(), planner, ServerConfig())
+
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["a"]}
+CLOSE_THINK = "</think>"
+
+
+@pytest.mark.parametrize("protocol,body", [
+    ("chat", {"messages": ask("x"), "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": SCHEMA}}}),
+    ("chat", {"messages": ask("x"), "structured_outputs": {"json": SCHEMA}}),
+    ("chat", {"messages": ask("x"), "guided_json": json.dumps(SCHEMA)}),
+    ("responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": SCHEMA}}}),
+    ("anthropic", {"max_tokens": 9, "messages": ask("x"), "output_config": {
+        "format": {"type": "json_schema", "schema": SCHEMA}, "effort": "high"}}),
+    ("anthropic", {"max_tokens": 9, "messages": ask("x"), "thinking": {"type": "enabled", "budget_tokens": 5},
+                   "output_format": {"type": "json_schema", "schema": SCHEMA}}),
+])
+def test_the_format_applies_after_the_reasoning(planner, protocol, body):
+    p = plan(planner, protocol, body)
+    grammar = p.params.grammar
+    assert grammar.start_after == tuple(planner.tokenizer.encode(CLOSE_THINK))
+    # The schema keeps its key order (llguidance writes properties in it).
+    assert '{"b":{"type":"integer"},"a":{"type":"string"}}' in grammar.text
+
+
+@pytest.mark.parametrize("protocol,body", [
+    ("chat", {"messages": ask("x"), "reasoning_effort": "none", "response_format": {"type": "json_object"}}),
+    ("chat", {"messages": ask("x"), "chat_template_kwargs": {"enable_thinking": False},
+              "guided_regex": "[0-9]+"}),
+    ("responses", {"input": "x", "reasoning": {"effort": "none"}, "text": {"format": {"type": "json_object"}}}),
+    ("anthropic", {"max_tokens": 9, "messages": ask("x"), "output_format": {"type": "json_schema", "schema": SCHEMA}}),
+])
+def test_with_thinking_off_the_grammar_starts_at_once(planner, protocol, body):
+    grammar = plan(planner, protocol, body).params.grammar
+    assert grammar is not None and grammar.start_after is None
+
+
+def test_no_format_no_grammar(planner):
+    assert plan(planner, "chat", {"messages": ask("x"), "response_format": {"type": "text"}}).params.grammar is None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert plan(planner, "chat", {"messages": ask("x"), "tools": tools}).params.grammar is None
+    strict = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}}]
+    grammar = plan(planner, "chat", {"messages": ask("x"), "tools": strict}).params.grammar
+    assert grammar.kind == "lark" and "<tool_call>" in grammar.text
+
+
+@pytest.mark.parametrize("protocol,body", [
+    ("chat", {"messages": ask("x"), "tool_choice": "required"}),
+    ("chat", {"messages": ask("x"), "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    ("responses", {"input": "x", "tool_choice": "required"}),
+    ("responses", {"input": "x", "tool_choice": {"type": "function", "name": "f"}}),
+    ("anthropic", {"max_tokens": 9, "messages": ask("x"), "tool_choice": {"type": "any"}}),
+    ("anthropic", {"max_tokens": 9, "messages": ask("x"), "tool_choice": {"type": "tool", "name": "f"}}),
+])
+def test_forced_tool_choice_becomes_the_call_grammar(planner, protocol, body):
+    tools = [{"name": "f", "input_schema": SCHEMA}, {"name": "g", "input_schema": {"type": "object"}}] \
+        if protocol == "anthropic" else [{"type": "function", "name": "f", "parameters": SCHEMA},
+                                         {"type": "function", "name": "g", "parameters": {"type": "object"}}] \
+        if protocol == "responses" else [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}},
+                                         {"type": "function", "function": {"name": "g"}}]
+    grammar = plan(planner, protocol, {**body, "tools": tools}).params.grammar
+    # Anthropic's thinking is off unless the request turns it on: the grammar starts at once.
+    after = None if protocol == "anthropic" else tuple(planner.tokenizer.encode(CLOSE_THINK))
+    assert grammar.kind == "lark" and grammar.start_after == after
+    assert '"const": "f"' in grammar.text
+    assert ('"const": "g"' in grammar.text) == ("name" not in json.dumps(body["tool_choice"]))

@@ -25,6 +25,7 @@ its reason, never a silent fallback to free text.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,6 +35,8 @@ from tallow.output.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from tallow.output.tool_parsers import TOOL_PARSERS
 from tallow.output.tool_parsers.grammar import JSON_STYLE, UnenforceableSchema, grammar_tools
 from tallow.serve.plan import Rejection
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,12 @@ def check(fmt: OutputFormat, tokenizer) -> Rejection | None:
         check_grammar(fmt.spec, tokenizer)
     except GrammarError as e:
         return Rejection.invalid(f"{fmt.param}: the grammar backend rejected it: {_first_line(e)}", fmt.param)
+    except ImportError as e:
+        return Rejection.invalid(f"{fmt.param}: structured output needs the llguidance package, which is not "
+                                 f"installed ({e})", fmt.param)
+    except Exception as e:  # noqa: BLE001 (a tokenizer the backend cannot read: this request only)
+        log.warning("the grammar backend failed on a request's %s: %r", fmt.param, e)
+        return Rejection.invalid(f"{fmt.param}: structured output is not available for this model: {e}", fmt.param)
     return None
 
 

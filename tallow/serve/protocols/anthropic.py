@@ -181,7 +181,7 @@ class AnthropicMessages(StreamProtocol):
         if req.tool_choice is not None and req.tool_choice.type == "tool" and not req.tool_choice.name:
             return Rejection.invalid("tool_choice.name: Field required for tool_choice of type 'tool'",
                                      "tool_choice.name")
-        budget = req.thinking.budget_tokens if req.thinking_enabled else None
+        budget = req.thinking.budget_tokens if req.thinking is not None and req.thinking_enabled else None
         if budget is not None and budget >= req.max_tokens:
             return Rejection.invalid("thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens")
         prompt = _render(req, engine, config)
