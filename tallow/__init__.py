@@ -1,5 +1,6 @@
 """tallow: a local-first LLM inference server."""
 
+from tallow.engine.grammar import GrammarSpec
 from tallow.engine.sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -13,4 +14,4 @@ def __getattr__(name):  # lazy: importing tallow must stay cheap
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "GrammarSpec", "SamplingParams", "__version__"]

@@ -60,6 +60,9 @@ class EngineConfig:
     # True forces it (tests run it on the CPU), False turns it off.
     async_scheduling: bool | str = "auto"
 
+    # Structured output: append the tokens a grammar forces without sampling them ("fill").
+    grammar_jump_forward: bool = True
+
     # Where converted weights are cached (GGUF dequantization is slow on first load).
     cache_dir: str = field(default_factory=_default_cache_dir)
 

@@ -212,7 +212,8 @@ class AsyncEngine:
             return
         self._commands.append(("abort", seq))
         self._wake.set()
-        stream._put(TokenOutput([], None, None, "abort", seq.num_prompt_tokens, seq.num_cached_tokens))
+        stream._put(TokenOutput([], None, None, "abort", seq.num_prompt_tokens, seq.num_cached_tokens,
+                                fill=0 if seq.grammar is None else seq.grammar.fill))
 
     def stats(self) -> dict:
         return self.core.stats()
@@ -239,7 +240,8 @@ class AsyncEngine:
         streams, self._streams = self._streams, {}
         for st in streams.values():
             seq = st.seq
-            st._put(TokenOutput([], None, None, "error", seq.num_prompt_tokens, seq.num_cached_tokens))
+            st._put(TokenOutput([], None, None, "error", seq.num_prompt_tokens, seq.num_cached_tokens,
+                                fill=0 if seq.grammar is None else seq.grammar.fill))
         for waiter in self._failure_waiters:
             if not waiter.done():
                 waiter.set_result(self._failure)

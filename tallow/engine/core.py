@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 
 import torch
 
 from tallow.config import EngineConfig
+from tallow.engine.grammar import GrammarState, grammar_backend, register_vocab_width
 from tallow.engine.kv_cache import KVCacheManager
 from tallow.engine.request import Sequence, SequenceStatus
 from tallow.engine.runner import LaunchedStep, ModelRunner, StepResult, available_host_memory, kv_bytes_per_block
@@ -42,7 +45,12 @@ class TokenOutput:
 
 def final_output(seq: Sequence) -> TokenOutput:
     """The last output of a sequence that ended without a new token (abort, error)."""
-    return TokenOutput([], None, None, seq.finish_reason or "abort", seq.num_prompt_tokens, seq.num_cached_tokens)
+    return TokenOutput([], None, None, seq.finish_reason or "abort", seq.num_prompt_tokens, seq.num_cached_tokens,
+                       fill=_fill(seq))
+
+
+def _fill(seq: Sequence) -> int:
+    return 0 if seq.grammar is None else seq.grammar.fill
 
 
 class EngineCore:
@@ -113,6 +121,11 @@ class EngineCore:
             self.workers.wait_ready(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        # Structured output: sequences whose grammar is compiling (bound or failed at the next
+        # step), and whether forced tokens are appended without sampling.
+        register_vocab_width(self.tokenizer, self.model_config.vocab_size)
+        self._compiling: list[Sequence] = []
+        self.jump_forward = config.grammar_jump_forward
         self.async_scheduling = self._async_scheduling()
         # Asynchronous scheduling: the launched step whose tokens have not been read yet.
         self._inflight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
@@ -192,8 +205,38 @@ class EngineCore:
         return seqs
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence; raises TallowError if its prompt could never run (see reject)."""
+        """Queue a sequence; raises TallowError if its prompt could never run (see reject).
+
+        A sequence with a grammar starts its compile (or finds it cached) and waits in the queue
+        until it is compiled; check_grammar has usually started it already."""
+        spec = seq.params.grammar
+        if spec is not None and seq.grammar is None:
+            seq.grammar = GrammarState(spec, grammar_backend(self.tokenizer))
         self.scheduler.add(seq)
+        if seq.grammar is not None and seq.grammar.matcher is None:
+            self._compiling.append(seq)
+
+    def _bind_grammars(self) -> list[tuple[Sequence, TokenOutput]]:
+        """Give each sequence whose compile has ended its matcher (it can be scheduled now); end
+        with "error" those whose compile failed or ran past the limit."""
+        pending = [s for s in self._compiling if not s.is_finished]
+        now = time.monotonic()
+        failed: list[Sequence] = []
+        self._compiling = []
+        for seq in pending:
+            g = seq.grammar
+            if g.ready:
+                error = g.bind()
+            elif g.overdue(now):
+                error = f"the grammar did not compile within {g.backend.limits.compile_timeout_s:g} s"
+            else:
+                self._compiling.append(seq)
+                continue
+            if error is not None:
+                log.error("request %s: its grammar cannot be used: %s", seq.request_id, error)
+                failed.append(seq)
+        self.scheduler.fail_sequences(failed)
+        return [(seq, final_output(seq)) for seq in failed]
 
     def reject(self, seq: Sequence) -> TokenOutput:
         """End with finish_reason "error" a sequence that add() refused; its final output."""
@@ -224,7 +267,14 @@ class EngineCore:
     def step(self) -> list[tuple[Sequence, TokenOutput]]:
         """One schedule -> run -> sample -> update round. Returns the outputs of this step;
         with asynchronous scheduling, those of the step before (this one is left running)."""
+        bound = self._bind_grammars() if self._compiling else []
         outputs = self._step_async() if self.async_scheduling else self._step_sync()
+        if bound:
+            outputs = bound + outputs
+        if self._compiling and not self.scheduler.running and self._inflight is None:
+            # Nothing runs: wait a moment for a compile rather than spin (the caller steps again).
+            futures_wait([s.grammar.future for s in self._compiling if s.grammar.future is not None],
+                         timeout=0.05, return_when=FIRST_COMPLETED)
         if self.prefill_log:
             for seq, out in outputs:
                 if out.finish_reason is not None:
@@ -314,13 +364,45 @@ class EngineCore:
         self.num_steps += 1
         self._fail_invalid_rows(out, res)
         self.scheduler.update(out, res.token_ids)
+        # Steps with grammar rows are synchronous (the scheduler counts them as reading host tokens).
+        forced = self._advance_grammars(out) if self.scheduler.num_host_token_seqs else None
         if not self.scheduler.running:  # nothing runs on: the sampler's cached batch plan is stale
             self.runner.sampler.release()
-        return self._outputs(out, res)
+        return self._outputs(out, res, forced=forced)
 
-    def _outputs(self, out: SchedulerOutput, res: StepResult,
-                 live: list[bool] | None = None) -> list[tuple[Sequence, TokenOutput]]:
-        """A TokenOutput per sampling row (per row where live is true, when given)."""
+    def _advance_grammars(self, out: SchedulerOutput) -> dict[int, list[int]] | None:
+        """Each grammar row's matcher consumes the token just sampled; a complete grammar ends
+        its sequence ("stop"); tokens the grammar forces next are appended (jump-forward, within
+        the length limits): seq_id -> those tokens."""
+        forced: dict[int, list[int]] = {}
+        ended: dict[str, list[Sequence]] = {}
+        pool_tokens = self.scheduler.pool_tokens
+        for s in out.scheduled:
+            seq = s.seq
+            g = seq.grammar
+            if g is None or not s.samples or seq.is_finished:
+                continue
+            reason, tokens = g.advance(seq.token_ids, seq.num_prompt_tokens, self.jump_forward)
+            if tokens:
+                room = min(seq.max_output_tokens - seq.num_output_tokens, pool_tokens - len(seq.token_ids))
+                take = tokens[:max(room, 0)]
+                seq.token_ids.extend(take)
+                g.fill += len(take)
+                forced[seq.seq_id] = take
+                if len(take) < len(tokens) or (reason is None and seq.num_output_tokens >= seq.max_output_tokens):
+                    reason = "length"
+            if reason == "error":
+                log.error("request %s: token %d is not one its grammar allows", seq.request_id, seq.token_ids[-1])
+            if reason is not None:
+                ended.setdefault(reason, []).append(seq)
+        for reason, seqs in ended.items():
+            self.scheduler.fail_sequences(seqs, reason)
+        return forced
+
+    def _outputs(self, out: SchedulerOutput, res: StepResult, live: list[bool] | None = None,
+                 forced: dict[int, list[int]] | None = None) -> list[tuple[Sequence, TokenOutput]]:
+        """A TokenOutput per sampling row (per row where live is true, when given), with the
+        tokens its grammar forced after the sampled one (logprob 0: the only choice)."""
         outputs = []
         i = 0
         token_ids, logprobs, top = res.token_ids, res.logprobs, res.top
@@ -344,12 +426,22 @@ class EngineCore:
                     lp = [logprobs[i]]
                     if k > 0 and top is not None:
                         tp = [top[i][:k]]
+            ids = [token_ids[i]]
+            if seq.grammar is not None:
+                extra = forced.get(seq.seq_id) if forced else None
+                if extra:
+                    ids += extra
+                    if lp is not None:
+                        lp += [0.0] * len(extra)
+                    if tp is not None:
+                        tp += [[(t, 0.0)] for t in extra]
+                    self.num_generated_tokens += len(extra)
             if seq.status is finished:
-                outputs.append((seq, TokenOutput([token_ids[i]], lp, tp, seq.finish_reason, seq.num_prompt_tokens,
-                                                 seq.num_cached_tokens, seq.stop_token_id)))
+                outputs.append((seq, TokenOutput(ids, lp, tp, seq.finish_reason, seq.num_prompt_tokens,
+                                                 seq.num_cached_tokens, seq.stop_token_id, _fill(seq))))
             else:
-                outputs.append((seq, TokenOutput([token_ids[i]], lp, tp, None, seq.num_prompt_tokens,
-                                                 seq.num_cached_tokens)))
+                outputs.append((seq, TokenOutput(ids, lp, tp, None, seq.num_prompt_tokens,
+                                                 seq.num_cached_tokens, fill=_fill(seq))))
             i += 1
         self.num_generated_tokens += len(outputs)
         return outputs

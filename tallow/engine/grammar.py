@@ -26,6 +26,7 @@ transformers and triton); benchmarks/grammar_backends.py has the measurements.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import threading
@@ -58,7 +59,8 @@ class GrammarSpec:
       json_object  "" (any JSON object)
       regex        the pattern (llguidance's regex syntax: Rust's regex crate, no look-around)
       choice       a JSON list of strings: the output is exactly one of them
-      lark         an llguidance Lark grammar (may embed %json{...} sub-schemas)
+      lark         an llguidance Lark grammar (may embed %json{...} sub-schemas), or a GBNF
+                   grammar (llama.cpp's), which llguidance converts to Lark
     start_after: token ids of the end-of-reasoning marker: the output is free until it ends with
       these ids, then the grammar applies (None: from the first output token).
 
@@ -130,7 +132,8 @@ def grammar_text(spec: GrammarSpec) -> str:
             # Lark string literals take JSON's escapes.
             alternatives = " | ".join(json.dumps(c) if c else '""' for c in dict.fromkeys(choices))
             return llg.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-        return llg.LLMatcher.grammar_from_lark(text)
+        # Lark, or llama.cpp's GBNF (converted by llguidance).
+        return llg.grammar_from("grammar", text)
     except GrammarError:
         raise
     except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
@@ -290,13 +293,24 @@ _backends: "weakref.WeakKeyDictionary[Tokenizer, GrammarBackend]" = weakref.Weak
 _backends_lock = threading.Lock()
 
 
-def grammar_backend(tokenizer: Tokenizer, vocab_size: int | None = None) -> GrammarBackend:
+# The model's vocabulary width (its logits) per tokenizer, told by the engine at start-up.
+_vocab_widths: "weakref.WeakKeyDictionary[Tokenizer, int]" = weakref.WeakKeyDictionary()
+
+
+def register_vocab_width(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """The engine's model has logits this wide (the backend's masks must cover them)."""
+    with _backends_lock:
+        _vocab_widths[tokenizer] = vocab_size
+
+
+def grammar_backend(tokenizer: Tokenizer) -> GrammarBackend:
     """The GrammarBackend of a tokenizer, made on first use (about 0.3 s: llguidance reads the
-    vocabulary). The engine makes it at start-up with the model's vocabulary width."""
+    vocabulary), usually by check_grammar on a planning thread rather than on the engine's."""
     with _backends_lock:
         backend = _backends.get(tokenizer)
-        if backend is None or (vocab_size is not None and backend.vocab_size < vocab_size):
-            backend = _backends[tokenizer] = GrammarBackend(tokenizer, vocab_size)
+        width = _vocab_widths.get(tokenizer)
+        if backend is None or (width is not None and backend.vocab_size < width):
+            backend = _backends[tokenizer] = GrammarBackend(tokenizer, width)
         return backend
 
 
@@ -305,3 +319,129 @@ def check_grammar(spec: GrammarSpec, tokenizer: Tokenizer) -> None:
     model; otherwise start compiling it, so the engine usually finds it ready. About a
     millisecond for a typical schema; call it where a request is planned (a 400 on error)."""
     grammar_backend(tokenizer).check(spec)
+
+
+class GrammarState:
+    """One sequence's grammar: its compile, then its own matcher (a copy of the compiled one's).
+
+    The matcher has consumed exactly the sequence's output tokens since the grammar applies (all
+    of them, or those after the start_after marker), forced ones included; a recompute preemption
+    keeps the output, so it keeps the matcher too. release() drops it (the sequence ended)."""
+
+    __slots__ = ("spec", "backend", "future", "matcher", "active", "fill", "submitted")
+
+    def __init__(self, spec: GrammarSpec, backend: GrammarBackend):
+        self.spec = spec
+        self.backend = backend
+        self.future: Future | None = backend.compile(spec)
+        self.submitted = time.monotonic()
+        self.matcher = None
+        self.active = spec.start_after is None  # whether the grammar applies yet
+        self.fill = 0  # tokens appended by jump-forward
+
+    @property
+    def ready(self) -> bool:
+        """The compile has ended (the sequence may be scheduled once bind() said yes)."""
+        return self.matcher is not None or self.future is None or self.future.done()
+
+    def bind(self) -> str | None:
+        """After the compile ended: take a matcher for this sequence; the compile's error message
+        when it failed (the sequence cannot run)."""
+        if self.future is None:
+            return "the sequence has ended"
+        error = self.future.exception()
+        if error is not None:
+            return str(error)
+        self.matcher = self.future.result().deep_copy()
+        return None
+
+    def overdue(self, now: float) -> bool:
+        return now - self.submitted > self.backend.limits.compile_timeout_s
+
+    @property
+    def constrains(self) -> bool:
+        """The next token is masked by the grammar."""
+        return self.active and self.matcher is not None
+
+    def advance(self, token_ids: list[int], num_prompt_tokens: int,
+                jump_forward: bool) -> tuple[str | None, list[int]]:
+        """After a token was appended to the sequence (token_ids: prompt and output, the last
+        one new): consume it.
+        Returns (finish reason or None, tokens forced next: append them without sampling;
+        the matcher has consumed them). "stop": the grammar is complete (nothing but the end
+        can follow); "error": the token was not one the grammar allows."""
+        m = self.matcher
+        if m is None:
+            return None, []
+        if not self.active:
+            marker = self.spec.start_after
+            k = len(marker)
+            if len(token_ids) - num_prompt_tokens < k or tuple(token_ids[-k:]) != marker:
+                return None, []
+            self.active = True  # the grammar applies from the next token on
+        elif not m.consume_token(token_ids[-1]):
+            return "error", []
+        if m.is_stopped():
+            return "stop", []
+        if not jump_forward:
+            return None, []
+        forced = m.compute_ff_tokens()
+        if forced and not m.consume_tokens(forced):
+            return "error", []
+        return ("stop" if forced and m.is_stopped() else None), forced
+
+    def release(self) -> None:
+        self.matcher = None
+        self.future = None
+
+
+def grammar_bitmasks(states: list[GrammarState | None]) -> tuple[list[int], np.ndarray] | None:
+    """The rows whose next token a grammar constrains and their bitmasks [M, words] int32 (one
+    bit per token, llguidance's layout), filled in native code; None when no row is constrained."""
+    rows = [i for i, g in enumerate(states) if g is not None and g.matcher is not None and g.active]
+    if not rows:
+        return None
+    backend = states[rows[0]].backend
+    words = np.empty((len(rows), backend.words), dtype=np.int32)
+    backend.fill_bitmasks([states[i].matcher for i in rows], words)
+    return rows, words
+
+
+_SHIFTS: dict = {}
+
+
+def unpack_bitmasks(words: torch.Tensor, width: int) -> torch.Tensor:
+    """[M, W] int32 bitmasks (on any device) -> [M, width] bool, token t allowed at [., t].
+
+    Bit b of word w is token 32 w + b; on a little-endian device byte k of a word holds its bits
+    8 k .. 8 k + 7, so the bytes unpacked low bit first give the tokens in order."""
+    import torch
+
+    shifts = _SHIFTS.get(words.device)
+    if shifts is None:
+        shifts = _SHIFTS[words.device] = torch.arange(8, dtype=torch.uint8, device=words.device)
+    octets = words.view(torch.uint8)  # [M, 4 W]
+    bits = (octets.unsqueeze(-1) >> shifts) & 1  # [M, 4 W, 8]
+    return bits.view(words.shape[0], -1)[:, :width].bool()
+
+
+def apply_bitmasks(logits: torch.Tensor, rows: list[int], words: np.ndarray, in_place: bool) -> torch.Tensor:
+    """Forbidden tokens of the constrained rows -> -inf. words (host) goes to the logits' device
+    with a non-blocking copy (through pinned memory on CUDA) and is unpacked there: no host sync.
+    in_place: the logits may be changed (else a changed copy is returned)."""
+    import torch
+
+    device = logits.device
+    w = torch.from_numpy(words)
+    if device.type != "cpu":
+        w = w.pin_memory().to(device, non_blocking=True)
+    forbidden = ~unpack_bitmasks(w, logits.shape[1])
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill_(forbidden, -math.inf) if in_place else logits.masked_fill(forbidden, -math.inf)
+    index = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cpu":
+        index = index.pin_memory().to(device, non_blocking=True)
+    masked = logits.index_select(0, index).masked_fill_(forbidden, -math.inf)
+    if not in_place:
+        logits = logits.clone()
+    return logits.index_copy_(0, index, masked)

@@ -67,6 +67,9 @@ class Sequence:
         # length limit), so it is not scheduled again.
         self.pending_row = -1
         self.stopping = False
+        # Structured output: the sequence's GrammarState (tallow/engine/grammar.py), made by
+        # EngineCore.add when params.grammar is set.
+        self.grammar = None
 
     # ---- derived -------------------------------------------------------------------
     @property

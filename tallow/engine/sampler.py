@@ -10,10 +10,14 @@ in between; a stage runs only when some row needs it. The chain, in vLLM's order
         where t in prompt or output: x > 0 -> x / r, x <= 0 -> x * r   repetition_penalty r
         - f * count_output[t]                               frequency_penalty f
         - p * [count_output[t] > 0]                         presence_penalty p
+        -inf where the row's grammar forbids t next         grammar (structured output)
     logprobs = log_softmax(processed)          vLLM's "processed" logprobs, as mlx-lm
     greedy rows (temperature 0): argmax(processed)
     other rows: processed / temperature -> top_k -> top_p -> min_p -> softmax
                 -> argmax(probs / q), q ~ Exp(1)  (the exponential race: a draw from probs)
+
+The grammar's bitmasks (tallow/engine/grammar.py) are filled on the host by llguidance and
+unpacked on the logits' device, so logprobs are those of the masked distribution, as vLLM's.
 
 Top-k runs torch.topk up to the largest k of the batch; top-p reads the masses off a
 torch.topk head on the CPU and sorts a full row only when the nucleus is larger.
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tallow.engine.grammar import apply_bitmasks, grammar_bitmasks
 from tallow.engine.request import Sequence
 from tallow.engine.sampling import SamplingParams
 
@@ -76,6 +81,8 @@ class Sampler:
         """logits [N, V] float32: row i belongs to seqs[i]."""
         plan = self._plan(seqs, logits)
         processed = self.process_logits(logits, seqs, plan)
+        if plan.grammar_rows:
+            processed = self._apply_grammars(processed, logits, seqs)
 
         # The greedy pick and each row's largest logit come from one pass (max); the largest
         # logit is not finite exactly when the row has no distribution (NaN, +inf, all -inf).
@@ -130,6 +137,19 @@ class Sampler:
         if plan.penalty_rows:
             self._apply_penalties(processed, seqs, plan)
         return processed
+
+    @staticmethod
+    def _apply_grammars(processed: Tensor, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        """Tokens a row's grammar forbids next get -inf (after logit_bias, min_tokens and the
+        penalties, before temperature and the top-k/top-p/min-p cuts: logprobs are those of the
+        masked distribution). The masks are filled on the host, from the matchers the previous
+        step's tokens advanced, while the device may still run the forward."""
+        masks = grammar_bitmasks([s.grammar for s in seqs])
+        if masks is None:
+            return processed
+        rows, words = masks
+        # The unprocessed logits are the caller's: changed only in a copy.
+        return apply_bitmasks(processed, rows, words, in_place=processed.data_ptr() != logits.data_ptr())
 
     def _apply_min_tokens(self, logits: Tensor, seqs: list[Sequence], below: list[int]) -> None:
         """Forbid stopping early: eos (even with ignore_eos) and stop_token_ids get -inf on the
@@ -305,6 +325,8 @@ class BatchPlan:
             self.bias_index = tuple(_to_device([rows, cols], torch.int64, device))
             self.bias_values = _to_device(values, dtype, device)
         self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
+        # Rows with a grammar (it may not constrain them yet: still in the free reasoning).
+        self.grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
 
         self.penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         self.penalty_index = self.repetition = self.frequency = self.presence = None

@@ -90,7 +90,7 @@ class Scheduler:
                               param="prompt", code="context_length_exceeded")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        if seq.params.needs_penalties:
+        if _reads_host_tokens(seq):
             self.num_host_token_seqs += 1
 
     def abort(self, seq: Sequence) -> None:
@@ -148,8 +148,11 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            if (seq.prefill_after is not None and self.kv.enable_prefix_caching
-                    and not _prompt_computed(seq.prefill_after)):
+            if ((seq.prefill_after is not None and self.kv.enable_prefix_caching
+                    and not _prompt_computed(seq.prefill_after))
+                    or (seq.grammar is not None and seq.grammar.matcher is None)):
+                # A sequence whose grammar is still compiling (EngineCore binds it when the
+                # compile ends) waits without holding back the queue behind it.
                 held_back.append(self.waiting.popleft())
                 continue
             blocks, num_cached = self.kv.get_computed_prefix(seq)
@@ -282,9 +285,9 @@ class Scheduler:
         self.running = [seq for seq in self.running if not seq.is_finished]
         return failed
 
-    def fail_sequences(self, seqs: list[Sequence]) -> None:
-        """Finish with "error" sequences whose own row of a step went wrong (the rest of the step
-        stands), wherever they are queued now."""
+    def fail_sequences(self, seqs: list[Sequence], reason: str = "error") -> None:
+        """Finish with `reason` ("error": their own row of a step went wrong, the rest of the
+        step stands; "stop": their grammar is complete) sequences wherever they are queued now."""
         for seq in seqs:
             if seq.is_finished:
                 continue
@@ -292,7 +295,7 @@ class Scheduler:
                 self.running.remove(seq)
             elif seq in self.waiting:  # preempted since the step was scheduled
                 self.waiting.remove(seq)
-            self._finish(seq, "error")
+            self._finish(seq, reason)
 
     def check_invariants(self) -> None:
         """Every queued sequence is in the state of its queue; the KV cache is consistent."""
@@ -316,8 +319,16 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq)
-        if seq.params.needs_penalties:
+        if _reads_host_tokens(seq):
             self.num_host_token_seqs -= 1
+        if seq.grammar is not None:
+            seq.grammar.release()
+
+
+def _reads_host_tokens(seq: Sequence) -> bool:
+    """The sampler reads the sequence's token ids on the host before its next token: penalties
+    count them, and a grammar's mask follows them."""
+    return seq.params.needs_penalties or seq.grammar is not None
 
 
 def _prompt_computed(seq: Sequence) -> bool:

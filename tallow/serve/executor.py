@@ -32,15 +32,21 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Output tokens a grammar forced and the engine appended without sampling them (jump-forward,
+    # the seed's usage.fill); reported only when not 0. Counted in completion_tokens too.
+    fill: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
     def to_openai(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+        body = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.total_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.fill:
+            body["fill"] = self.fill
+        return body
 
 
 @dataclass(frozen=True)
@@ -194,12 +200,16 @@ class CompletionRun:
         first = True
         usage = self.usage
         stats = self._sequence_stats[index]
+        filled = 0  # the sequence's jump-forward tokens counted so far (TokenOutput.fill is a running total)
         async for out in stream:
             if stats is not None:
                 stats.output(out)
             if first and counts_cached:
                 usage.cached_tokens += out.num_cached_tokens
             first = False
+            if out.fill != filled:
+                usage.fill += out.fill - filled
+                filled = out.fill
             events = pipeline.feed(out)
             taken = pipeline.taken
             usage.completion_tokens += taken

@@ -297,5 +297,8 @@ class AnthropicMessages(StreamProtocol):
 
 
 def _usage(usage: Usage) -> dict:
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "cache_creation_input_tokens": 0,
+    body = {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": usage.cached_tokens, "output_tokens": usage.completion_tokens}
+    if usage.fill:
+        body["fill"] = usage.fill  # jump-forward tokens of a grammar (tallow's extension)
+    return body

@@ -29,8 +29,10 @@ def sse(payload: dict) -> str:
 def usage_json(usage: Usage) -> str:
     """to_json(usage.to_openai()), written directly: a streamed chunk carries it with every token
     under continuous_usage_stats."""
+    fill = f',"fill":{usage.fill}' if usage.fill else ""
     return (f'{{"prompt_tokens":{usage.prompt_tokens},"completion_tokens":{usage.completion_tokens},'
-            f'"total_tokens":{usage.total_tokens},"prompt_tokens_details":{{"cached_tokens":{usage.cached_tokens}}}}}')
+            f'"total_tokens":{usage.total_tokens},"prompt_tokens_details":{{"cached_tokens":{usage.cached_tokens}}}'
+            f'{fill}}}')
 
 
 class OpenAIChunks:

@@ -274,7 +274,7 @@ class OpenAIResponses(StreamProtocol):
                 "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": usage.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                "total_tokens": usage.total_tokens}
+                "total_tokens": usage.total_tokens, **({"fill": usage.fill} if usage.fill else {})}
 
 
 def responses_grammar(req: ResponsesRequest, prompt, tokenizer):
