@@ -23,6 +23,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from typing import Annotated
 
 from serve_utils import LiveServer, replay_engine
 import tallow.testing  # noqa: F401  (registers the replay: model source)
@@ -205,11 +206,7 @@ class City(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=20)
     population: int = pydantic.Field(ge=0, le=10**8)
     coastal: bool
-    districts: list[str] = pydantic.Field(max_length=2)
-
-
-def bounded_city_format():
-    return City
+    districts: list[Annotated[str, pydantic.Field(max_length=20)]] = pydantic.Field(max_length=2)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -242,7 +239,7 @@ class GetWeather(pydantic.BaseModel):
     days: int = pydantic.Field(ge=1, le=7)
 
 
-NOTE_TOOL = {"type": "function", "function": {"name": "add_note", "parameters": {
+NOTE_TOOL = {"type": "function", "function": {"name": "add_note", "strict": True, "parameters": {
     "type": "object", "properties": {"text": {"type": "string", "maxLength": 30}}, "required": ["text"],
     "additionalProperties": False}}}
 
@@ -286,7 +283,7 @@ WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city.",
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_forced_tool_use(claude, choice, stream):
     kwargs = dict(model="m", max_tokens=MAX_TOKENS, messages=ask("Weather in Kyoto?"), tools=[WEATHER_TOOL],
-                  tool_choice={**choice, "disable_parallel_tool_use": True}, temperature=1)
+                  tool_choice={**choice, "disable_parallel_tool_use": True}, extra_body={"temperature": 1})
     if stream:
         with claude.messages.stream(**kwargs) as s:
             message = s.get_final_message()
@@ -343,7 +340,7 @@ def test_reasoning_is_free_and_the_content_follows_the_schema(reasoning_client):
     r = reasoning_client.chat.completions.create(model="m", messages=ask("A riddle for you."), response_format=fmt,
                                                  max_tokens=200)
     message = r.choices[0].message
-    assert message.model_extra["reasoning"] == REASONED.split("</think>")[0].removeprefix("<think>\n")
+    assert message.model_extra["reasoning"] == REASONED.split("</think>")[0].removeprefix("<think>")
     jsonschema.validate(json.loads(message.content), ANSWER_SCHEMA)
     assert json.loads(message.content) == {"answer": "echo", "confidence": 3}
 
