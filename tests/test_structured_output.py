@@ -444,3 +444,30 @@ def test_forced_tool_choice_becomes_the_call_grammar(planner, protocol, body):
     assert grammar.kind == "lark" and grammar.start_after == after
     assert '"const": "f"' in grammar.text
     assert ('"const": "g"' in grammar.text) == ("name" not in json.dumps(body["tool_choice"]))
+
+
+def test_strict_tools_under_auto_and_a_format_with_tools(client):
+    """Under tool_choice auto: a strict tool's calls follow its schema once the model opens one; with
+    an output format and tools (the OpenAI Agents SDK's shape) the reply is that JSON or calls. The
+    free text may run to max_tokens: only the calls and the JSON are checked."""
+    weather = openai.pydantic_function_tool(GetWeather)
+    assert weather["function"]["strict"] is True
+    answer = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 40}}, "required": ["text"],
+              "additionalProperties": False}
+    with_format = {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer,
+                                                                               "strict": True}}}
+
+    def one(job):
+        seed, extra = job
+        return extra, client.chat.completions.create(
+            model="m", messages=ask("Weather in Rome? Use the tool."), tools=[weather], max_tokens=60,
+            temperature=1, seed=seed, **extra).choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, [(seed, extra) for seed in range(2) for extra in ({}, with_format)]))
+    for extra, choice in results:
+        for call in choice.message.tool_calls or []:
+            GetWeather.model_validate_json(call.function.arguments)
+        if extra and not choice.message.tool_calls:
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), answer)
