@@ -471,3 +471,51 @@ def test_strict_tools_under_auto_and_a_format_with_tools(client):
         if extra and not choice.message.tool_calls:
             assert choice.finish_reason == "stop", choice
             jsonschema.validate(json.loads(choice.message.content), answer)
+
+
+# ---- each tool-call format, forced (the replay model says the template's markup) ------------------------
+
+FORMAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}\n"
+    "MARKUP<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# The markup that makes the template imply each parser, and what the model says with it: a call of
+# get_weather whose days (9) break the schema's maximum (7), which the grammar must not let through.
+FORMAT_REPLIES = {
+    "qwen3_coder": ("<function=NAME>", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                                       "<parameter=days>\n9\n</parameter>\n</function>\n</tool_call>"),
+    "mistral": ("[TOOL_CALLS]", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 9}}]'),
+    "llama3_json": ("<|python_tag|>", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 9}}'),
+    "pythonic": ("[func_name1(", '[get_weather(city="Paris", days=9)]'),
+    "hermes": ("<tool_call>", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 9}}\n'
+                              "</tool_call>"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORMAT_REPLIES))
+def test_forced_calls_in_each_format(name):
+    markup, reply = FORMAT_REPLIES[name]
+    engine = replay_engine({"chat_template": FORMAT_TEMPLATE.replace("MARKUP", markup),
+                            "replies": [{"reply": reply}]})
+    # Not strict, but closed (additionalProperties false), so after the digit the call can only close.
+    params = openai.pydantic_function_tool(GetWeather)["function"]["parameters"]
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    try:
+        with LiveServer(engine) as live:
+            client = openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0)
+            free = client.chat.completions.create(model="m", messages=ask("Weather?"), tools=[weather],
+                                                  max_tokens=100, temperature=0).choices[0]
+            forced = client.chat.completions.create(model="m", messages=ask("Weather?"), tools=[weather],
+                                                    tool_choice="required", parallel_tool_calls=False, max_tokens=100,
+                                                    temperature=0).choices[0]
+    finally:
+        asyncio.run(engine.shutdown())
+    # Unconstrained, the parser reads the scripted call as it is: days 9.
+    [call] = free.message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 9}
+    # Forced, the grammar takes the model's markup up to the digit it cannot allow.
+    assert forced.finish_reason == "tool_calls", (name, forced.message)
+    [call] = forced.message.tool_calls
+    args = GetWeather.model_validate_json(call.function.arguments)
+    assert args.city == "Paris" and args.days != 9
