@@ -111,6 +111,9 @@ def main() -> None:
     long_array = GrammarSpec("json_schema", canonical(LONG_ARRAY))
     rows = []
     core.jump_forward = False
+    for grammar in (None, long_array):  # warm-up: kernels, allocator, the grammar's compile
+        generate(core, [prompt] * max(args.batch), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                                  grammar=grammar))
     for batch in args.batch:
         prompts = [prompt + tok.encode(" " + str(i)) for i in range(batch)]
         row = {"batch": batch}

@@ -469,3 +469,92 @@ def test_llm_generate_takes_a_grammar(tiny_loaded):
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
         assert out.outputs[0].finish_reason == "stop"
+
+
+def test_compile_cache_is_an_lru_bounded_by_bytes(tokenizer):
+    from tallow.engine.grammar import GrammarBackend, GrammarLimits
+
+    specs = [GrammarSpec("regex", f"[a-z]{{{i}}}") for i in range(1, 6)]
+    one = 64 * 1024 + 16 * len(specs[0].text)  # the estimate of one of them
+    backend = GrammarBackend(tokenizer, limits=GrammarLimits(cache_bytes=3 * one + 100))
+    try:
+        futures = [backend.compile(s) for s in specs[:3]]
+        assert backend.compile(specs[0]) is futures[0]  # a hit, now the most recent
+        backend.compile(specs[3])  # evicts specs[1], the least recently used
+        assert backend.cache_size() == 3 and backend.cache_bytes <= 3 * one + 100
+        assert backend.compile(specs[0]) is futures[0]
+        assert backend.compile(specs[1]) is not futures[1]  # compiled again
+        for s in specs:
+            assert backend.compile(s).result(timeout=30) is not None
+    finally:
+        backend.shutdown()
+
+
+def test_a_grammar_past_the_compile_time_limit_fails_its_sequence(core):
+    from tallow.engine.grammar import GrammarLimits
+
+    backend = grammar_backend(core.tokenizer)
+    gate = threading.Event()
+    stuck = GrammarSpec("regex", "stuck[0-9]")
+    limits = backend.limits
+    backend.compile_delay_hook = lambda spec: gate.wait(30) if spec == stuck else None
+    backend.limits = GrammarLimits(compile_timeout_s=0.2)
+    try:
+        seq = core.make_sequences(core.tokenizer.encode("x"), SamplingParams(max_tokens=5, grammar=stuck))[0]
+        core.add(seq)
+        outputs = []
+        steps = 0
+        while core.has_work():
+            outputs += core.step()
+            steps += 1
+            assert steps < 500
+        assert seq.finish_reason == "error" and seq.num_output_tokens == 0
+        assert outputs[-1][1].finish_reason == "error"
+    finally:
+        gate.set()
+        backend.limits = limits
+        backend.compile_delay_hook = None
+        backend.clear_cache()
+
+
+def test_usage_reports_fill_only_when_not_zero():
+    from tallow.serve.executor import Usage
+    from tallow.serve.protocols.base import usage_json
+
+    plain = Usage(prompt_tokens=5, completion_tokens=7, cached_tokens=2)
+    filled = Usage(prompt_tokens=5, completion_tokens=7, cached_tokens=2, fill=4)
+    assert "fill" not in plain.to_openai() and filled.to_openai()["fill"] == 4
+    for usage in (plain, filled):
+        assert json.loads(usage_json(usage)) == usage.to_openai()
+
+
+def test_asynchronous_scheduling_gives_the_same_outputs_with_grammar_rows_joining(tiny_loaded, core):
+    """With async_scheduling the steps turn synchronous while a grammar row is queued (its mask
+    needs its previous token) and asynchronous again after: free rows running asynchronously
+    when grammar rows join mid-run, and after they end, get the tokens of the synchronous loop."""
+    tok = core.tokenizer
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    schemas = bounded_schemas(3)
+
+    def drive(engine: EngineCore):
+        first = [engine.make_sequences(tok.encode(p), free)[0] for p in PROMPTS]
+        for s in first:
+            engine.add(s)
+        for _ in range(5):
+            engine.step()
+        late = [engine.make_sequences(tok.encode(PROMPTS[i]), SamplingParams(
+            temperature=0.0, max_tokens=80, grammar=schema_spec(schemas[i])))[0] for i in range(3)]
+        for s in late:
+            engine.add(s)
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            assert steps < 1000
+        return [(s.output_ids, s.finish_reason) for s in first + late], engine.num_overlapped_steps
+
+    asyn = make_core(tiny_loaded, async_scheduling=True)
+    got, overlapped = drive(asyn)
+    expected, _ = drive(core)
+    assert got == expected
+    assert overlapped > 0
