@@ -132,6 +132,12 @@ def test_json_object_regex_and_choice(client, real_server):
         r = client.chat.completions.create(model="m", messages=ask("Is water wet?"), max_tokens=10, temperature=1,
                                            seed=5, extra_body=extra)
         assert r.choices[0].message.content in ("yes", "no", "maybe")
+    r = client.chat.completions.create(model="m", messages=ask("Yes or no?"), max_tokens=10, temperature=1, seed=2,
+                                       extra_body={"guided_grammar": 'root ::= "yes" | "no"'})  # GBNF
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.chat.completions.create(model="m", messages=ask("Yes or no?"), max_tokens=10, temperature=1, seed=2,
+                                       extra_body={"structured_outputs": {"grammar": 'start: "yes" | "no"'}})
+    assert r.choices[0].message.content in ("yes", "no")
     # The legacy completions endpoint takes them too.
     r = httpx.post(real_server.base_url + "/v1/completions", timeout=60, json={
         "prompt": "The answer is", "max_tokens": 10, "temperature": 0, "guided_regex": "(yes|no)!"}).json()

@@ -119,25 +119,7 @@ def _vllm_format(name: str, value: Any, param: str) -> OutputFormat | Rejection:
         if not value:
             return Rejection.invalid(f"{param} must hold at least one string", param)
         return OutputFormat(GrammarSpec("choice", canonical_json(list(value))), param)
-    try:
-        return OutputFormat(GrammarSpec("lark", _as_lark(value)), param)
-    except GrammarError as e:
-        return Rejection.invalid(f"{param}: {e}", param)
-
-
-def _as_lark(grammar: str) -> str:
-    """A Lark grammar as given; a GBNF / EBNF one (rules written with ::=) converted to Lark, as
-    vLLM's guidance backend does."""
-    if "::=" not in grammar:
-        return grammar
-    try:
-        from llguidance.gbnf_to_lark import any_to_lark
-    except ImportError:  # the backend is missing: check_grammar says so
-        return grammar
-    try:
-        return any_to_lark(grammar)
-    except Exception as e:  # noqa: BLE001 (the converter raises several kinds; each is the client's grammar)
-        raise GrammarError(f"the GBNF grammar does not convert to Lark: {e}") from e
+    return OutputFormat(GrammarSpec("lark", value), param)  # Lark, or GBNF (the backend converts it)
 
 
 def one_format(formats: list[OutputFormat | Rejection | None]) -> OutputFormat | Rejection | None:
