@@ -320,13 +320,16 @@ ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, 
                  "required": ["answer", "confidence"], "additionalProperties": False}
 REASONED = '<think>\nSomething that repeats sound { is an "echo".\n</think>\n\n{"answer": "echo", "confidence": 3}'
 THINKING_OFF = '{"answer": "echo", "confidence": 3}'
+REASONED_CALL = ('<think>\nA call with days=9, {"broken": json\n</think>\n\n<tool_call>\n'
+                 '{"name": "get_weather", "arguments": {"city": "Paris", "days": 9}}\n</tool_call>')
 
 
 @pytest.fixture(scope="module")
 def reasoning_client():
     template = json.loads((Path(__file__).parent / "data" / "replay_agents.json").read_text())["chat_template"]
     engine = replay_engine({"chat_template": template, "replies": [
-        {"match": "<think>\n\n</think>", "reply": THINKING_OFF}, {"match": "riddle", "reply": REASONED}]})
+        {"match": "<think>\n\n</think>", "reply": THINKING_OFF}, {"match": "riddle", "reply": REASONED},
+        {"match": "weather", "reply": REASONED_CALL}]})
     try:
         with LiveServer(engine) as live:
             yield openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0)
@@ -523,5 +526,19 @@ def test_forced_calls_in_each_format(name):
     # Forced, the grammar takes the model's markup up to the digit it cannot allow.
     assert forced.finish_reason == "tool_calls", (name, forced.message)
     [call] = forced.message.tool_calls
+    args = GetWeather.model_validate_json(call.function.arguments)
+    assert args.city == "Paris" and args.days != 9
+
+
+def test_reasoning_then_a_forced_call(reasoning_client):
+    """Qwen3's template (tools, <think>): the reasoning is free, the forced call after it follows the
+    schema (the scripted days=9 breaks its maximum of 7: the grammar corrects it)."""
+    weather = openai.pydantic_function_tool(GetWeather, name="get_weather")
+    r = reasoning_client.chat.completions.create(model="m", messages=ask("The weather in Paris?"), tools=[weather],
+                                                 tool_choice="required", parallel_tool_calls=False, max_tokens=200)
+    choice = r.choices[0]
+    assert choice.message.model_extra["reasoning"] == REASONED_CALL.split("</think>")[0].removeprefix("<think>")
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
     args = GetWeather.model_validate_json(call.function.arguments)
     assert args.city == "Paris" and args.days != 9
