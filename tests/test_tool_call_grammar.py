@@ -220,3 +220,17 @@ def test_a_strict_schema_the_format_cannot_write_is_an_error(name):
                                           required=True)
     # Not strict: the format writes what it can (the keyword is not enforced).
     TOOL_PARSERS[name]().call_grammar(grammar_tools([tool("f", params)], constrain_all=True), required=True)
+
+
+def test_qwen3_coder_long_string_values_hold_their_length(tok, lltok):
+    """Past a short maxLength the raw value is a lazy lexeme (the exact tag exclusion would be too
+    big for llguidance's lexer): still held to its length."""
+    params = {"type": "object", "properties": {"code": {"type": "string", "maxLength": 300}}, "required": ["code"]}
+    lark = TOOL_PARSERS["qwen3_coder"]().call_grammar(grammar_tools([tool("run", params)], constrain_all=True),
+                                                      required=True)
+
+    def call(value: str) -> str:
+        return f"<tool_call>\n<function=run>\n<parameter=code>\n{value}\n</parameter>\n</function>\n</tool_call>"
+
+    assert accepts(lltok, tok, lark, call("print('<b>' * 40)\n" * 10))
+    assert not accepts(lltok, tok, lark, call("x" * 301))

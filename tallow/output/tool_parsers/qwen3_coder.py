@@ -164,6 +164,7 @@ def _literal(text: str) -> Any:
 # the tags that would end the value, the function or the call early for the parser.
 _RAW_END = r"\n<\/parameter>"
 _NO_TAGS = r"~/(?s:.*)(<\/parameter>(?s:.)|<parameter=|<\/function>|<\/tool_call>)(?s:.*)/"
+_EXACT_MAX_LENGTH = 48  # a raw value's maxLength up to which the tag exclusion is enforced with it
 _STRING_KEYWORDS = {"type", "description", "title", "default", "examples", "minLength", "maxLength", "enum",
                     "const", "$comment", "deprecated", "readOnly", "writeOnly"}
 
@@ -180,7 +181,11 @@ def _raw_value(g: LarkGrammar, schema: dict[str, Any] | None = None, tool: Gramm
                                              or _schema_types(schema) not in ([], ["string"])):
         raise UnenforceableSchema(tool.name, f"parameter {key!r}: the qwen3_coder format writes it as raw text, "
                                   f"which cannot be held to {', '.join(unenforced) or 'this schema'}")
-    low, high = schema.get("minLength", 0), schema.get("maxLength")
-    length = f"{{{int(low)},{'' if high is None else int(high)}}}"
-    name = g.add(f"/(?s:.){length}{_RAW_END}/ & {_NO_TAGS}", f"RAW{len(g.rules)}")
-    return name
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    length = f"{{{low},{'' if high is None else int(high)}}}"
+    if high is not None and int(high) > _EXACT_MAX_LENGTH:
+        # A long bounded count intersected with the tag exclusion is more than llguidance's lexer
+        # builds ("too many expressions"): the value is lazy instead (it ends at the first
+        # "\n</parameter>"), and may then hold a bare closing tag, which the parser would cut at.
+        return g.add(f"/(?s:.){length}{_RAW_END}/", f"raw{len(g.rules)}", options="[lazy]")
+    return g.add(f"/(?s:.){length}{_RAW_END}/ & {_NO_TAGS}", f"RAW{len(g.rules)}")
