@@ -281,16 +281,14 @@ def reference_greedy(core: EngineCore, prompt: list[int], spec: GrammarSpec, max
     vocab = core.model_config.vocab_size
     out: list[int] = []
     forced_count = 0
+    if jump_forward:  # forced from the start, unless they would complete the grammar
+        forced = m.compute_ff_tokens()
+        probe = m.deep_copy()
+        if forced and len(forced) < max_tokens and probe.consume_tokens(forced) and not probe.is_stopped():
+            assert m.consume_tokens(forced)
+            out += forced
+            forced_count += len(forced)
     while len(out) < max_tokens:
-        if jump_forward and out:
-            forced = m.compute_ff_tokens()
-            if forced:
-                forced = forced[: max_tokens - len(out)]
-                assert m.consume_tokens(forced)
-                out += forced
-                forced_count += len(forced)
-                if m.is_stopped() or len(out) >= max_tokens:
-                    break
         batch = PagedBatches(core.model_config, num_blocks=64, block_size=16)
         ids, pos, meta = batch.step([(0, prompt + out)])
         with torch.inference_mode():
@@ -301,6 +299,14 @@ def reference_greedy(core: EngineCore, prompt: list[int], spec: GrammarSpec, max
         out.append(t)
         if m.is_stopped() or t in core.eos_token_ids:
             break
+        if jump_forward:  # forced after a sampled token
+            forced = m.compute_ff_tokens()[: max_tokens - len(out)]
+            if forced:
+                assert m.consume_tokens(forced)
+                out += forced
+                forced_count += len(forced)
+                if m.is_stopped():
+                    break
     return out, forced_count
 
 
@@ -370,11 +376,12 @@ def test_preemption_keeps_outputs_and_abort_frees_the_matcher(tiny_loaded, core)
     assert small.kv.num_free_blocks == free0
     assert all(s.grammar.matcher is None for s in seqs)
 
-    seq = core.make_sequences(prompts[0], params[0])[0]
+    seq = core.make_sequences(prompts[0], SamplingParams(temperature=1.0, seed=1, max_tokens=50, ignore_eos=True,
+                                                         grammar=GrammarSpec("regex", "[a-z]{200}")))[0]
     core.add(seq)
-    while not seq.output_ids:
+    while seq.num_computed_tokens == 0:
         core.step()
-    assert seq.grammar.matcher is not None
+    assert seq.grammar.matcher is not None and not seq.is_finished
     core.abort(seq)
     assert seq.grammar.matcher is None and seq.finish_reason == "abort"
     assert not core.has_work()

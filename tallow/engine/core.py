@@ -227,6 +227,14 @@ class EngineCore:
             g = seq.grammar
             if g.ready:
                 error = g.bind()
+                if error is None and self.jump_forward:
+                    # Forced from the start: prefilled with the prompt, sent with the first token.
+                    room = min(seq.max_output_tokens, self.scheduler.pool_tokens - len(seq.token_ids))
+                    forced = g.start_forced(room)
+                    if forced:
+                        seq.token_ids.extend(forced)
+                        g.fill += len(forced)
+                        g.unsent = forced
             elif g.overdue(now):
                 error = f"the grammar did not compile within {g.backend.limits.compile_timeout_s:g} s"
             else:
@@ -428,7 +436,16 @@ class EngineCore:
                         tp = [top[i][:k]]
             ids = [token_ids[i]]
             if seq.grammar is not None:
-                extra = forced.get(seq.seq_id) if forced else None
+                g = seq.grammar
+                head, extra = g.unsent, forced.get(seq.seq_id) if forced else None
+                if head:  # forced before this first sampled token
+                    g.unsent = []
+                    ids = head + ids
+                    if lp is not None:
+                        lp = [0.0] * len(head) + lp
+                    if tp is not None:
+                        tp = [[(t, 0.0)] for t in head] + tp
+                    self.num_generated_tokens += len(head)
                 if extra:
                     ids += extra
                     if lp is not None:

@@ -18,6 +18,14 @@ What a request carries is a GrammarSpec (SamplingParams.grammar). The engine sid
 - Jump-forward ("fill"): after a sampled token, when the grammar allows exactly one
   continuation for several tokens (llguidance's compute_ff_tokens), those tokens are appended
   without sampling; the next step computes them as a chunk. The sequence counts them (`fill`).
+  Forced tokens follow the grammar's canonical tokenization, so the output can differ from
+  masked sampling without jump-forward, where the model may spell a fixed key in other tokens.
+  A chunk of k forced tokens costs about one decode step where decoding is memory-bound (GPU,
+  CPU at batch 1); at larger CPU batches the forward is compute-bound and the gain is smaller.
+- Asynchronous scheduling: a grammar row's mask needs its previous token, so while a grammar
+  sequence is queued the engine runs synchronous steps (as for penalties); the mask is still
+  filled on the host while the device runs the step's forward (launch queues the forward
+  before the sampler runs).
 
 Backend choice: llguidance (no dependencies, native mask computation) over xgrammar (pulls
 transformers and triton); benchmarks/grammar_backends.py has the measurements.
@@ -328,7 +336,7 @@ class GrammarState:
     of them, or those after the start_after marker), forced ones included; a recompute preemption
     keeps the output, so it keeps the matcher too. release() drops it (the sequence ended)."""
 
-    __slots__ = ("spec", "backend", "future", "matcher", "active", "fill", "submitted")
+    __slots__ = ("spec", "backend", "future", "matcher", "active", "fill", "submitted", "unsent")
 
     def __init__(self, spec: GrammarSpec, backend: GrammarBackend):
         self.spec = spec
@@ -338,6 +346,7 @@ class GrammarState:
         self.matcher = None
         self.active = spec.start_after is None  # whether the grammar applies yet
         self.fill = 0  # tokens appended by jump-forward
+        self.unsent: list[int] = []  # forced before the first sampled token, not in an output yet
 
     @property
     def ready(self) -> bool:
@@ -354,6 +363,22 @@ class GrammarState:
             return str(error)
         self.matcher = self.future.result().deep_copy()
         return None
+
+    def start_forced(self, room: int) -> list[int]:
+        """Jump-forward before the first sampled token (a grammar that applies from the start):
+        the tokens its start state forces, consumed, when fewer than room and not the whole
+        output (a grammar they complete is left to sampling); else none."""
+        m = self.matcher
+        if m is None or not self.active:
+            return []
+        forced = m.compute_ff_tokens()
+        if not forced or len(forced) >= room:
+            return []
+        probe = m.deep_copy()
+        if not probe.consume_tokens(forced) or probe.is_stopped():
+            return []
+        m.consume_tokens(forced)
+        return forced
 
     def overdue(self, now: float) -> bool:
         return now - self.submitted > self.backend.limits.compile_timeout_s
