@@ -35,7 +35,7 @@ TINY_PRESET = "tiny-smollm2-grammar"
 
 
 def schema_spec(schema: dict, start_after=None) -> GrammarSpec:
-    return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), start_after)
+    return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")), start_after)
 
 
 PERSON = {"type": "object", "properties": {
@@ -565,3 +565,46 @@ def test_asynchronous_scheduling_gives_the_same_outputs_with_grammar_rows_joinin
     expected, _ = drive(core)
     assert got == expected
     assert overlapped > 0
+
+
+def test_a_tokenizer_llguidance_cannot_read_gives_a_grammar_error(tmp_path):
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    from tallow.tokenizer import Tokenizer
+
+    Backend(models.WordLevel({"<unk>": 0, "<eos>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    with pytest.raises(GrammarError, match="not available with this model's tokenizer"):
+        check_grammar(GrammarSpec("regex", "a+"), Tokenizer.from_hf_dir(tmp_path))
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    (r"\d{3}-\d+", "[0-9]{3}-[0-9]+"),
+    (r"[\d_]x", "[0-9_]x"),
+    (r"\\d", r"\\d"),
+    (r"[]\d]|[^\d]", "[]0-9]|[^0-9]"),
+    (r"[a-z&&[^\d]]\d", "[a-z&&[^0-9]][0-9]"),
+    (r"\D\w", r"\D\w"),
+])
+def test_regex_digits_are_ascii(pattern, expected):
+    from tallow.engine.grammar import ascii_digits
+
+    assert ascii_digits(pattern) == expected
+
+
+def test_regex_d_takes_ascii_digits_only(tokenizer):
+    m = grammar_backend(tokenizer).compile(GrammarSpec("regex", r"\d{2}")).result(timeout=30)
+    for text, ok in (("12", True), ("\U0001FBF8\U0001FBF8", False), ("\u0663\u0664", False)):
+        probe = m.deep_copy()
+        ids = tokenizer.encode(text)
+        assert (probe.try_consume_tokens(ids) == len(ids) and probe.is_accepting()) == ok, text
+
+
+def test_json_keys_come_in_the_schemas_order(core):
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha", "mid"],
+              "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}, "mid": {"enum": [1, 2]}}}
+    seqs, _ = run(core, [core.tokenizer.encode("Keys:")], [SamplingParams(temperature=0.0, max_tokens=60,
+                                                                          grammar=schema_spec(schema))])
+    text = text_of(core, seqs[0])
+    assert list(json.loads(text)) == ["zeta", "alpha", "mid"]

@@ -11,8 +11,9 @@ What a request carries is a GrammarSpec (SamplingParams.grammar). The engine sid
   of the compiled grammar's. A sequence whose grammar is still compiling waits in the scheduler's
   queue; the step never waits for a compile.
 - Token bitmasks: `fill_bitmasks` writes one bit per vocabulary token for each constrained row
-  (llguidance, in native code, in parallel over the rows); `apply_bitmasks` unpacks them on the
-  logits' device and sets the forbidden logits to -inf. The sampler applies them after
+  (llguidance, in native code, in parallel over the rows); `apply_bitmasks` sets the forbidden
+  logits to -inf on the logits' device (CUDA: the words copied without a sync and unpacked
+  there; CPU: a 0/-inf bias read per mask byte from a table). The sampler applies them after
   logit_bias, min_tokens and the penalties, before temperature / top-k / top-p / min-p, so
   reported logprobs are those of the masked distribution (as vLLM's).
 - Jump-forward ("fill"): after a sampled token, when the grammar allows exactly one
@@ -34,8 +35,8 @@ transformers and triton); benchmarks/grammar_backends.py has the measurements.
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import threading
 import time
@@ -60,12 +61,17 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """A constraint on a sequence's output.
+    r"""A constraint on a sequence's output.
 
     kind / text:
-      json_schema  the schema as canonical JSON text (json.dumps(sort_keys=True, separators=(",", ":")))
+      json_schema  the schema as compact JSON text in the client's key order:
+                   json.dumps(schema, separators=(",", ":")), NOT sort_keys=True: llguidance
+                   writes an object's properties in the order the schema lists them, so sorted
+                   text would reorder the output's keys (a pydantic model's fields alphabetically)
       json_object  "" (any JSON object)
-      regex        the pattern (llguidance's regex syntax: Rust's regex crate, no look-around)
+      regex        the pattern (llguidance's regex syntax: Rust's regex crate, no look-around); \d
+                   is an ASCII digit, as in JSON schema patterns (Rust's own \d takes any
+                   Unicode digit, and a small model picks exotic ones)
       choice       a JSON list of strings: the output is exactly one of them
       lark         an llguidance Lark grammar (may embed %json{...} sub-schemas), or a GBNF
                    grammar (llama.cpp's), which llguidance converts to Lark
@@ -131,7 +137,7 @@ def grammar_text(spec: GrammarSpec) -> str:
         if kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
         if kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(text)
+            return llg.LLMatcher.grammar_from_regex(ascii_digits(text))
         if kind == "choice":
             choices = json.loads(text)
             if (not isinstance(choices, list) or not choices
@@ -146,6 +152,39 @@ def grammar_text(spec: GrammarSpec) -> str:
         raise
     except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
         raise GrammarError(f"invalid {kind}: {e}") from None
+
+
+def ascii_digits(pattern: str) -> str:
+    """The pattern with each \\d an ASCII digit: [0-9] (0-9 inside a character class)."""
+    if "\\d" not in pattern:
+        return pattern
+    out: list[str] = []
+    depth = 0  # character classes nest in Rust's syntax ([a-z&&[^aeiou]])
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            nxt = pattern[i + 1]
+            out.append(("0-9" if depth else "[0-9]") if nxt == "d" else c + nxt)
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+            out.append(c)
+            i += 1
+            # A "]" first in a class (after an optional "^") is a literal.
+            if i < n and pattern[i] == "^":
+                out.append("^")
+                i += 1
+            if i < n and pattern[i] == "]":
+                out.append("]")
+                i += 1
+            continue
+        if c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 class _Entry:
@@ -318,7 +357,11 @@ def grammar_backend(tokenizer: Tokenizer) -> GrammarBackend:
         backend = _backends.get(tokenizer)
         width = _vocab_widths.get(tokenizer)
         if backend is None or (width is not None and backend.vocab_size < width):
-            backend = _backends[tokenizer] = GrammarBackend(tokenizer, width)
+            try:
+                backend = GrammarBackend(tokenizer, width)
+            except Exception as e:  # llguidance cannot read this tokenizer
+                raise GrammarError(f"structured output is not available with this model's tokenizer: {e}") from e
+            _backends[tokenizer] = backend
         return backend
 
 
