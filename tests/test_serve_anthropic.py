@@ -99,7 +99,8 @@ def test_bad_requests_are_invalid_request_errors(real, real_server):
            dict(max_tokens=8, messages=[]),
            dict(max_tokens=8, messages=ask("Hi"), extra_body={"temperature": 1.5}),
            dict(max_tokens=8, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
-           dict(max_tokens=8, messages=ask("Hi"), tools=[WEATHER_TOOL], tool_choice={"type": "any"}),
+           dict(max_tokens=8, messages=ask("Hi"), tools=[WEATHER_TOOL], tool_choice={"type": "tool", "name": "nope"}),
+           dict(max_tokens=8, messages=ask("Hi"), tool_choice={"type": "any"}),
            dict(max_tokens=8, messages=ask("Hi"), tools=[{"type": "web_search_20250305", "name": "web_search"}]),
            dict(max_tokens=8, messages=ask("Hi"), thinking={"type": "enabled", "budget_tokens": 8})]
     for kwargs in bad:

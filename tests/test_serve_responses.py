@@ -89,7 +89,9 @@ def test_retrieve_delete_and_unknown_ids(real):
 
 def test_bad_requests(real):
     for kwargs in (dict(input="Hi", tools=[{"type": "retrieval"}]),
-                   dict(input="Hi", tools=[WEATHER_TOOL], tool_choice="required"),
+                   dict(input="Hi", tool_choice="required"),
+                   dict(input="Hi", tools=[WEATHER_TOOL], tool_choice={"type": "function", "name": "nope"}),
+                   dict(input="Hi", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": 7}}}),
                    dict(input="Hi", max_output_tokens=0),
                    dict(input=[{"type": "message", "role": "user", "content": [{"type": "input_image"}]}])):
         with pytest.raises(openai.BadRequestError) as e:

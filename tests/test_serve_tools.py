@@ -197,12 +197,14 @@ def test_tool_choice_none_parses_nothing(client):
     assert whole.finish_reason == streamed["finish"] == "stop"
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_tool_choice_is_refused_until_enforced(client, tool_choice):
+@pytest.mark.parametrize("tool_choice,param", [
+    ("required", "tool_choice"), ({"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name")])
+def test_a_forced_tool_choice_needs_the_tool(client, tool_choice, param):
+    """Enforced tool_choice (tests/test_structured_output.py) needs tools, and a named function one of them."""
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=ask("[one-call]"), tools=TOOLS, tool_choice=tool_choice)
-    error = e.value.body
-    assert error["param"] == "tool_choice" and "not supported yet" in error["message"]
+        client.chat.completions.create(model="m", messages=ask("[one-call]"), tool_choice=tool_choice,
+                                       tools=TOOLS if param != "tool_choice" else openai.NOT_GIVEN)
+    assert e.value.body["param"] == param
 
 
 def test_a_template_that_opens_think_starts_the_reply_in_reasoning(open_think_client):

@@ -9,8 +9,9 @@ OpenAI shapes first):
   as <tool_call> markup and tool results as <tool_response> user turns; the reply is then read
   with the hermes parser.
 - tool_choice: "auto" renders the tools and parses calls; "none" renders no tools and parses
-  nothing (markup in the reply is content). "required" and a named function need constrained
-  decoding, which does not exist yet: they are rejected, never silently ignored.
+  nothing (markup in the reply is content). "required" and a named function render the tools
+  and are enforced by a grammar of the parser's markup (tallow/serve/structured.py); a named
+  function must be one of the tools.
 - reasoning: reasoning_effort "none" turns thinking off (enable_thinking=False) where the
   template supports it; chat_template_kwargs pass through and win over it.
 - client text stays text: a special token's string in what the client sent (message content,
@@ -58,6 +59,7 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None  # the tools rendered (their schemas type parsed values)
     # Where client text holds a special token's string: tokenize(..., literal_spans=) keeps it text.
     literal_spans: tuple[tuple[int, int], ...] = ()
+    template_source: str | None = None  # the chat template's text: a tool-call format's variant
 
 
 def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: ServerConfig, *,
@@ -69,7 +71,7 @@ def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: 
     Raises TallowError: 400 for a tool_choice that cannot be honoured or a template that fails,
     500 for a parser name in the server config that does not exist.
     """
-    check_tool_choice(tool_choice)
+    check_tool_choice(tool_choice, tools)
     # Until tests/serve_utils.py's ChatMLTemplate stand-in has these traits, it counts as plain ChatML.
     source = getattr(template, "source", None)
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_ARGS}
@@ -88,7 +90,8 @@ def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: 
     tool_parser = _configured(config.tool_call_parser, TOOL_PARSERS, "tool-call") or implied
     reasoning_parser = (_configured(config.reasoning_parser, REASONING_PARSERS, "reasoning")
                         or reasoning_parser_for_template(source))
-    return ChatPrompt(rendered.text, tool_parser if tools else None, reasoning_parser, tools, rendered.literal_spans)
+    return ChatPrompt(rendered.text, tool_parser if tools else None, reasoning_parser, tools, rendered.literal_spans,
+                      source)
 
 
 def _render(template: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -102,14 +105,20 @@ def _render(template: ChatTemplate, messages: list[dict[str, Any]], tools: list[
                                   literal_special_tokens=not config.allow_special_tokens_in_content, **kwargs)
 
 
-def check_tool_choice(tool_choice: str | dict[str, Any] | None) -> None:
-    """Accept "auto" and "none" (None means "auto"); reject what needs constrained decoding."""
+def check_tool_choice(tool_choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None = None) -> None:
+    """"auto", "none" (None means "auto"), "required" and a named function ({"type": "function",
+    "function": {"name"}}); the last two need tools, and the name must be one of them."""
     if tool_choice in (None, "auto", "none"):
         return
-    what = "'required'" if tool_choice == "required" else "a named function"
-    raise TallowError(f"tool_choice {what} is not supported yet: forcing a tool call needs constrained "
-                      "decoding, which this server does not have yet. Use 'auto' or 'none'.",
-                      param="tool_choice")
+    names = [t.get("function", t).get("name") for t in tools or []]
+    if not names:
+        what = "'required'" if tool_choice == "required" else "a named function"
+        raise TallowError(f"tool_choice {what} needs tools", param="tool_choice")
+    if isinstance(tool_choice, dict):
+        name = tool_choice.get("function", tool_choice).get("name")
+        if name not in names:
+            raise TallowError(f"tool_choice names the function {name!r}, which is not among the tools "
+                              f"({', '.join(map(str, names))})", param="tool_choice.function.name")
 
 
 def hermes_fallback_messages(messages: list[dict[str, Any]],

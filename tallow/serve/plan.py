@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
 from tallow.config import ServerConfig
+from tallow.engine.grammar import GrammarSpec
 from tallow.engine.sampling import SamplingParams
 from tallow.errors import TallowError
 from tallow.serve.access_log import mark_phase
@@ -165,8 +166,10 @@ def tokenize(tokenizer, text: str, **kwargs: Any) -> list[int]:
 
 def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size: int,
                     max_model_len: int, config: ServerConfig, max_tokens: int | None,
-                    logprobs: int | None, prompt_param: str, **plan_fields: Any) -> RequestPlan | Rejection:
-    """Shared checks and SamplingParams for a parsed request whose prompts are tokenized."""
+                    logprobs: int | None, prompt_param: str, grammar: GrammarSpec | None = None,
+                    **plan_fields: Any) -> RequestPlan | Rejection:
+    """Shared checks and SamplingParams for a parsed request whose prompts are tokenized; grammar:
+    the checked constraint of the reply (tallow/serve/structured.py)."""
     if req.n > config.max_n:
         return Rejection.invalid(f"n must be at most {config.max_n}, got {req.n}", "n")
     if logprobs is not None and logprobs > config.max_top_logprobs:
@@ -206,7 +209,7 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
             logit_bias=logit_bias, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens, grammar=grammar)
     except TallowError as e:
         return Rejection.from_error(e)
     options = req.stream_options

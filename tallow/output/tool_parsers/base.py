@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from tallow.output.tool_parsers.grammar import ANY_TEXT, GrammarTool, LarkGrammar, lit
 
 Schemas = dict[str, dict[str, Any]]  # tool name -> JSON schema of its parameters
 
@@ -50,6 +53,58 @@ class ToolParser:
 
     def _parse(self, markup: str, final: bool) -> Parsed | None:
         raise NotImplementedError
+
+    # ---- constrained decoding: the grammar of this format's calls --------------------------------
+
+    def call_grammar(self, tools: list[GrammarTool], *, required: bool, max_calls: int | None = None,
+                     special_ids: Mapping[str, int] | None = None, content: str | None = None,
+                     chat_template: str | None = None) -> str:
+        """A Lark grammar (llguidance's dialect) of the reply, from where the grammar starts (after
+        the reasoning), that this parser reads back as calls of `tools`.
+
+        required: one or more calls (at most max_calls) and nothing else. Otherwise the reply is
+        `content` (a Lark expression: the response format's %json) or calls; with content None, free
+        text in which every call the model opens must be a well-formed call of one of the tools
+        (the mid-text tags; a format whose markup begins the reply: that, or text that does not
+        begin with it). special_ids: the tokenizer's special tokens (text -> id): a tag that is one
+        is matched as that token. chat_template: the template's source, for formats with variants.
+        Raises UnenforceableSchema for a strict tool whose schema the format cannot enforce.
+        """
+        g = LarkGrammar(special_ids or {})
+        # A little whitespace may come first (after "</think>", the models write a blank line).
+        g.add(r"/[ \t\r\n]{0,8}/", "LEAD_WS")
+        if required:
+            return g.text(f"LEAD_WS {self.markup_rule(g, tools, max_calls, chat_template)}")
+        if content is not None:
+            return g.text(f"LEAD_WS ({g.add(content)} | {self.markup_rule(g, tools, max_calls, chat_template)})")
+        tags = []
+        for trigger, rest in self.mid_text_calls(g, tools, chat_template):
+            if g.is_special(trigger):
+                tags.append(g.add(f"TEXT {g.tag(trigger)} {rest}"))
+            else:  # lazy: the text ends at the first trigger, and the call must follow
+                head = g.add(f"TEXT {lit(trigger)}", options="[lazy]")
+                tags.append(g.add(f"{head} {rest}"))
+        g.add(ANY_TEXT, "TEXT")
+        free = f"({' | '.join(tags)})* TEXT" if tags else "TEXT"
+        if not self.reply_start:
+            return g.text(free)
+        # The markup that begins the reply, or text whose first character does not open it.
+        starts = "".join("\\" + c for c in self.reply_start)
+        g.add(f"/[ \\t\\r\\n]*[^ \\t\\r\\n{starts}]/", "TEXT_HEAD")
+        markup = self.markup_rule(g, tools, max_calls, chat_template)
+        return g.text(f"LEAD_WS {markup} | TEXT_HEAD {free} | LEAD_WS")
+
+    def markup_rule(self, g: LarkGrammar, tools: list[GrammarTool], max_calls: int | None,
+                    chat_template: str | None) -> str:
+        """The rule (defined in g) of this format's markup for one or more calls of `tools`, at
+        most max_calls (None: any number), as the model writes it."""
+        raise NotImplementedError(f"the {self.name} tool-call format has no grammar")
+
+    def mid_text_calls(self, g: LarkGrammar, tools: list[GrammarTool],
+                       chat_template: str | None) -> list[tuple[str, str]]:
+        """(tag, the rest of the markup after it) for each way a call opens in the middle of text;
+        [] for a format whose markup only begins the reply (reply_start)."""
+        return []
 
     def _value_end(self, markup: str, start: int) -> int | None:
         """The index after the value (object, list, call) that opens at markup[start]; None
@@ -101,8 +156,16 @@ class _Closer:
 
 
 def loads_json(text: str) -> Any:
-    """json.loads without NaN and Infinity, which are not JSON."""
-    return json.loads(text, parse_constant=_reject_constant)
+    """json.loads without NaN and Infinity, which are not JSON, nor numbers beyond a float's range
+    (1e999 would parse to inf, which compact_json cannot write back)."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is beyond a float's range")
+    return value
 
 
 def _reject_constant(name: str) -> Any:

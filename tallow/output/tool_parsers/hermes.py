@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_calls
+from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar, call_object_schema, json_rule
 
 
 class HermesParser(ToolParser):
@@ -19,3 +20,17 @@ class HermesParser(ToolParser):
         if close == -1:
             return Parsed(len(markup), json_calls(markup[len(self._open):])) if final else None
         return Parsed(close + len(self._close), json_calls(markup[len(self._open):close]))
+
+    # The markup as the templates write it: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>,
+    # calls one per line.
+    def markup_rule(self, g: LarkGrammar, tools: list[GrammarTool], max_calls: int | None,
+                    chat_template: str | None) -> str:
+        call = g.add(f"{g.tag(self._open)} {self._rest(g, tools)}")
+        return g.repeat(call, '"\\n"', max_calls)
+
+    def mid_text_calls(self, g: LarkGrammar, tools: list[GrammarTool],
+                       chat_template: str | None) -> list[tuple[str, str]]:
+        return [(self._open, self._rest(g, tools))]
+
+    def _rest(self, g: LarkGrammar, tools: list[GrammarTool]) -> str:
+        return g.add(f'"\\n" {json_rule(call_object_schema(tools))} "\\n" {g.tag(self._close)}')

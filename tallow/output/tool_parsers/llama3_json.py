@@ -4,6 +4,7 @@ the JSON begins the reply)."""
 from __future__ import annotations
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_call, loads_json, skip_ws, undecided
+from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar, call_object_schema, json_rule
 
 
 class Llama3JsonParser(ToolParser):
@@ -42,3 +43,14 @@ class Llama3JsonParser(ToolParser):
             if after == len(markup) or markup[after] != ";":
                 return Parsed(end, calls)
             pos = end = after + 1
+
+    # The markup as Llama 3.1+ writes custom tool calls: {"name": ..., "parameters": {...}} beginning
+    # the reply (several joined by "; "), or after <|python_tag|> in the middle of text.
+    def markup_rule(self, g: LarkGrammar, tools: list[GrammarTool], max_calls: int | None,
+                    chat_template: str | None) -> str:
+        call = g.add(json_rule(call_object_schema(tools, args_key="parameters")))
+        return g.repeat(call, '"; "', max_calls)
+
+    def mid_text_calls(self, g: LarkGrammar, tools: list[GrammarTool],
+                       chat_template: str | None) -> list[tuple[str, str]]:
+        return [(self.start_tags[0], self.markup_rule(g, tools, None, chat_template))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_calls, loads_json, skip_ws, undecided
+from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar, call_object_schema, json_rule, lit
 
 
 _MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -52,3 +53,34 @@ class MistralParser(ToolParser):
         except ValueError:
             return Parsed(close, None)
         return Parsed(close, [(name.group(), args)] if isinstance(args, dict) else None)
+
+    # The markup in the form the template writes: [TOOL_CALLS]NAME[ARGS]{...} per call when the
+    # template knows [ARGS] (tokenizer v11+), else [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...].
+    def markup_rule(self, g: LarkGrammar, tools: list[GrammarTool], max_calls: int | None,
+                    chat_template: str | None) -> str:
+        tag = g.tag(self.start_tags[0])
+        if _named_form(chat_template):
+            return g.repeat(g.add(f"{tag} {self._named_calls(g, tools)}"), None, max_calls)
+        array = {"type": "array", "items": call_object_schema(tools), "minItems": 1}
+        if max_calls is not None:
+            array["maxItems"] = max_calls
+        items = array["items"]
+        if "$defs" in items:  # the references resolve from the array's root
+            array["$defs"] = items.pop("$defs")
+        return g.add(f"{tag} {json_rule(array)}")
+
+    def mid_text_calls(self, g: LarkGrammar, tools: list[GrammarTool],
+                       chat_template: str | None) -> list[tuple[str, str]]:
+        if _named_form(chat_template):
+            return [(self.start_tags[0], self._named_calls(g, tools))]
+        array = {"type": "array", "items": call_object_schema(tools), "minItems": 1}
+        if "$defs" in array["items"]:
+            array["$defs"] = array["items"].pop("$defs")
+        return [(self.start_tags[0], g.add(json_rule(array)))]
+
+    def _named_calls(self, g: LarkGrammar, tools: list[GrammarTool]) -> str:
+        return g.add(" | ".join(f"{lit(tool.name)} {g.tag('[ARGS]')} {json_rule(tool.schema)}" for tool in tools))
+
+
+def _named_form(chat_template: str | None) -> bool:
+    return bool(chat_template) and "[ARGS]" in chat_template

@@ -7,6 +7,8 @@ import re
 from typing import Any
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, compact_json, loads_json
+from tallow.output.tool_parsers.grammar import (GrammarTool, LarkGrammar, UnenforceableSchema, hoist_defs,
+                                                json_rule, lit, regex_escape)
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
@@ -39,6 +41,52 @@ class Qwen3CoderParser(ToolParser):
         end = close + len(close_tag)
         # Wrapped, the body is what the tags enclose; bare, it is the <function=...> element.
         return Parsed(end, self._functions(markup[body_start:close] if wrapped else markup[:end]))
+
+    # The markup as the template writes it: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
+    # </parameter>\n...</function>\n</tool_call>, the parameters in the schema's order, each at most
+    # once (required ones always). A value the parser keeps as a string (the schema allows a string
+    # or names no type) is raw text; any other is JSON of its schema.
+    def markup_rule(self, g: LarkGrammar, tools: list[GrammarTool], max_calls: int | None,
+                    chat_template: str | None) -> str:
+        call = g.add(f"{g.tag('<tool_call>')} {self._rest(g, tools)}")
+        return g.repeat(call, '"\\n"', max_calls)
+
+    def mid_text_calls(self, g: LarkGrammar, tools: list[GrammarTool],
+                       chat_template: str | None) -> list[tuple[str, str]]:
+        # The <tool_call> wrapper, or a bare <function=...> element.
+        bare = g.add(" | ".join(self._function(g, tool, bare=True) for tool in tools))
+        return [("<tool_call>", self._rest(g, tools)), ("<function=", bare)]
+
+    def _rest(self, g: LarkGrammar, tools: list[GrammarTool]) -> str:
+        functions = g.add(" | ".join(self._function(g, tool) for tool in tools))
+        return g.add(f'"\\n" {functions} "\\n" {g.tag("</tool_call>")}')
+
+    def _function(self, g: LarkGrammar, tool: GrammarTool, bare: bool = False) -> str:
+        schema = tool.schema
+        body, defs = hoist_defs(schema, "")
+        properties = body.get("properties") or {}
+        required = set(body.get("required") or [])
+        if not tool.constrained or not properties:
+            # Any parameters: one or more <parameter=KEY>VALUE</parameter> of any names.
+            param = g.add(f'"<parameter=" /[^>\\n<]+/ ">\\n" {_raw_value(g)} "\\n"')
+            params = f"({param})*"
+        else:
+            items = [(self._parameter(g, tool, key, sub, defs), key in required) for key, sub in properties.items()]
+            params = g.sequence(items, None)
+        head = "" if bare else '"<function=" '
+        return g.add(f'{head}{lit(tool.name + ">")} "\\n" {params} "</function>"')
+
+    def _parameter(self, g: LarkGrammar, tool: GrammarTool, key: str, schema: dict[str, Any],
+                   defs: dict[str, Any]) -> str:
+        if not isinstance(schema, dict):
+            schema = {}
+        types = _schema_types(schema)
+        if types and "string" not in types:
+            value = json_rule({**schema, "$defs": defs} if defs else schema)
+            value = f'{value} "\\n</parameter>"'
+        else:
+            value = _raw_value(g, schema, tool, key)
+        return g.add(f'{lit(f"<parameter={key}>")} "\\n" {value} "\\n"')
 
     def _functions(self, body: str) -> list[tuple[str, dict]] | None:
         calls, pos = [], 0
@@ -110,3 +158,34 @@ def _literal(text: str) -> Any:
         return value
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return None
+
+
+# A raw (string) value and the "\n</parameter>" after it, in one lexeme: text that holds none of
+# the tags that would end the value, the function or the call early for the parser.
+_RAW_END = r"\n<\/parameter>"
+_NO_TAGS = r"~/(?s:.*)(<\/parameter>(?s:.)|<parameter=|<\/function>|<\/tool_call>)(?s:.*)/"
+_EXACT_MAX_LENGTH = 48  # a raw value's maxLength up to which the tag exclusion is enforced with it
+_STRING_KEYWORDS = {"type", "description", "title", "default", "examples", "minLength", "maxLength", "enum",
+                    "const", "$comment", "deprecated", "readOnly", "writeOnly"}
+
+
+def _raw_value(g: LarkGrammar, schema: dict[str, Any] | None = None, tool: GrammarTool | None = None,
+               key: str = "") -> str:
+    """The terminal of a raw string value of `schema` followed by "\n</parameter>"."""
+    schema = schema or {}
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if choices is not None and all(isinstance(c, str) for c in choices):
+        return "(" + " | ".join(lit(c + "\n</parameter>") for c in choices) + ")"
+    unenforced = sorted(set(schema) - _STRING_KEYWORDS)
+    if tool is not None and tool.strict and (unenforced or choices is not None
+                                             or _schema_types(schema) not in ([], ["string"])):
+        raise UnenforceableSchema(tool.name, f"parameter {key!r}: the qwen3_coder format writes it as raw text, "
+                                  f"which cannot be held to {', '.join(unenforced) or 'this schema'}")
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    length = f"{{{low},{'' if high is None else int(high)}}}"
+    if high is not None and int(high) > _EXACT_MAX_LENGTH:
+        # A long bounded count intersected with the tag exclusion is more than llguidance's lexer
+        # builds ("too many expressions"): the value is lazy instead (it ends at the first
+        # "\n</parameter>"), and may then hold a bare closing tag, which the parser would cut at.
+        return g.add(f"/(?s:.){length}{_RAW_END}/", f"raw{len(g.rules)}", options="[lazy]")
+    return g.add(f"/(?s:.){length}{_RAW_END}/ & {_NO_TAGS}", f"RAW{len(g.rules)}")

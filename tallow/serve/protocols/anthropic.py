@@ -35,6 +35,7 @@ from tallow.serve.chat_prompt import ChatPrompt, render_chat
 from tallow.serve.errors import ANTHROPIC, ANTHROPIC_OVERLOADED, error_body
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
+from tallow.serve import structured
 from tallow.serve.protocols.anthropic_schemas import MessagesInput, MessagesRequest
 from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.output.events import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
@@ -136,9 +137,7 @@ def _render(req: MessagesInput, engine, config: ServerConfig) -> ChatPrompt | Re
             return Rejection.invalid(f"context_management.edits[{k}].type: the edit {edit.type!r} is not supported; "
                                      "clear_thinking edits are", f"context_management.edits[{k}].type")
     tools = [tool.to_openai() for tool in req.tools] if req.tools else None
-    # "any" and "tool" never get here from a Messages request (plan_request refuses them); counting
-    # tokens renders them as "auto" does.
-    choice = "none" if req.tool_choice is not None and req.tool_choice.type == "none" else "auto"
+    choice = _tool_choice(req)
 
     def render(merge_system: bool) -> ChatPrompt:
         return render_chat(engine.chat_template, req.template_messages(merge_system), config, tools=tools,
@@ -160,6 +159,38 @@ def _render(req: MessagesInput, engine, config: ServerConfig) -> ChatPrompt | Re
         return Rejection.from_error(e)
 
 
+def _tool_choice(req: MessagesInput) -> str | dict[str, Any]:
+    """Anthropic's tool_choice in OpenAI's terms: any -> "required", tool -> a named function."""
+    choice = req.tool_choice
+    if choice is None or choice.type == "auto":
+        return "auto"
+    if choice.type == "any":
+        return "required"
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}
+    return "none"
+
+
+def _grammar(req: MessagesRequest, prompt: ChatPrompt, tokenizer):
+    """output_config.format (or output_format) and an enforced tool_choice, after the reasoning."""
+    if req.output_config is not None and req.output_config.format is not None and req.output_format is not None:
+        return Rejection.invalid("output_format cannot be combined with output_config.format", "output_format")
+    fmt, param = ((req.output_config.format, "output_config.format.schema")
+                  if req.output_config is not None and req.output_config.format is not None
+                  else (req.output_format, "output_format.schema"))
+    # Anthropic's structured outputs are always strict: what the schema says is what comes back.
+    output = None if fmt is None else structured.json_schema_format(fmt.schema_, param, strict=True)
+    if isinstance(output, Rejection):
+        return output
+    choice = _tool_choice(req)
+    max_calls = 1 if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use else None
+    result = structured.tool_call_grammar(
+        tokenizer, tools=prompt.tools, tool_parser=prompt.tool_parser, tool_choice=choice, output=output,
+        max_calls=max_calls, chat_template=prompt.template_source, tool_field="", schema_field="input_schema")
+    return structured.grammar_for(result, tokenizer, reasoning_parser=prompt.reasoning_parser,
+                                  prompt_text=prompt.text)
+
+
 class AnthropicMessages(StreamProtocol):
     id_prefix = "msg_"
     error_protocol = ANTHROPIC
@@ -177,15 +208,18 @@ class AnthropicMessages(StreamProtocol):
         req = parse_request(raw, MessagesRequest)
         if isinstance(req, Rejection):
             return req
-        if req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
-            return Rejection.invalid(f"tool_choice {req.tool_choice.type!r} is not enforced yet: forcing a tool "
-                                     "call needs constrained decoding. Use 'auto' or 'none'.", "tool_choice")
-        budget = req.thinking.budget_tokens if req.thinking_enabled else None
+        if req.tool_choice is not None and req.tool_choice.type == "tool" and not req.tool_choice.name:
+            return Rejection.invalid("tool_choice.name: Field required for tool_choice of type 'tool'",
+                                     "tool_choice.name")
+        budget = req.thinking.budget_tokens if req.thinking is not None and req.thinking_enabled else None
         if budget is not None and budget >= req.max_tokens:
             return Rejection.invalid("thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens")
         prompt = _render(req, engine, config)
         if isinstance(prompt, Rejection):
             return prompt
+        grammar = _grammar(req, prompt, engine.tokenizer)
+        if isinstance(grammar, Rejection):
+            return grammar
         sampling = SamplingFields(model=req.model, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, stop=req.stop_sequences)
         plan = plan_completion(
@@ -194,7 +228,8 @@ class AnthropicMessages(StreamProtocol):
             config=config, max_tokens=req.max_tokens, logprobs=None,
             prompt_param="messages", prompt_text=prompt.text, split_reasoning=True,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
-            max_tool_calls=1 if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use else None)
+            max_tool_calls=1 if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use else None,
+            grammar=grammar)
         fmt = REASONING_PARSERS.get(prompt.reasoning_parser or "none")
         if budget is not None and fmt is not None and not isinstance(plan, Rejection):
             # thinking.budget_tokens enforced: the engine forces the end tag at the budget.

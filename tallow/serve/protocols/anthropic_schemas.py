@@ -93,9 +93,12 @@ class Tool(WireModel):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any] | None = None  # required of client tools (the protocol checks)
+    strict: bool | None = None  # true: the call's input follows input_schema exactly (a grammar)
 
     def to_openai(self) -> dict[str, Any]:
         function = {"name": self.name, "parameters": self.input_schema}
+        if self.strict:
+            function["strict"] = True
         if self.description is not None:
             function["description"] = self.description
         return {"type": "function", "function": function}
@@ -128,6 +131,19 @@ class ContextManagement(WireModel):
     edits: list[ContextEdit] = []
 
 
+class JsonOutputFormat(WireModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(WireModel):
+    """output_config: a JSON schema the reply's text must follow; effort (low / medium / high / max)
+    turns reasoning on where the request does not set thinking."""
+
+    format: JsonOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "max"] | None = None
+
+
 class MessagesInput(WireModel):
     """What decides the prompt: the body of count_tokens, and the base of a Messages request."""
 
@@ -138,10 +154,14 @@ class MessagesInput(WireModel):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the older beta name of output_config.format
 
     @property
     def thinking_enabled(self) -> bool:
-        return self.thinking is not None and self.thinking.type != "disabled"
+        if self.thinking is None:
+            return self.output_config is not None and self.output_config.effort is not None
+        return self.thinking.type != "disabled"
 
     def template_messages(self, merge_system: bool = False) -> list[dict[str, Any]]:
         """The chat template's messages. System messages inside `messages` are system turns in

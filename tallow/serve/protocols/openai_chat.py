@@ -9,6 +9,7 @@ from tallow.errors import TallowError
 from tallow.serve.chat_prompt import render_chat
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
+from tallow.serve import structured
 from tallow.serve.protocols.base import DONE, OpenAIChunks, StreamProtocol, finite, json_string, to_json
 from tallow.output.events import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallDelta, ToolCallDeltaEvent
 from tallow.serve.protocols.openai_schemas import ChatCompletionRequest
@@ -35,6 +36,9 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
                                  add_generation_prompt=req.add_generation_prompt)
         except TallowError as e:
             return Rejection.from_error(e)
+        grammar = chat_grammar(req, prompt, engine.tokenizer, tool_choice)
+        if isinstance(grammar, Rejection):
+            return grammar
         return plan_completion(
             req, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
@@ -42,7 +46,7 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages",
             prompt_text=prompt.text, split_reasoning=True, reasoning_parser=prompt.reasoning_parser,
-            tool_parser=prompt.tool_parser, tools=prompt.tools,
+            tool_parser=prompt.tool_parser, tools=prompt.tools, grammar=grammar,
             max_tool_calls=1 if req.parallel_tool_calls is False else None)
 
     # ---- streaming ------------------------------------------------------------------
@@ -103,6 +107,20 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
                     "bytes": list(data)}
 
         return {**one(entry.token_id, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+
+
+def chat_grammar(req: ChatCompletionRequest, prompt, tokenizer, tool_choice):
+    """The request's grammar: its output format (response_format, structured_outputs, guided_*)
+    and its tool_choice, applied after the reasoning (tallow/serve/structured.py)."""
+    output = structured.one_format([structured.response_format(req.response_format),
+                                    *structured.vllm_formats(req)])
+    if isinstance(output, Rejection):
+        return output
+    fmt = structured.tool_call_grammar(
+        tokenizer, tools=prompt.tools, tool_parser=prompt.tool_parser, tool_choice=tool_choice, output=output,
+        max_calls=1 if req.parallel_tool_calls is False else None, chat_template=prompt.template_source)
+    return structured.grammar_for(fmt, tokenizer, reasoning_parser=prompt.reasoning_parser,
+                                  prompt_text=prompt.text)
 
 
 def _deltas(event: Event) -> list[dict]:

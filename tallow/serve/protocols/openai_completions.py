@@ -5,6 +5,7 @@ from __future__ import annotations
 from tallow.config import ServerConfig
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, TokenLogprob, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
+from tallow.serve import structured
 from tallow.serve.protocols.base import DONE, OpenAIChunks, StreamProtocol, finite, to_json
 from tallow.output.events import ContentEvent
 from tallow.serve.protocols.openai_schemas import CompletionRequest
@@ -38,10 +39,15 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
             return Rejection.invalid("prompt must not be empty", "prompt")
         if any(not 0 <= t < vocab_size for ids in prompts for t in ids):
             return Rejection.invalid(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        grammar = structured.grammar_for(
+            structured.one_format([structured.response_format(req.response_format), *structured.vllm_formats(req)]),
+            engine.tokenizer)
+        if isinstance(grammar, Rejection):
+            return grammar
         return plan_completion(
             req, prompts, vocab_size=vocab_size, max_model_len=engine.max_model_len, config=config,
             max_tokens=req.max_tokens if "max_tokens" in req.model_fields_set else 16,
-            logprobs=req.logprobs, prompt_param="prompt", echo=req.echo)
+            logprobs=req.logprobs, prompt_param="prompt", echo=req.echo, grammar=grammar)
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:

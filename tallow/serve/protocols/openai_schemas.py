@@ -62,6 +62,44 @@ class SamplingFields(WireModel):
     skip_special_tokens: bool = True
 
 
+class JsonSchemaSpec(WireModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(WireModel):
+    """response_format: the reply's content as text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputsParams(WireModel):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+
+class StructuredFields(WireModel):
+    """The output-format fields of both OpenAI endpoints (tallow/serve/structured.py maps them)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older names
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; llguidance is the one backend
+
+
 class TextPart(WireModel):
     type: Literal["text"]
     text: str
@@ -104,14 +142,14 @@ class NamedToolChoice(WireModel):
     function: FunctionName
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(StructuredFields, SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Count | None = Field(default=None, ge=0)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    # Accepted, not enforced: every call the model writes is returned.
+    # false: generation ends after the first call (a forced call: the grammar allows one).
     parallel_tool_calls: bool | None = None
     # Only "none" has an effect: thinking off where the template supports it (see chat_prompt.py).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
@@ -119,7 +157,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(StructuredFields, SamplingFields):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
     echo: bool = False
     suffix: str | None = None

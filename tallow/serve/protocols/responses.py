@@ -29,6 +29,7 @@ from tallow.serve.chat_prompt import render_chat
 from tallow.serve.errors import OPENAI, error_body
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
+from tallow.serve import structured
 from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.serve.protocols.openai_schemas import SamplingFields
 from tallow.serve.protocols.responses_schemas import (INCLUDE_HONOURED, INCLUDE_HOSTED, ReasoningItem,
@@ -173,6 +174,9 @@ class OpenAIResponses(StreamProtocol):
                                  reasoning_effort=req.reasoning.effort if req.reasoning else None)
         except TallowError as e:
             return Rejection.from_error(e)
+        grammar = responses_grammar(req, prompt, engine.tokenizer)
+        if isinstance(grammar, Rejection):
+            return grammar
         sampling = SamplingFields(model=req.model, stream=req.stream, temperature=req.temperature, top_p=req.top_p)
         plan = plan_completion(
             sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
@@ -180,7 +184,7 @@ class OpenAIResponses(StreamProtocol):
             config=config, max_tokens=req.max_output_tokens, logprobs=None,
             prompt_param="input", prompt_text=prompt.text, split_reasoning=True,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
-            max_tool_calls=1 if req.parallel_tool_calls is False else None)
+            max_tool_calls=1 if req.parallel_tool_calls is False else None, grammar=grammar)
         if isinstance(plan, Rejection):
             return plan
         if tool_set.dropped:
@@ -339,7 +343,7 @@ class OpenAIResponses(StreamProtocol):
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
                           "summary": req.reasoning.summary if req.reasoning else None},
             "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+            "text": {"format": _text_format(req)}, "tool_choice": req.tool_choice or "auto",
             "tools": [_echo_tool(t) for t in req.tools or []],
             "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
             "metadata": req.metadata or {},
@@ -354,3 +358,37 @@ class OpenAIResponses(StreamProtocol):
                 "output_tokens": usage.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": usage.total_tokens, **({"fill": usage.fill} if usage.fill else {})}
+
+
+def responses_grammar(req: ResponsesRequest, prompt, tokenizer):
+    """The request's grammar: text.format and tool_choice, after the reasoning (serve/structured.py)."""
+    fmt = req.text.format if req.text is not None else None
+    output = None
+    if fmt is not None and fmt.type == "json_object":
+        output = structured.json_object_format("text.format")
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.name is None:
+            return Rejection.invalid("text.format.name: Field required", "text.format.name")
+        output = (structured.json_object_format("text.format") if fmt.schema_ is None else
+                  structured.json_schema_format(fmt.schema_, "text.format.schema", strict=bool(fmt.strict)))
+        if isinstance(output, Rejection):
+            return output
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            return Rejection.invalid("tool_choice: only 'none', 'auto', 'required' and {\"type\": \"function\", "
+                                     "\"name\": ...} are supported", "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    result = structured.tool_call_grammar(
+        tokenizer, tools=prompt.tools, tool_parser=prompt.tool_parser, tool_choice=choice, output=output,
+        max_calls=1 if req.parallel_tool_calls is False else None, chat_template=prompt.template_source,
+        tool_field="")
+    return structured.grammar_for(result, tokenizer, reasoning_parser=prompt.reasoning_parser,
+                                  prompt_text=prompt.text)
+
+
+def _text_format(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None:
+        return {"type": "text"}
+    return fmt.model_dump(by_alias=True, exclude_none=True)

@@ -93,6 +93,21 @@ INCLUDE_HOSTED = frozenset({"file_search_call.results", "web_search_call.results
                             "code_interpreter_call.outputs"})
 
 
+class TextFormat(WireModel):
+    """text.format: the reply as text, any JSON object, or JSON of a schema (flat, unlike Chat's)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(WireModel):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
 class ReasoningConfig(WireModel):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: str | None = None
@@ -109,6 +124,7 @@ class ResponsesRequest(WireModel):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None

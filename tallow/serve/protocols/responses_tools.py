@@ -101,6 +101,8 @@ def build_tool_set(tools: list[dict[str, Any]], *, strict: bool) -> ToolSet:
         function = {"name": flat, "parameters": parameters}
         if description:
             function["description"] = description
+        if kind == "function" and tool.get("strict") is True:
+            function["strict"] = True  # its arguments follow the schema under auto too (serve/structured.py)
         out.chat_tools.append({"type": "function", "function": function})
 
     for k, tool in enumerate(tools):
