@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from tallow.output.partial_match import partial_suffix_len
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_calls
+from tallow.output.tool_parsers.streaming import PartialCall
 
 
 class HermesParser(ToolParser):
@@ -19,3 +21,8 @@ class HermesParser(ToolParser):
         if close == -1:
             return Parsed(len(markup), json_calls(markup[len(self._open):])) if final else None
         return Parsed(close + len(self._close), json_calls(markup[len(self._open):close]))
+
+    def partial(self, markup: str) -> list[PartialCall]:
+        close = markup.find(self._close, len(self._open))
+        limit = close if close != -1 else len(markup) - partial_suffix_len(markup, (self._close,))
+        return self._json_object_calls(markup, len(self._open), limit, None)

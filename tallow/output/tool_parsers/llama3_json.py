@@ -4,6 +4,7 @@ the JSON begins the reply)."""
 from __future__ import annotations
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_call, loads_json, skip_ws, undecided
+from tallow.output.tool_parsers.streaming import PartialCall
 
 
 class Llama3JsonParser(ToolParser):
@@ -42,3 +43,8 @@ class Llama3JsonParser(ToolParser):
             if after == len(markup) or markup[after] != ";":
                 return Parsed(end, calls)
             pos = end = after + 1
+
+    def partial(self, markup: str) -> list[PartialCall]:
+        tag = self.start_tags[0]
+        start = len(tag) if markup.startswith(tag) else 0
+        return self._json_object_calls(markup, start, len(markup), ";", ("parameters", "arguments"))
