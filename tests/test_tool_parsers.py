@@ -484,3 +484,69 @@ def test_random_mixtures_are_split_invariant_and_lose_nothing(parser):
             assert whole[0] == text
         for pieces in [list(text), *([text[:cut], text[cut:]] for cut in range(1, len(text)))]:
             assert _run_pieces(parser, pieces, **kwargs) == whole, pieces
+
+
+# ---- streamed arguments, property tests -----------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from tallow.output.tool_parsers.base import compact_json  # noqa: E402
+from tallow.output.tool_parsers.streaming import JsonArgsStream, close_json  # noqa: E402
+
+_json_scalars = (st.none() | st.booleans() | st.integers(-10**20, 10**20)
+                 | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+_json_values = st.recursive(_json_scalars, lambda inner: st.lists(inner, max_size=4)
+                            | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+_cuts = st.lists(st.integers(1, 400), max_size=12)
+
+
+def _cut(text: str, cuts: list[int]) -> list[str]:
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(args=st.dictionaries(st.text(max_size=6), _json_values, max_size=5), cuts=_cuts,
+       indent=st.sampled_from([None, 0, 2]), ascii_=st.booleans())
+def test_json_args_stream_writes_the_compact_form_incrementally(args, cuts, indent, ascii_):
+    """Raw JSON however formatted and cut: each step is a prefix of compact_json(args) that
+    close_json completes into JSON, and the whole is exactly compact_json(args)."""
+    raw = json.dumps(args, indent=indent, ensure_ascii=ascii_)
+    stream, at = JsonArgsStream(0), 0
+    for piece in _cut(raw, cuts):
+        at += len(piece)
+        stream.feed(raw, at)
+        assert compact_json(args).startswith(stream.out) and not stream.failed
+        json.loads(stream.out + close_json(stream.out))
+    assert stream.done and stream.end == len(raw) and stream.out == compact_json(args)
+
+
+_texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(city=_texts.filter(lambda t: "<" not in t), days=st.integers(-999, 999), cuts=_cuts)
+def test_qwen3_coder_streams_any_string_value(city, days, cuts):
+    text = (f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+            f"<parameter=days>\n{days}\n</parameter>\n</function>\n</tool_call>")
+    router, deltas = _streamed("qwen3_coder", _cut(text, cuts))
+    _check_deltas(deltas, router.tool_calls())
+    assert [(c.name, json.loads(c.arguments)) for c in router.tool_calls()] == [
+        ("get_weather", {"city": city, "days": days})]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(city=_texts, note=_texts, hours=st.lists(st.integers(), max_size=3), cuts=_cuts,
+       quote=st.sampled_from(["'", '"']))
+def test_pythonic_streams_any_string_value(city, note, hours, cuts, quote):
+    def literal(value: str) -> str:  # repr, with the quote chosen
+        body = repr(value)[1:-1]
+        if repr(value)[0] != quote:
+            body = body.replace("\\" + repr(value)[0], repr(value)[0]).replace(quote, "\\" + quote)
+        return quote + body + quote
+
+    text = f"[get_weather(city={literal(city)}, hours={hours!r}, note={literal(note)})]"
+    router, deltas = _streamed("pythonic", _cut(text, cuts))
+    _check_deltas(deltas, router.tool_calls())
+    assert [(c.name, json.loads(c.arguments)) for c in router.tool_calls()] == [
+        ("get_weather", {"city": city, "hours": hours, "note": note})]
