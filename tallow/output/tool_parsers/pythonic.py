@@ -31,6 +31,14 @@ class PythonicParser(ToolParser):
             return undecided(markup, final)
         return Parsed(close, self._calls(markup[:close]))
 
+    def __init__(self, schemas=None):
+        super().__init__(schemas)
+        self._strings: dict[int, tuple[int, str]] = {}  # a growing string value's start -> decoded so far
+
+    def reset(self) -> None:
+        super().reset()
+        self._strings.clear()
+
     def partial(self, markup: str) -> list[PartialCall]:
         """A call opens at NAME( followed by a keyword or ")"; a value that is a plain quoted
         string streams as it grows, other values once complete."""
@@ -39,7 +47,7 @@ class PythonicParser(ToolParser):
             m = _CALL_OPEN.match(markup, pos)
             if m is None:
                 return calls
-            arguments, pos, closed = _partial_arguments(markup, m.end())
+            arguments, pos, closed = _partial_arguments(markup, m.end(), self._strings)
             calls.append(PartialCall(m.group(1), arguments, closed))
             if not closed:
                 return calls
@@ -67,9 +75,9 @@ class PythonicParser(ToolParser):
             return None
 
 
-def _partial_arguments(text: str, pos: int) -> tuple[str, int, bool]:
+def _partial_arguments(text: str, pos: int, strings: dict[int, tuple[int, str]]) -> tuple[str, int, bool]:
     """The arguments JSON certain so far of the call whose arguments start at text[pos]; the
-    index after its ")" and True once it closed."""
+    index after its ")" and True once it closed. strings: the growing string values decoded so far."""
     out = ["{"]
     while True:
         while pos < len(text) and text[pos].isspace():
@@ -85,34 +93,35 @@ def _partial_arguments(text: str, pos: int) -> tuple[str, int, bool]:
         if m is None or m.end() == len(text):
             return "".join(out), pos, False
         head = ("," if len(out) > 1 else "") + encode_string(m.group(1)) + ":"
-        end = _value_end(text, m.end())
+        growing, after = _growing_string(text, m.end(), strings)
+        # A string that has not closed: the value goes on (no need to scan it again).
+        end = None if growing is not None and after is None else _value_end(text, after or m.end())
         if end is None:
-            growing = _growing_string(text, m.end())
             if growing is not None:
                 out.append(head + encode_string(growing)[:-1])
             return "".join(out), pos, False
         try:
             value = compact_json({"": ast.literal_eval(text[m.end():end].strip())})[4:-1]
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            if growing is not None:  # what went out stays: the call is broken from here on
+                out.append(head + encode_string(growing)[:-1])
             return "".join(out), pos, False
         out.append(head + value)
         pos = end
 
 
+# A string (closed or not), a run of plain characters, or one character.
+_VALUE_TOKEN = re.compile(r""""(?:[^"\\]|\\.)*"?|'(?:[^'\\]|\\.)*'?|[^"'()\[\]{},]+|.""", re.S)
+
+
 def _value_end(text: str, pos: int) -> int | None:
     """Where the value at text[pos] ends (a "," or ")" outside brackets and strings); None while
     it does not."""
-    depth, quote = 0, None
+    depth = 0
     while pos < len(text):
+        token = _VALUE_TOKEN.match(text, pos)
         char = text[pos]
-        if quote is not None:
-            if char == "\\":
-                pos += 1
-            elif char == quote:
-                quote = None
-        elif char in "\"'":
-            quote = char
-        elif char in "([{":
+        if char in "([{":
             depth += 1
         elif char in ")]}":
             if depth == 0:
@@ -120,31 +129,39 @@ def _value_end(text: str, pos: int) -> int | None:
             depth -= 1
         elif char == "," and depth == 0:
             return pos
-        pos += 1
+        pos = token.end()
     return None
 
 
-def _growing_string(text: str, pos: int) -> str | None:
+def _growing_string(text: str, pos: int, strings: dict[int, tuple[int, str]]) -> tuple[str | None, int | None]:
     """The decoded text so far of a plain (not triple-quoted, unprefixed) string literal that
-    opens at text[pos]; None when the value is something else."""
+    opens at text[pos], and the index after its closing quote once it closed; (None, None) when
+    the value is something else. Decodes only what was added since the last call (strings[pos]:
+    where the decoded part ends, and its text)."""
     if pos >= len(text) or text[pos] not in "\"'":
-        return None
+        return None, None
     quote = text[pos]
-    body = text[pos + 1:]
-    if body.startswith(quote) or not body:  # "" or the start of a triple quote: wait
-        return None
-    cut = _STRING_BODY[quote].match(body).end()
-    if cut == len(body) or body[cut] != quote:  # not closed: decode up to an escape that may still grow
-        cut = len(body)
+    if pos + 1 == len(text) or text[pos + 1] == quote:  # "" or the start of a triple quote: wait
+        return None, None
+    done, decoded = strings.get(pos, (pos + 1, ""))
+    cut = _STRING_BODY[quote].match(text, done).end()
+    closed = cut < len(text) and text[cut] == quote
+    if not closed:  # decode up to an escape that may still grow
+        cut = len(text)
         last = None
-        for last in _ESCAPE.finditer(body):
+        for last in _ESCAPE.finditer(text, done):
             pass
-        if last is not None and not _COMPLETE_ESCAPE.match(body, last.start()):
+        if last is not None and not _COMPLETE_ESCAPE.match(text, last.start()):
             cut = last.start()
-        elif body.endswith("\\") and (len(body) - len(body.rstrip("\\"))) % 2:
+        elif text.endswith("\\") and (len(text) - len(text.rstrip("\\"))) % 2:
             cut -= 1
-    try:
-        value = ast.literal_eval(quote + body[:cut] + quote)
-    except (SyntaxError, ValueError):
-        return None
-    return value if isinstance(value, str) else None
+    if cut > done:
+        try:
+            piece = ast.literal_eval(quote + text[done:cut] + quote)
+        except (SyntaxError, ValueError):
+            return None, None
+        if not isinstance(piece, str):
+            return None, None
+        decoded += piece
+        strings[pos] = (cut, decoded)
+    return decoded, cut + 1 if closed else None

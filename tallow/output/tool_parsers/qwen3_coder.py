@@ -45,6 +45,15 @@ class Qwen3CoderParser(ToolParser):
         # Wrapped, the body is what the tags enclose; bare, it is the <function=...> element.
         return Parsed(end, self._functions(markup[body_start:close] if wrapped else markup[:end]))
 
+    def __init__(self, schemas=None):
+        super().__init__(schemas)
+        # A growing value's start -> (where to search for its end, where its sent text ends, that text encoded).
+        self._values: dict[int, tuple[int, int, str]] = {}
+
+    def reset(self) -> None:
+        super().reset()
+        self._values.clear()
+
     def partial(self, markup: str) -> list[PartialCall]:
         """A call opens at its first <parameter=KEY> (or at </function> when it has none); string
         values stream as they grow, other values once their parameter closes."""
@@ -56,7 +65,7 @@ class Qwen3CoderParser(ToolParser):
         else:
             close = markup.find("</function>")
             limit = close + len("</function>") if close != -1 else len(markup)
-        body = markup[:limit]
+        body = markup[:limit]  # a copy, but cheap next to the rest
         calls = []
         while True:
             m = _FUNCTION_OPEN.match(body, pos)
@@ -82,18 +91,25 @@ class Qwen3CoderParser(ToolParser):
                 return "".join(out), pos, False
             key = m.group(1).strip()
             head = ("," if len(out) > 1 else "") + encode_string(key) + ":"
-            ends = [at for at in (body.find(tag, m.end()) for tag in _VALUE_ENDS) if at != -1]
+            # Where the value ends; searched from where the last call stopped (a tag may have begun there).
+            scanned, sent, encoded = self._values.get(m.end(), (m.end(), m.end(), ""))
+            ends = [at for at in (body.find(tag, scanned) for tag in _VALUE_ENDS) if at != -1]
             end = min(ends) if ends else None
-            raw = body[m.end():end if end is not None else len(body) - partial_suffix_len(body, _VALUE_ENDS)]
             schema = properties.get(key, {})
             types = _schema_types(schema)
             is_string = not types or "string" in types
             if end is None:
-                if is_string and raw:  # the value so far, less a newline that may be the last
-                    value = raw.removeprefix("\n")
-                    value = value[:-1] if value.endswith("\n") else value
-                    out.append(head + encode_string(value)[:-1])
+                visible = len(body) - partial_suffix_len(body, _VALUE_ENDS)
+                if is_string and visible > m.end():  # the value so far, less a newline that may be the last
+                    start = m.end() + (body[m.end()] == "\n")
+                    stop = visible - (visible > start and body[visible - 1] == "\n")
+                    if stop > sent:
+                        encoded += encode_string(body[max(sent, start):stop])[1:-1]
+                        sent = stop
+                    out.append(head + '"' + encoded)
+                self._values[m.end()] = (max(m.end(), visible - 20), sent, encoded)  # tags are shorter than 20
                 return "".join(out), pos, False
+            raw = body[m.end():end]
             value = raw.removeprefix("\n").removesuffix("\n")
             out.append(head + compact_json({"": _typed(value, schema)})[4:-1])
             pos = end + len("</parameter>") if body.startswith("</parameter>", end) else end
