@@ -472,7 +472,8 @@ FRAGMENTS = ["Hi", " ", "\n", "x", "<tool_call>", "</tool_call>", "<tool", '{"na
 @pytest.mark.parametrize("parser", list(TOOL_PARSERS))
 def test_random_mixtures_are_split_invariant_and_lose_nothing(parser):
     """Fragments of every format, tags and reasoning mixed at random: cut at any point, the
-    router gives what it gives the whole text; with no call found, the content is the text."""
+    router gives what it gives the whole text, and its deltas add up to its calls; with no call
+    found, the content is the text."""
     rng = random.Random(parser)
     for _ in range(150):
         text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 12)))
@@ -484,6 +485,8 @@ def test_random_mixtures_are_split_invariant_and_lose_nothing(parser):
             assert whole[0] == text
         for pieces in [list(text), *([text[:cut], text[cut:]] for cut in range(1, len(text)))]:
             assert _run_pieces(parser, pieces, **kwargs) == whole, pieces
+            router, deltas = _streamed(parser, pieces, **kwargs)
+            _check_deltas(deltas, router.tool_calls())  # nothing streamed that is not a call
 
 
 # ---- streamed arguments, property tests -----------------------------------------------------
