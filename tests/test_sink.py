@@ -503,14 +503,16 @@ def _kinds(events) -> list[str]:
 
 
 @pytest.mark.parametrize("stops", [(), ("Hi!",), ("after!",)])
-def test_sink_keeps_streamed_call_pieces_in_their_place_in_the_text(stops):
+@pytest.mark.parametrize("before", ["Hi", "Hi<thi"])
+def test_sink_keeps_streamed_call_pieces_in_their_place_in_the_text(stops, before):
     """The text before a call goes out before it (a stop string's held tail too: a stop string does
-    not span a call), the call's last piece before the text after it, even within one token."""
-    pieces = ['Hi <tool_call>{"name": "f", "arguments": {"a": "xy', 'z"}}</tool_call> after']
+    not span a call; nor does a think tag), the call's last piece before the text after it, even
+    within one token."""
+    pieces = [before + ' <tool_call>{"name": "f", "arguments": {"a": "xy', 'z"}}</tool_call> after']
     sink = _hermes_sink(pieces, stops)
     events = [e for i in range(len(pieces)) for e in sink.push(i)]
     result = sink.finish()
     events += result.events
-    assert _kinds(events) == ["content:Hi", "call", 'args:{"a":"xy', 'args:z"}', "content: after"]
-    assert result.content == "Hi after" and result.tool_calls[0].arguments == '{"a":"xyz"}'
+    assert _kinds(events) == ["content:" + before, "call", 'args:{"a":"xy', 'args:z"}', "content: after"]
+    assert result.content == before + " after" and result.tool_calls[0].arguments == '{"a":"xyz"}'
     assert not result.tool_call_repaired

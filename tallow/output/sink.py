@@ -155,7 +155,7 @@ class CompletionSink:
         """The router's text through the stop matcher and the thinking splitter, with its tool-call
         deltas where they fall in it. Before a call's deltas, the stop matcher lets go of the text it
         holds: a stop string does not span a tool call, and the text before the call stays before
-        it on the wire."""
+        it on the wire (so does the thinking splitter: a tag does not span a call either)."""
         placed = self._take_placed_deltas(len(text))
         at = 0
         while placed and not self._stopper.stopped:
@@ -167,6 +167,7 @@ class CompletionSink:
                 tail += self._stopper.flush()
             self._emit(events, self._thinking.push(tail))
             if not self._stopper.stopped:
+                self._emit(events, self._thinking.flush())  # a tail held as a possible tag: text
                 self._emit_tool_deltas(events, deltas)
             at = offset
         if self._stopper.stopped:
