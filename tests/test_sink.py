@@ -13,7 +13,7 @@ import random
 import pytest
 
 from tallow.output.detokenizer import Detokenizer
-from tallow.output.events import ContentEvent, ReasoningEvent, ToolCall, ToolCallsEvent
+from tallow.output.events import ContentEvent, ReasoningEvent, ToolCall, ToolCallDeltaEvent, ToolCallsEvent
 from tallow.output.reasoning import (make_thinking_splitter, prompt_opens_reasoning,
                                     reasoning_parser_for_template, REASONING_PARSERS)
 from tallow.output.sink import CompletionSink, PlainRouter
@@ -480,3 +480,39 @@ def test_sink_emits_reasoning_from_the_router(vocab):
     result = sink.finish()
     assert (result.reasoning, result.content) == ("weighing 🤔 options", "Go with B.")
     assert joined(streamed + result.events, ContentEvent) == result.content
+
+
+# ---- a streaming tool router: deltas in their place in the text -------------------------------
+
+
+def _hermes_sink(pieces: list[str], stops=()) -> CompletionSink:
+    from tallow.output.tool_parsers.hermes import HermesParser
+    from tallow.output.tool_parsers.router import ToolCallRouter
+    router = ToolCallRouter(Detokenizer([p.encode() for p in pieces], frozenset()), HermesParser())
+    return CompletionSink(router, StopMatcher(list(stops)), ThinkingSplitter(), collect_tool_calls=True)
+
+
+def _kinds(events) -> list[str]:
+    out = []
+    for e in events:
+        if isinstance(e, ContentEvent):  # consecutive pieces of content as one
+            out[-1:] = [out[-1] + e.text] if out and out[-1].startswith("content:") else out[-1:] + ["content:" + e.text]
+        elif isinstance(e, ToolCallDeltaEvent):
+            out += ["call" if d.id else "args:" + d.arguments for d in e.deltas]
+    return out
+
+
+@pytest.mark.parametrize("stops", [(), ("Hi!",), ("after!",)])
+@pytest.mark.parametrize("before", ["Hi", "Hi<thi"])
+def test_sink_keeps_streamed_call_pieces_in_their_place_in_the_text(stops, before):
+    """The text before a call goes out before it (a stop string's held tail too: a stop string does
+    not span a call; nor does a think tag), the call's last piece before the text after it, even
+    within one token."""
+    pieces = [before + ' <tool_call>{"name": "f", "arguments": {"a": "xy', 'z"}}</tool_call> after']
+    sink = _hermes_sink(pieces, stops)
+    events = [e for i in range(len(pieces)) for e in sink.push(i)]
+    result = sink.finish()
+    events += result.events
+    assert _kinds(events) == ["content:" + before, "call", 'args:{"a":"xy', 'args:z"}', "content: after"]
+    assert result.content == before + " after" and result.tool_calls[0].arguments == '{"a":"xyz"}'
+    assert not result.tool_call_repaired

@@ -66,22 +66,42 @@ CASES = [
     ("pythonic", '\n[get_weather(city="Paris")]\nThat is all.', "That is all.", [PARIS]),
 ]
 
-# Markup that does not parse: all of it must come back as content.
+# Markup that does not parse before a call's opening is complete (the name, and the argument
+# section opened): all of it must come back as content, and no delta may have claimed a call.
 MALFORMED = [
-    ("hermes", 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call> bye'),
     ("hermes", '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>'),
-    ("hermes", 'Cut off: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
+    ("hermes", 'Hi <tool_call>\n{"name": "get_weather" "arguments": {"city": "Paris"}}\n</tool_call> bye'),
+    ("hermes", 'Cut off: <tool_call>\n{"name": "get_wea'),
+    ("hermes", '<tool_call>{"name": 7, "arguments": {"x": 1}}</tool_call>'),
     ("qwen3_coder", '<tool_call>\n<function=get_weather>\nstray text\n</function>\n</tool_call>'),
-    ("qwen3_coder", 'Cut off <tool_call>\n<function=get_weather>\n<parameter=city>\nPar'),
+    ("qwen3_coder", 'Cut off <tool_call>\n<function=get_weather>\n<param'),
     ("llama3_json", '{"answer": 42}'),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}'),
+    ("llama3_json", '{"name": "get_weather", "parameters": "nope"}'),
     ("llama3_json", '<|python_tag|>print("hi")'),
     ("mistral", '[TOOL_CALLS] not json at all'),
-    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": '),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS] {"city": "Paris"}'),
     ("pythonic", '[1] is a citation, [2] another.'),
     ("pythonic", '[get_weather("Paris")]'),
-    ("pythonic", '[get_weather(city=lookup())]'),
+]
+
+# Markup that breaks after a call's opening (the call was announced while it streamed): the call
+# stays, its arguments the JSON certain when the markup broke, completed; the markup is dropped.
+# (parser, reply, expected content, expected calls)
+BROKEN_AFTER_OPENING = [
+    ("hermes", 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call> bye',
+     "Hi bye", [PARIS]),
+    ("hermes", 'Cut off: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+     "Cut off:", [("get_weather", {"city": "Pa"})]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', "", [("f", {"x": None})]),
+    ("qwen3_coder", 'Cut off <tool_call>\n<function=get_weather>\n<parameter=city>\nPar',
+     "Cut off", [("get_weather", {"city": "Par"})]),
+    ("qwen3_coder", '<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\nstray\n</function>'
+                    '\n</tool_call>', "", [("get_weather", {"days": 3})]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}', "", [PARIS]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": ', "", [("get_weather", {"city": None})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"oops"}]', "", [PARIS]),
+    ("pythonic", '[get_weather(city=lookup())]', "", [("get_weather", {})]),
+    ("pythonic", '[get_weather(city="Paris", days=3) for x in y]', "", [("get_weather", {"city": "Paris", "days": 3})]),
 ]
 
 
@@ -136,6 +156,120 @@ def _splits(text: str, rng: random.Random):
         yield [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def _streamed(parser: str, pieces: list[str], **kwargs):
+    """The router fed text pieces, and its deltas."""
+    router = _router(parser, Detokenizer([p.encode() for p in pieces], frozenset()), **kwargs)
+    deltas = []
+    for i in range(len(pieces)):
+        router.push(i)
+        deltas += router.take_tool_deltas()
+    router.flush()
+    deltas += router.take_tool_deltas()
+    return router, deltas
+
+
+def _check_deltas(deltas, calls) -> None:
+    """OpenAI's incremental form: a header (id, name, "") per call in order, then argument
+    pieces whose concatenation is the call's arguments."""
+    assert [d.index for d in deltas if d.id is not None] == list(range(len(calls)))
+    for k, call in enumerate(calls):
+        mine = [d for d in deltas if d.index == k]
+        assert (mine[0].id, mine[0].name, mine[0].arguments) == (call.id, call.name, "")
+        assert all(d.id is None and d.name is None and d.arguments for d in mine[1:])
+        assert "".join(d.arguments for d in mine) == call.arguments
+
+
+def _streamed_state(deltas) -> dict[int, tuple[str, str]]:
+    state: dict[int, tuple[str, str]] = {}
+    for d in deltas:
+        name, args = state.get(d.index, (d.name, ""))
+        state[d.index] = (name, args + d.arguments)
+    return state
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES + [c for c in BROKEN_AFTER_OPENING])
+def test_what_has_streamed_depends_only_on_the_text_so_far(parser, text, content, calls):
+    """After any cut, the calls announced and their arguments so far are those of the text up to
+    the cut, however it was split before; every piece extends what came before."""
+    by_char = {}
+    router = _router(parser, Detokenizer([c.encode() for c in text], frozenset()))
+    deltas = []
+    for n in range(len(text)):
+        router.push(n)
+        deltas += router.take_tool_deltas()
+        by_char[n + 1] = _streamed_state(deltas)
+    for pieces in _splits(text, random.Random(parser + text)):
+        router = _router(parser, Detokenizer([p.encode() for p in pieces], frozenset()))
+        deltas, at = [], 0
+        for k, piece in enumerate(pieces):
+            router.push(k)
+            deltas += router.take_tool_deltas()
+            at += len(piece)
+            assert _streamed_state(deltas) == by_char[at], (pieces, at)
+        router.flush()
+        deltas += router.take_tool_deltas()
+        _check_deltas(deltas, router.tool_calls())
+        assert [(c.name, json.loads(c.arguments)) for c in router.tool_calls()] == calls
+
+
+@pytest.mark.parametrize("parser,text,content,calls",
+                         [c for c in CASES if '"arguments": "' not in c[1]])  # arguments as a JSON string: whole
+def test_arguments_stream_before_the_markup_ends(vocab, parser, text, content, calls):
+    """Token by token: each call is announced, and much of its arguments sent, before the token
+    that completes the markup."""
+    ids = vocab.encode(text)
+    router = _router(parser, Detokenizer(vocab.token_bytes, vocab.tokenizer.special_token_ids))
+    per_token = []
+    for i in ids:
+        router.push(i)
+        per_token.append(router.take_tool_deltas())
+    router.flush()
+    per_token.append(router.take_tool_deltas())
+    final = router.tool_calls()
+    for k, call in enumerate(final):
+        mine = [(t, d) for t, ds in enumerate(per_token) for d in ds if d.index == k]
+        last = max(t for t, _ in mine)
+        early = "".join(d.arguments for t, d in mine if t < last)
+        # all but the last value (a number, a dict: sent once complete) and the closing brace
+        assert mine[0][0] < last and len(early) >= len(call.arguments) / 2, (call.arguments, early)
+
+
+# A long string argument, as a coding agent writes a file: every format streams it as it grows.
+FILE_TEXT = ('def main():\n    print("héllo, \'world\'")  # a \\ backslash, a tab\t, 🌧 and </b> tags\n'
+             '    return {"x": [1, 2]}\n' * 4)
+LONG = {
+    "hermes": '<tool_call>\n{"name": "write", "arguments": {"path": "a.py", "content": %s}}\n</tool_call>'
+              % json.dumps(FILE_TEXT),
+    "llama3_json": '<|python_tag|>{"name": "write", "parameters": {"path": "a.py", "content": %s}}'
+                   % json.dumps(FILE_TEXT, ensure_ascii=False),
+    "mistral": '[TOOL_CALLS]write[ARGS]{"path": "a.py", "content": %s}' % json.dumps(FILE_TEXT),
+    "qwen3_coder": '<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n'
+                   + FILE_TEXT + '\n</parameter>\n</function>\n</tool_call>',
+    "pythonic": '[write(path="a.py", content=%r)]' % FILE_TEXT,
+}
+
+
+@pytest.mark.parametrize("parser", list(TOOL_PARSERS))
+def test_a_long_argument_streams_every_few_tokens(vocab, parser):
+    ids = vocab.encode(LONG[parser])
+    router = _router(parser, Detokenizer(vocab.token_bytes, vocab.tokenizer.special_token_ids))
+    per_token, deltas = [], []
+    for i in ids:
+        router.push(i)
+        per_token.append(router.take_tool_deltas())
+        deltas += per_token[-1]
+    router.flush()
+    deltas += router.take_tool_deltas()
+    (call,) = router.tool_calls()
+    assert (call.name, json.loads(call.arguments)) == ("write", {"path": "a.py", "content": FILE_TEXT})
+    _check_deltas(deltas, [call])
+    sending = [t for t, ds in enumerate(per_token) if any(d.arguments for d in ds)]
+    assert len(sending) >= 0.6 * (sending[-1] - sending[0])
+    gaps = [b - a for a, b in zip(sending, sending[1:])]
+    # the longest waits: a \\ud83c\\udf27 escape pair (one character, 9 tokens), the tags between parameters
+    assert max(gaps) <= 10, gaps
+
+
 @pytest.mark.parametrize("parser,text,content,calls", CASES)
 def test_tokens_and_every_split_give_the_expected_parse(vocab, parser, text, content, calls):
     assert _run_tokens(vocab, parser, text) == (content, calls)
@@ -149,7 +283,19 @@ def test_tokens_and_every_split_give_the_expected_parse(vocab, parser, text, con
 def test_malformed_markup_comes_back_as_content(vocab, parser, text):
     assert _run_tokens(vocab, parser, text) == (text, [])
     for pieces in _splits(text, random.Random(text)):
-        assert _run_pieces(parser, pieces) == (text, []), pieces
+        router = _router(parser, Detokenizer([p.encode() for p in pieces], frozenset()))
+        content = "".join(router.push(i) for i in range(len(pieces))) + router.flush()
+        assert content == text and router.take_tool_deltas() == [] and not router.repaired, pieces
+
+
+@pytest.mark.parametrize("parser,text,content,calls", BROKEN_AFTER_OPENING)
+def test_markup_broken_after_the_opening_keeps_the_announced_call(vocab, parser, text, content, calls):
+    assert _run_tokens(vocab, parser, text) == (content, calls)
+    for pieces in _splits(text, random.Random(text)):
+        router, deltas = _streamed(parser, pieces)
+        assert router.repaired
+        assert [(c.name, json.loads(c.arguments)) for c in router.tool_calls()] == calls, pieces
+        _check_deltas(deltas, router.tool_calls())
 
 
 def test_markup_of_another_format_is_content(vocab):
@@ -326,7 +472,8 @@ FRAGMENTS = ["Hi", " ", "\n", "x", "<tool_call>", "</tool_call>", "<tool", '{"na
 @pytest.mark.parametrize("parser", list(TOOL_PARSERS))
 def test_random_mixtures_are_split_invariant_and_lose_nothing(parser):
     """Fragments of every format, tags and reasoning mixed at random: cut at any point, the
-    router gives what it gives the whole text; with no call found, the content is the text."""
+    router gives what it gives the whole text, and its deltas add up to its calls; with no call
+    found, the content is the text."""
     rng = random.Random(parser)
     for _ in range(150):
         text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 12)))
@@ -338,3 +485,71 @@ def test_random_mixtures_are_split_invariant_and_lose_nothing(parser):
             assert whole[0] == text
         for pieces in [list(text), *([text[:cut], text[cut:]] for cut in range(1, len(text)))]:
             assert _run_pieces(parser, pieces, **kwargs) == whole, pieces
+            router, deltas = _streamed(parser, pieces, **kwargs)
+            _check_deltas(deltas, router.tool_calls())  # nothing streamed that is not a call
+
+
+# ---- streamed arguments, property tests -----------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from tallow.output.tool_parsers.base import compact_json  # noqa: E402
+from tallow.output.tool_parsers.streaming import JsonArgsStream, close_json  # noqa: E402
+
+_json_scalars = (st.none() | st.booleans() | st.integers(-10**20, 10**20)
+                 | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+_json_values = st.recursive(_json_scalars, lambda inner: st.lists(inner, max_size=4)
+                            | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+_cuts = st.lists(st.integers(1, 400), max_size=12)
+
+
+def _cut(text: str, cuts: list[int]) -> list[str]:
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(args=st.dictionaries(st.text(max_size=6), _json_values, max_size=5), cuts=_cuts,
+       indent=st.sampled_from([None, 0, 2]), ascii_=st.booleans())
+def test_json_args_stream_writes_the_compact_form_incrementally(args, cuts, indent, ascii_):
+    """Raw JSON however formatted and cut: each step is a prefix of compact_json(args) that
+    close_json completes into JSON, and the whole is exactly compact_json(args)."""
+    raw = json.dumps(args, indent=indent, ensure_ascii=ascii_)
+    stream, at = JsonArgsStream(0), 0
+    for piece in _cut(raw, cuts):
+        at += len(piece)
+        stream.feed(raw, at)
+        assert compact_json(args).startswith(stream.out) and not stream.failed
+        json.loads(stream.out + close_json(stream.out))
+    assert stream.done and stream.end == len(raw) and stream.out == compact_json(args)
+
+
+_texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(city=_texts.filter(lambda t: "<" not in t), days=st.integers(-999, 999), cuts=_cuts)
+def test_qwen3_coder_streams_any_string_value(city, days, cuts):
+    text = (f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+            f"<parameter=days>\n{days}\n</parameter>\n</function>\n</tool_call>")
+    router, deltas = _streamed("qwen3_coder", _cut(text, cuts))
+    _check_deltas(deltas, router.tool_calls())
+    assert [(c.name, json.loads(c.arguments)) for c in router.tool_calls()] == [
+        ("get_weather", {"city": city, "days": days})]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(city=_texts, note=_texts, hours=st.lists(st.integers(), max_size=3), cuts=_cuts,
+       quote=st.sampled_from(["'", '"']))
+def test_pythonic_streams_any_string_value(city, note, hours, cuts, quote):
+    def literal(value: str) -> str:  # repr, with the quote chosen
+        body = repr(value)[1:-1]
+        if repr(value)[0] != quote:
+            body = body.replace("\\" + repr(value)[0], repr(value)[0]).replace(quote, "\\" + quote)
+        return quote + body + quote
+
+    text = f"[get_weather(city={literal(city)}, hours={hours!r}, note={literal(note)})]"
+    router, deltas = _streamed("pythonic", _cut(text, cuts))
+    _check_deltas(deltas, router.tool_calls())
+    assert [(c.name, json.loads(c.arguments)) for c in router.tool_calls()] == [
+        ("get_weather", {"city": city, "hours": hours, "note": note})]

@@ -44,7 +44,9 @@ class TokenRouter(Protocol):
     def take_tool_deltas(self) -> list[ToolCallDelta]:
         """The tool-call deltas parsed since the last call (and forgets them).
 
-        Optional: the sink streams each call that no delta announced whole at the end.
+        Optional: the sink streams each call that no delta announced whole at the end. A router
+        may instead offer take_placed_tool_deltas() -> [(offset, delta)]: each delta placed
+        after the first `offset` characters of the text the last push/flush released.
         """
 
 
@@ -78,6 +80,9 @@ class SinkResult:
     tool_calls: list[ToolCall] = field(default_factory=list)
     stopped: bool = False
     stop_string: str | None = None
+    # A call was announced while it streamed, then its markup broke off (generation cut, bad
+    # JSON): its arguments are the JSON certain so far, completed.
+    tool_call_repaired: bool = False
 
 
 class CompletionSink:
@@ -116,8 +121,7 @@ class CompletionSink:
         events: list[Event] = []
         text = self._router.push(token_id)
         self._emit_reasoning(events, self._router.take_reasoning())
-        self._emit(events, self._thinking.push(self._stopper.push(text)))
-        self._emit_tool_deltas(events)
+        self._emit_in_order(events, text, final=False)
         return events
 
     def finish(self) -> SinkResult:
@@ -125,12 +129,9 @@ class CompletionSink:
         if not self._stopper.stopped:
             text = self._router.flush()
             self._emit_reasoning(events, self._router.take_reasoning())
-            tail = self._stopper.push(text)
-            if not self._stopper.stopped:
-                tail += self._stopper.flush()
-            self._emit(events, self._thinking.push(tail))
+            self._emit_in_order(events, text, final=True)
         self._emit(events, self._thinking.flush())
-        self._emit_tool_deltas(events)
+        self._emit_tool_deltas(events, [delta for _, delta in self._take_placed_deltas(0)])
         tool_calls = self._router.tool_calls() if self._collect_tool_calls else []
         if tool_calls:
             if len(tool_calls) > self._announced_calls:  # a router that does not stream deltas
@@ -140,7 +141,8 @@ class CompletionSink:
             events.append(ToolCallsEvent(tool_calls))
         return SinkResult(events=events, content="".join(self._content),
                           reasoning="".join(self._reasoning), tool_calls=tool_calls,
-                          stopped=self._stopper.stopped, stop_string=self._stopper.matched)
+                          stopped=self._stopper.stopped, stop_string=self._stopper.matched,
+                          tool_call_repaired=bool(tool_calls) and getattr(self._router, "repaired", False))
 
     def _emit(self, events: list[Event], parts: tuple[str, str]) -> None:
         content, reasoning = parts
@@ -149,11 +151,43 @@ class CompletionSink:
             self._content.append(content)
             events.append(ContentEvent(content))
 
-    def _emit_tool_deltas(self, events: list[Event]) -> None:
-        take = getattr(self._router, "take_tool_deltas", None)  # optional, see TokenRouter
-        if not self._collect_tool_calls or take is None:
+    def _emit_in_order(self, events: list[Event], text: str, final: bool) -> None:
+        """The router's text through the stop matcher and the thinking splitter, with its tool-call
+        deltas where they fall in it. Before a call's deltas, the stop matcher lets go of the text it
+        holds: a stop string does not span a tool call, and the text before the call stays before
+        it on the wire (so does the thinking splitter: a tag does not span a call either)."""
+        placed = self._take_placed_deltas(len(text))
+        at = 0
+        while placed and not self._stopper.stopped:
+            offset = placed[0][0]
+            deltas = [delta for where, delta in placed if where == offset]
+            placed = placed[len(deltas):]
+            tail = self._stopper.push(text[at:offset])
+            if not self._stopper.stopped:
+                tail += self._stopper.flush()
+            self._emit(events, self._thinking.push(tail))
+            if not self._stopper.stopped:
+                self._emit(events, self._thinking.flush())  # a tail held as a possible tag: text
+                self._emit_tool_deltas(events, deltas)
+            at = offset
+        if self._stopper.stopped:
             return
-        deltas = take()
+        tail = self._stopper.push(text[at:])
+        if final and not self._stopper.stopped:
+            tail += self._stopper.flush()
+        self._emit(events, self._thinking.push(tail))
+
+    def _take_placed_deltas(self, end: int) -> list[tuple[int, ToolCallDelta]]:
+        """The router's deltas with their offsets; a router that does not place them: at `end`."""
+        if not self._collect_tool_calls:
+            return []
+        take = getattr(self._router, "take_placed_tool_deltas", None)  # optional, see TokenRouter
+        if take is not None:
+            return take()
+        take = getattr(self._router, "take_tool_deltas", None)
+        return [(end, delta) for delta in take()] if take is not None else []
+
+    def _emit_tool_deltas(self, events: list[Event], deltas: list[ToolCallDelta]) -> None:
         if deltas:
             self._announced_calls = max(self._announced_calls, max(d.index for d in deltas) + 1)
             events.append(ToolCallDeltaEvent(deltas))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tallow.output.tool_parsers.grammar import ANY_TEXT, GrammarTool, LarkGrammar, lit
+from tallow.output.tool_parsers.streaming import JsonArgsStream, PartialCall
 
 Schemas = dict[str, dict[str, Any]]  # tool name -> JSON schema of its parameters
 
@@ -44,12 +45,60 @@ class ToolParser:
     def __init__(self, schemas: Schemas | None = None):
         self.schemas = schemas or {}
         self._closers: dict[int, _Closer] = {}  # for the current markup, by start
+        self._streams: dict[int, JsonArgsStream] = {}  # for the current markup, by start
 
     def parse(self, markup: str, final: bool) -> Parsed | None:
         parsed = self._parse(markup, final)
         if parsed is not None:
-            self._closers.clear()
+            self.reset()
         return parsed
+
+    def reset(self) -> None:
+        """Forget the current markup (parse() does when it decides; the router again after the
+        decided markup's last partial())."""
+        self._closers.clear()
+        self._streams.clear()
+
+    def partial(self, markup: str) -> list[PartialCall]:
+        """The calls of the undecided markup whose opening is unambiguous (the name complete and
+        the argument section opened), each with the arguments JSON certain so far (see
+        streaming.py). A function of the markup only, and monotone: for a longer markup the
+        list and every call's arguments only grow. The router streams them; formats that do not
+        stream return []. Called with markup parse() has not decided, or has just decided (cut to
+        the end it decided; then reset()); resumes where the previous call stopped."""
+        return []
+
+    def _json_object_calls(self, markup: str, pos: int, limit: int, sep: str | None,
+                           args_keys: tuple[str, ...] = ("arguments", "parameters")) -> list[PartialCall]:
+        """Streamed calls of {"name": ..., "arguments": {...}} objects from markup[pos], separated
+        by `sep` (None: one object), up to `limit`. A call opens once its name and the opening
+        brace of its arguments are read (the keys in that order)."""
+        calls: list[PartialCall] = []
+        while True:
+            pos = skip_ws(markup, pos)
+            head = _JSON_HEAD.match(markup, pos, limit)
+            if head is None or head.group(2) not in args_keys:
+                return calls
+            try:
+                name = loads_json(f'"{head.group(1)}"')
+            except ValueError:
+                return calls
+            if not name:
+                return calls
+            stream = self._streams.get(head.end() - 1)
+            if stream is None:
+                stream = self._streams[head.end() - 1] = JsonArgsStream(head.end() - 1)
+            stream.feed(markup, limit)
+            calls.append(PartialCall(name, stream.out, stream.done))
+            if sep is None or not stream.done:
+                return calls
+            end = self._value_end(markup[:limit], pos)
+            if end is None:
+                return calls
+            pos = skip_ws(markup, end)
+            if pos >= limit or markup[pos] != sep:
+                return calls
+            pos += 1
 
     def _parse(self, markup: str, final: bool) -> Parsed | None:
         raise NotImplementedError
@@ -153,6 +202,9 @@ class _Closer:
                 if self._depth == 0:
                     self._end = self._pos
         return self._end
+
+
+_JSON_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\\x00-\x1f]|\\.)*)"\s*,\s*"(arguments|parameters)"\s*:\s*\{')
 
 
 def loads_json(text: str) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_call, loads_json, skip_ws, undecided
 from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar, call_object_schema, json_rule
+from tallow.output.tool_parsers.streaming import PartialCall
 
 
 class Llama3JsonParser(ToolParser):
@@ -54,3 +55,7 @@ class Llama3JsonParser(ToolParser):
     def mid_text_calls(self, g: LarkGrammar, tools: list[GrammarTool],
                        chat_template: str | None) -> list[tuple[str, str]]:
         return [(self.start_tags[0], self.markup_rule(g, tools, None, chat_template))]
+    def partial(self, markup: str) -> list[PartialCall]:
+        tag = self.start_tags[0]
+        start = len(tag) if markup.startswith(tag) else 0
+        return self._json_object_calls(markup, start, len(markup), ";", ("parameters", "arguments"))

@@ -6,6 +6,7 @@ import re
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_calls, loads_json, skip_ws, undecided
 from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar, call_object_schema, json_rule, lit
+from tallow.output.tool_parsers.streaming import JsonArgsStream, PartialCall
 
 
 _MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -80,6 +81,31 @@ class MistralParser(ToolParser):
 
     def _named_calls(self, g: LarkGrammar, tools: list[GrammarTool]) -> str:
         return g.add(" | ".join(f"{lit(tool.name)} {g.tag('[ARGS]')} {json_rule(tool.schema)}" for tool in tools))
+
+    def partial(self, markup: str) -> list[PartialCall]:
+        pos = skip_ws(markup, len(self.start_tags[0]))
+        if pos == len(markup):
+            return []
+        if markup[pos] == "[":
+            return self._json_object_calls(markup, pos + 1, len(markup), ",")
+        if markup[pos] == "{":
+            return self._json_object_calls(markup, pos, len(markup), None)
+        name = _MISTRAL_NAME.match(markup, pos)
+        if name is None:
+            return []
+        pos = name.end()
+        if markup.startswith("[CALL_ID]", pos):
+            pos = markup.find("[ARGS]", pos)
+            if pos == -1:
+                return []
+        if not markup.startswith("[ARGS]{", pos):
+            return []
+        start = pos + len("[ARGS]")
+        stream = self._streams.get(start)
+        if stream is None:
+            stream = self._streams[start] = JsonArgsStream(start)
+        stream.feed(markup)
+        return [PartialCall(name.group(), stream.out, stream.done)]
 
 
 def _named_form(chat_template: str | None) -> bool:

@@ -6,12 +6,17 @@ import ast
 import re
 from typing import Any
 
+from tallow.output.partial_match import partial_suffix_len
 from tallow.output.tool_parsers.base import Parsed, ToolParser, compact_json, loads_json
 from tallow.output.tool_parsers.grammar import (GrammarTool, LarkGrammar, UnenforceableSchema, hoist_defs,
                                                 json_rule, lit, regex_escape)
+from tallow.output.tool_parsers.streaming import PartialCall, encode_string
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
+_FUNCTION_OPEN = re.compile(r"\s*<function=([^>\n]+)>\s*(?=<parameter=[^>\n]+>|</function>)", re.S)
+_PARAMETER_OPEN = re.compile(r"\s*<parameter=([^>\n]+)>", re.S)
+_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)\s*", re.S)
 
 
@@ -87,6 +92,77 @@ class Qwen3CoderParser(ToolParser):
         else:
             value = _raw_value(g, schema, tool, key)
         return g.add(f'{lit(f"<parameter={key}>")} "\\n" {value} "\\n"')
+    def __init__(self, schemas=None):
+        super().__init__(schemas)
+        # A growing value's start -> (where to search for its end, where its sent text ends, that text encoded).
+        self._values: dict[int, tuple[int, int, str]] = {}
+
+    def reset(self) -> None:
+        super().reset()
+        self._values.clear()
+
+    def partial(self, markup: str) -> list[PartialCall]:
+        """A call opens at its first <parameter=KEY> (or at </function> when it has none); string
+        values stream as they grow, other values once their parameter closes."""
+        wrapped = markup.startswith("<tool_call>")
+        pos = len("<tool_call>") if wrapped else 0
+        if wrapped:
+            close = markup.find("</tool_call>", pos)
+            limit = close if close != -1 else len(markup) - partial_suffix_len(markup, ("</tool_call>",))
+        else:
+            close = markup.find("</function>")
+            limit = close + len("</function>") if close != -1 else len(markup)
+        body = markup[:limit]  # a copy, but cheap next to the rest
+        calls = []
+        while True:
+            m = _FUNCTION_OPEN.match(body, pos)
+            if m is None:
+                return calls
+            name = m.group(1).strip()
+            arguments, pos, closed = self._partial_arguments(name, body, m.end())
+            calls.append(PartialCall(name, arguments, closed))
+            if not closed or not wrapped:
+                return calls
+
+    def _partial_arguments(self, function: str, body: str, pos: int) -> tuple[str, int, bool]:
+        """The arguments JSON certain so far of the function whose parameters start at body[pos];
+        the index after its </function> and True once it closed."""
+        properties = self.schemas.get(function, {}).get("properties", {})
+        out = ["{"]
+        while True:
+            if body.startswith("</function>", pos):
+                out.append("}")
+                return "".join(out), pos + len("</function>"), True
+            m = _PARAMETER_OPEN.match(body, pos)
+            if m is None:
+                return "".join(out), pos, False
+            key = m.group(1).strip()
+            head = ("," if len(out) > 1 else "") + encode_string(key) + ":"
+            # Where the value ends; searched from where the last call stopped (a tag may have begun there).
+            scanned, sent, encoded = self._values.get(m.end(), (m.end(), m.end(), ""))
+            ends = [at for at in (body.find(tag, scanned) for tag in _VALUE_ENDS) if at != -1]
+            end = min(ends) if ends else None
+            schema = properties.get(key, {})
+            types = _schema_types(schema)
+            is_string = not types or "string" in types
+            if end is None:
+                visible = len(body) - partial_suffix_len(body, _VALUE_ENDS)
+                if is_string and visible > m.end():  # the value so far, less a newline that may be the last
+                    start = m.end() + (body[m.end()] == "\n")
+                    stop = visible - (visible > start and body[visible - 1] == "\n")
+                    if stop > sent:
+                        encoded += encode_string(body[max(sent, start):stop])[1:-1]
+                        sent = stop
+                    out.append(head + '"' + encoded)
+                self._values[m.end()] = (max(m.end(), visible - 20), sent, encoded)  # tags are shorter than 20
+                return "".join(out), pos, False
+            raw = body[m.end():end]
+            value = raw.removeprefix("\n").removesuffix("\n")
+            out.append(head + compact_json({"": _typed(value, schema)})[4:-1])
+            pos = end + len("</parameter>") if body.startswith("</parameter>", end) else end
+            pos = len(body) if pos > len(body) else pos
+            while pos < len(body) and body[pos].isspace():
+                pos += 1
 
     def _functions(self, body: str) -> list[tuple[str, dict]] | None:
         calls, pos = [], 0

@@ -6,6 +6,17 @@ parser decides: well-formed calls become ToolCalls (arguments as compact JSON), 
 goes back into the content, in place. Every decision depends only on the text seen so far, so
 the result is the same however the text is cut into tokens.
 
+Arguments stream as the model writes them: while the parser has not decided, its partial()
+names the calls whose opening is unambiguous (name complete, argument section opened) and the
+arguments JSON certain so far; each new call goes out as a header delta (id, name), then its
+arguments as they grow. A call so announced stays a call: when the parser decides, a well-formed
+call ends with its exact final arguments (compact JSON, which the streamed text is a prefix of);
+markup that breaks after a call was announced (bad JSON in the arguments, a missing closing tag,
+generation cut) keeps the announced calls, their arguments the JSON certain so far completed
+(close_json), and drops the rest of that markup. Markup that breaks before any call was announced
+comes back as content, as before. Both decisions depend only on the markup, so the streamed
+deltas add up to the same calls however the text was cut.
+
 Whitespace that separates markup from the content is dropped: "Let me look.\\n\\n<tool_call>..."
 gives the content "Let me look."; text after a call keeps its separator only when content came
 before the call.
@@ -24,6 +35,7 @@ from tallow.output.events import ToolCall, ToolCallDelta
 from tallow.output.partial_match import partial_suffix_len
 from tallow.output.reasoning import ReasoningFormat
 from tallow.output.tool_parsers.base import ToolParser, compact_json, skip_ws
+from tallow.output.tool_parsers.streaming import PartialCall, close_json
 
 
 class ToolCallRouter:
@@ -45,7 +57,10 @@ class ToolCallRouter:
         self._content_started = False  # non-whitespace content released outside reasoning
         self._after_call = False  # a call came last (only whitespace since)
         self._calls: list[ToolCall] = []
-        self._deltas: list[ToolCallDelta] = []
+        self._deltas: list[tuple[int, ToolCallDelta]] = []  # (offset in the text this push released, delta)
+        self._out: list[str] = []  # the text released by the current push
+        self._streaming: list[list[str]] = []  # the current markup's announced calls: [id, name, arguments sent]
+        self.repaired = False  # an announced call's arguments were completed by close_json (cut or broken)
 
     def push(self, token_id: int) -> str:
         return self._advance(self._detokenizer.push(token_id), final=False)
@@ -60,7 +75,13 @@ class ToolCallRouter:
         return list(self._calls)
 
     def take_tool_deltas(self) -> list[ToolCallDelta]:
-        """The deltas of the calls parsed since the last call (and forgets them)."""
+        """The tool-call deltas made since the last call (and forgets them)."""
+        return [delta for _, delta in self.take_placed_tool_deltas()]
+
+    def take_placed_tool_deltas(self) -> list[tuple[int, ToolCallDelta]]:
+        """The deltas made since the last call, each with where it falls in the text the last
+        push (or flush) released: deltas at offset k come after that text's first k characters
+        (and forgets them)."""
         deltas, self._deltas = self._deltas, []
         return deltas
 
@@ -71,6 +92,7 @@ class ToolCallRouter:
             return ""
         self._buffer += text
         out: list[str] = []
+        self._out = out
         while True:
             if self.closed:
                 self._buffer = ""
@@ -100,20 +122,70 @@ class ToolCallRouter:
     def _parse_markup(self, out: list[str], final: bool) -> bool:
         parsed = self._parser.parse(self._buffer, final)
         if parsed is None:
+            self._stream(self._parser.partial(self._buffer))
             return True
         markup, self._buffer = self._buffer[:parsed.end], self._buffer[parsed.end:]
         ws, self._markup_ws = self._markup_ws, ""
         self._in_markup = False
-        if parsed.calls is None:
+        announced = self._allowed(self._parser.partial(markup))
+        self._parser.reset()
+        if len(announced) < len(self._streaming):  # cannot happen: partial() only grows
+            announced = [PartialCall(name, sent, False) for _, name, sent in self._streaming]
+        calls = self._final_calls(announced, parsed.calls)
+        if calls is None:
             self._release(out, ws + markup)
         else:
-            for name, args in parsed.calls:
-                self._add_call(name, args)
+            self._stream(announced)
+            for k, (name, arguments) in enumerate(calls):
+                self._add_call(k, name, arguments)
                 if self._max_calls is not None and len(self._calls) >= self._max_calls:
                     self.closed = True
                     break
             self._after_call = True
+        self._streaming = []
         return False
+
+    def _allowed(self, partial: list[PartialCall]) -> list[PartialCall]:
+        """The partial calls the router may announce (max_calls)."""
+        if self._max_calls is None:
+            return partial
+        return partial[:max(self._max_calls - len(self._calls), 0)]
+
+    def _final_calls(self, announced: list[PartialCall],
+                     parsed: list[tuple[str, dict[str, Any]]] | None) -> list[tuple[str, str]] | None:
+        """The decided markup's calls as (name, arguments JSON); None: it is content.
+
+        announced: the partial calls of the whole markup (a function of the markup only)."""
+        if not announced:
+            return None if parsed is None else [(name, compact_json(args)) for name, args in parsed]
+        if (parsed is not None and len(parsed) >= len(announced)
+                and all(p.name == name for p, (name, _) in zip(announced, parsed))):
+            calls = []
+            for k, (name, args) in enumerate(parsed):
+                arguments = compact_json(args)
+                if k < len(announced) and not arguments.startswith(announced[k].arguments):
+                    arguments = announced[k].arguments + close_json(announced[k].arguments)
+                    self.repaired = True
+                calls.append((name, arguments))
+            return calls
+        self.repaired = True
+        return [(p.name, p.arguments + close_json(p.arguments)) for p in announced]
+
+    def _stream(self, partial: list[PartialCall]) -> None:
+        """Announce the new calls of the current markup and send what their arguments grew by."""
+        for k, call in enumerate(self._allowed(partial)):
+            index = len(self._calls) + k
+            if k == len(self._streaming):
+                fresh = ToolCall.create(call.name, "")
+                self._streaming.append([fresh.id, call.name, ""])
+                self._place(ToolCallDelta(index, fresh.id, call.name, ""))
+            sent = self._streaming[k][2]
+            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                self._place(ToolCallDelta(index, None, None, call.arguments[len(sent):]))
+                self._streaming[k][2] = call.arguments
+
+    def _place(self, delta: ToolCallDelta) -> None:
+        self._deltas.append((sum(map(len, self._out)), delta))
 
     def _scan_content(self, out: list[str], final: bool) -> bool:
         text = self._buffer
@@ -171,7 +243,19 @@ class ToolCallRouter:
             self._content_started, self._after_call = True, False
         out.append(text)
 
-    def _add_call(self, name: str, args: dict[str, Any]) -> None:
-        call = ToolCall.create(name, compact_json(args))
-        self._deltas += ToolCallDelta.whole(len(self._calls), call)
+    def _add_call(self, k: int, name: str, arguments: str) -> None:
+        """The current markup's call k, decided: the rest of its arguments, or all of it when
+        it was not announced."""
+        index = len(self._calls)
+        if k < len(self._streaming):
+            call_id, _, sent = self._streaming[k]
+            if not arguments.startswith(sent):  # cannot happen: the announced text is a prefix
+                arguments = sent + close_json(sent)
+            call = ToolCall(call_id, name, arguments)
+            if len(arguments) > len(sent):
+                self._place(ToolCallDelta(index, None, None, arguments[len(sent):]))
+        else:
+            call = ToolCall.create(name, arguments)
+            for delta in ToolCallDelta.whole(index, call):
+                self._place(delta)
         self._calls.append(call)
