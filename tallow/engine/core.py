@@ -35,6 +35,9 @@ class TokenOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     stop_token_id: int | None = None
+    # With the first token of a sequence that asked for them: the PromptLogprobs of prompt tokens
+    # 1 .. P-1 (tallow/engine/prompt_logprobs.py); the first prompt token has none.
+    prompt_logprobs: list | None = None
 
 
 def final_output(seq: Sequence) -> TokenOutput:
@@ -183,6 +186,8 @@ class EngineCore:
             # A seeded request's choices differ: choice i samples with seed + i (as vLLM does).
             # The sum wraps around the signed 64-bit range a seed must stay in.
             child = params if params.seed is None else replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
+            if child.prompt_logprobs is not None:  # the prompt is scored once, by the first choice
+                child = replace(child, prompt_logprobs=None)
             seqs.append(Sequence(prompt_ids, child, eos_token_ids=self.eos_token_ids,
                                  max_model_len=self.max_model_len,
                                  request_id=f"{first.request_id}-{i}", prefill_after=first))
@@ -277,6 +282,7 @@ class EngineCore:
         except Exception:
             return self._fail_step(out)
         self._fail_invalid_rows(out, res)
+        self._gather_prompt_logprobs(res)
         self.scheduler.resolve(out, res.token_ids)
         return self._outputs(out, res, live)
 
@@ -310,10 +316,18 @@ class EngineCore:
             return self._fail_step(out)
         self.num_steps += 1
         self._fail_invalid_rows(out, res)
+        self._gather_prompt_logprobs(res)
         self.scheduler.update(out, res.token_ids)
         if not self.scheduler.running:  # nothing runs on: the sampler's cached batch plan is stale
             self.runner.sampler.release()
         return self._outputs(out, res)
+
+    @staticmethod
+    def _gather_prompt_logprobs(res: StepResult) -> None:
+        """Keep each sequence's prompt logprobs of the step until its first output carries them."""
+        for seq, entries in res.prompt_logprobs:
+            if not seq.prompt_logprobs_sent:
+                seq.prompt_logprobs.extend(entries)
 
     def _outputs(self, out: SchedulerOutput, res: StepResult,
                  live: list[bool] | None = None) -> list[tuple[Sequence, TokenOutput]]:
@@ -342,11 +356,14 @@ class EngineCore:
                     if k > 0 and top is not None:
                         tp = [top[i][:k]]
             if seq.status is finished:
-                outputs.append((seq, TokenOutput([token_ids[i]], lp, tp, seq.finish_reason, seq.num_prompt_tokens,
-                                                 seq.num_cached_tokens, seq.stop_token_id)))
+                output = TokenOutput([token_ids[i]], lp, tp, seq.finish_reason, seq.num_prompt_tokens,
+                                     seq.num_cached_tokens, seq.stop_token_id)
             else:
-                outputs.append((seq, TokenOutput([token_ids[i]], lp, tp, None, seq.num_prompt_tokens,
-                                                 seq.num_cached_tokens)))
+                output = TokenOutput([token_ids[i]], lp, tp, None, seq.num_prompt_tokens, seq.num_cached_tokens)
+            if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+                output.prompt_logprobs = seq.prompt_logprobs
+                seq.prompt_logprobs_sent = True
+            outputs.append((seq, output))
             i += 1
         self.num_generated_tokens += len(outputs)
         return outputs
