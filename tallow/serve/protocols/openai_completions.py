@@ -110,11 +110,13 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
             tokens.append(self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace"))
             offsets.append(offset)
             offset += len(tokens[-1])
-        token_logprobs = [None] + [finite(e.logprob) for e in entries]
+        # (entries is shorter than the prompt only when the choice failed before its first token)
+        missing = [None] * (len(ids) - 1 - len(entries))
+        token_logprobs = [None] + [finite(e.logprob) for e in entries] + missing
         top = None
         if k > 0:
             top = [None] + [{self.tokenizer.token_bytes(t).decode("utf-8", errors="replace"): finite(lp)
-                             for t, lp in e.top[:k]} for e in entries]
+                             for t, lp in e.top[:k]} for e in entries] + missing
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def _logprobs(self, index: int, entries: list[TokenLogprob]) -> dict | None:
