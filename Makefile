@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 MODEL ?= default
 
-.PHONY: venv install serve test test-triton test-slow test-all wheel bench clean
+.PHONY: venv install serve test test-triton test-slow test-evals test-all wheel bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,13 @@ test-triton: install
 test-slow: install
 	# TRITON_INTERPRET=0: the slow tier compiles real Triton kernels for sm_90 (no GPU needed)
 	TRITON_INTERPRET=0 $(BIN)/python -m pytest -q -m slow --durations=10 tests || [ $$? -eq 5 ]
+
+# lm-eval's local-completions against a live server (tests marked evals). Installs lm-eval (the
+# `evals` extra: datasets, evaluate, ... never in the default install) next to the test extras;
+# nothing is downloaded by the tests (a local task over tests/data/evals, offline hubs).
+test-evals: install
+	$(BIN)/python -c "import lm_eval" 2>/dev/null || $(BIN)/python -m pip install -q "lm-eval[api]==0.4.13"
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -m evals --durations=10 tests
 
 test-all: install
 	$(BIN)/python -m pytest -q -m "" tests

@@ -36,6 +36,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: logprob}
+    # for each prompt token and the top alternatives there (vLLM's shape, logprobs as floats).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -98,6 +101,10 @@ class LLM:
                                               [] if params.logprobs is not None else None)
         for seq, out, _ in run.outputs():
             choices[seq.seq_id].add_logprobs(out)
+            if out.prompt_logprobs is not None:
+                choices[seq.seq_id].request.prompt_logprobs = [None] + [
+                    {e.token_id: e.logprob, **{t: lp for t, lp in e.top if t != e.token_id}}
+                    for e in out.prompt_logprobs]
         for choice in choices.values():
             choice.request.outputs.append(choice.result())
             choice.request.num_cached_tokens = max(choice.request.num_cached_tokens, choice.seq.num_cached_tokens)

@@ -74,21 +74,23 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
 
 
-def tiny_hf_model(family: str, seed: int = 0):
+def tiny_hf_model(family: str, seed: int = 0, **overrides):
     """A small random transformers model (GQA, 2 layers) with weights large enough that attention
-    is far from uniform, and norm weights away from 1 so a misplaced norm shows."""
+    is far from uniform, and norm weights away from 1 so a misplaced norm shows. overrides: config
+    fields instead of TINY's (e.g. a vocab_size for a real tokenizer)."""
     import transformers
 
     torch.manual_seed(seed)
+    fields = {**TINY, **overrides}
     if family == "llama":  # with llama3 rope scaling that touches low, medium and high frequencies
-        config = transformers.LlamaConfig(**TINY, rope_parameters={
+        config = transformers.LlamaConfig(**fields, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = transformers.LlamaForCausalLM(config)
     elif family == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields))
     elif family == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True))
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, head_dim=32, tie_word_embeddings=True))
     else:
         raise ValueError(family)
     with torch.no_grad():
@@ -177,3 +179,51 @@ _GGUF_TO_HF = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+
+
+# ---- a byte-level tokenizer for tiny models that read text -----------------------------------
+
+BYTE_EOS = "<|endoftext|>"
+
+
+def gpt2_byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (as in its encoder.py)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) \
+        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def save_byte_tokenizer(path) -> int:
+    """A byte-level BPE tokenizer without merges (token id = byte value, 256 = BYTE_EOS) written to
+    path as tokenizer.json and tokenizer_config.json, readable by tallow and transformers'
+    AutoTokenizer alike. Returns the vocabulary size (257)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in gpt2_byte_alphabet().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(BYTE_EOS, special=True)])
+    tok.save(f"{path}/tokenizer.json")
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": BYTE_EOS, "bos_token": None,
+                   "add_bos_token": False, "model_max_length": 256}, f)
+    return tok.get_vocab_size()
+
+
+def tiny_text_model(path, family: str = "llama", seed: int = 0):
+    """A tiny random model over save_byte_tokenizer's vocabulary (260 rows, EOS 256), saved with
+    its tokenizer in path; returns the transformers model (float32)."""
+    hf = tiny_hf_model(family, seed, vocab_size=260, bos_token_id=None, eos_token_id=256, pad_token_id=None)
+    hf.save_pretrained(path)
+    save_byte_tokenizer(path)
+    return hf

@@ -67,7 +67,10 @@ REJECTIONS = [
     (TEXT, {"prompt": []}, "prompt"),
     (TEXT, {"prompt": [1, 258]}, "prompt"),
     (TEXT, {"prompt": "hi", "logprobs": 21}, "logprobs"),
-    (TEXT, {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    (TEXT, {"prompt": "hi", "echo": True, "logprobs": 1, "n": 2}, "n"),
+    (TEXT, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (TEXT, {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    (CHAT, {"messages": USER, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     (TEXT, {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     # Numeric edges: the engine's int64 / float32 tensors, and finite numbers only.
     (TEXT, {"prompt": "hi", "seed": 2**63}, "seed"),

@@ -131,6 +131,32 @@ def test_tp2_matches_tp1_tokens_and_logits(model_dir):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=lambda m: f"step {step}: {m}")
 
 
+def test_tp2_prompt_logprobs_match_tp1(llama_dir):
+    """Prompt-logprob rows travel with the logits indices: the workers gather the same LM-head
+    slices, so TP=2 scores a chunked prompt as TP=1 does, next to a request that does not ask."""
+    def scored(core):
+        params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+        seqs = [core.make_sequences(PROMPTS[2], params)[0],
+                core.make_sequences(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4))[0]]
+        for s in seqs:
+            core.add(s)
+        firsts = {}
+        while core.has_work():
+            for seq, out in core.step():
+                firsts.setdefault(seq.seq_id, out)
+        return [firsts[s.seq_id] for s in seqs], [s.output_ids for s in seqs]
+
+    (ref, _), ref_ids = scored(EngineCore(engine_config(llama_dir)))
+    with tp2_engine(llama_dir) as tp2:
+        (got, other), got_ids = scored(tp2)
+    assert got_ids == ref_ids and other.prompt_logprobs is None
+    assert len(got.prompt_logprobs) == len(PROMPTS[2]) - 1
+    for a, b in zip(got.prompt_logprobs, ref.prompt_logprobs):
+        assert a.token_id == b.token_id and a.rank == b.rank
+        assert a.logprob == pytest.approx(b.logprob, abs=2e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 def test_tp2_prefix_cache_hit_gives_the_same_output(model_dir):
     prefix = [(7 * i + 3) % 90 + 2 for i in range(41)]  # 10 full blocks and one token
     first, second = prefix + [17, 4], prefix + [25, 60, 9]

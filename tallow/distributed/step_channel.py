@@ -24,10 +24,11 @@ class StepInputs:
     input_ids: np.ndarray  # int64 [T]
     positions: np.ndarray  # int64 [T]
     slot_mapping: np.ndarray  # int64 [T]
-    logits_indices: np.ndarray  # int64 [S]: the rows whose logits are sampled
+    logits_indices: np.ndarray  # int64 [S + R]: the rows whose logits are sampled, then R prompt-logprob rows
     query_start_loc: np.ndarray  # int32 [B + 1]
     seq_lens: np.ndarray  # int32 [B]
     block_tables: np.ndarray  # int32 [B, max_blocks]
+    num_prompt_rows: int = 0  # R: the last R logits_indices score prompt tokens (engine/prompt_logprobs.py)
 
 
 class StepChannel:
@@ -39,7 +40,8 @@ class StepChannel:
 
     def send(self, inputs: StepInputs) -> None:
         b, width = inputs.block_tables.shape
-        self._header[:5] = torch.tensor([_STEP, len(inputs.input_ids), b, width, len(inputs.logits_indices)])
+        self._header[:6] = torch.tensor([_STEP, len(inputs.input_ids), b, width, len(inputs.logits_indices),
+                                         inputs.num_prompt_rows])
         payload = np.concatenate([inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
                                   inputs.query_start_loc, inputs.seq_lens, inputs.block_tables.ravel()],
                                  dtype=np.int64)
@@ -54,7 +56,7 @@ class StepChannel:
     def recv(self) -> StepInputs | None:
         """The next step's inputs; None when rank 0 shuts the group down."""
         dist.broadcast(self._header, 0, group=self.group)
-        command, t, b, width, s = self._header[:5].tolist()
+        command, t, b, width, s, r = self._header[:6].tolist()
         if command == _SHUTDOWN:
             return None
         payload = torch.empty(3 * t + s + 2 * b + 1 + b * width, dtype=torch.int64)
@@ -62,4 +64,4 @@ class StepChannel:
         ids, positions, slots, logits, qsl, seq_lens, tables = np.split(
             payload.numpy(), np.cumsum([t, t, t, s, b + 1, b]))
         return StepInputs(ids, positions, slots, logits, qsl.astype(np.int32), seq_lens.astype(np.int32),
-                          tables.astype(np.int32).reshape(b, width))
+                          tables.astype(np.int32).reshape(b, width), r)

@@ -41,6 +41,9 @@ class TokenOutput:
     # Jump-forward tokens among the sequence's output so far (appended without sampling because
     # its grammar allowed nothing else: usage.fill); the final output's is the total.
     fill: int = 0
+    # With the first token of a sequence that asked for them: the PromptLogprobs of prompt tokens
+    # 1 .. P-1 (tallow/engine/prompt_logprobs.py); the first prompt token has none.
+    prompt_logprobs: list | None = None
 
 
 def final_output(seq: Sequence) -> TokenOutput:
@@ -199,6 +202,8 @@ class EngineCore:
             # A seeded request's choices differ: choice i samples with seed + i (as vLLM does).
             # The sum wraps around the signed 64-bit range a seed must stay in.
             child = params if params.seed is None else replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
+            if child.prompt_logprobs is not None:  # the prompt is scored once, by the first choice
+                child = replace(child, prompt_logprobs=None)
             seqs.append(Sequence(prompt_ids, child, eos_token_ids=self.eos_token_ids,
                                  max_model_len=self.max_model_len,
                                  request_id=f"{first.request_id}-{i}", prefill_after=first))
@@ -338,6 +343,7 @@ class EngineCore:
         except Exception:
             return self._fail_step(out)
         self._fail_invalid_rows(out, res)
+        self._gather_prompt_logprobs(res)
         self.scheduler.resolve(out, res.token_ids)
         return self._outputs(out, res, live)
 
@@ -371,12 +377,20 @@ class EngineCore:
             return self._fail_step(out)
         self.num_steps += 1
         self._fail_invalid_rows(out, res)
+        self._gather_prompt_logprobs(res)
         self.scheduler.update(out, res.token_ids)
         # Steps with grammar rows are synchronous (the scheduler counts them as reading host tokens).
         forced = self._advance_grammars(out) if self.scheduler.num_host_token_seqs else None
         if not self.scheduler.running:  # nothing runs on: the sampler's cached batch plan is stale
             self.runner.sampler.release()
         return self._outputs(out, res, forced=forced)
+
+    @staticmethod
+    def _gather_prompt_logprobs(res: StepResult) -> None:
+        """Keep each sequence's prompt logprobs of the step until its first output carries them."""
+        for seq, entries in res.prompt_logprobs:
+            if not seq.prompt_logprobs_sent:
+                seq.prompt_logprobs.extend(entries)
 
     def _advance_grammars(self, out: SchedulerOutput) -> dict[int, list[int]] | None:
         """Each grammar row's matcher consumes the token just sampled; a complete grammar ends
@@ -454,11 +468,14 @@ class EngineCore:
                         tp += [[(t, 0.0)] for t in extra]
                     self.num_generated_tokens += len(extra)
             if seq.status is finished:
-                outputs.append((seq, TokenOutput(ids, lp, tp, seq.finish_reason, seq.num_prompt_tokens,
-                                                 seq.num_cached_tokens, seq.stop_token_id, _fill(seq))))
+                output = TokenOutput(ids, lp, tp, seq.finish_reason, seq.num_prompt_tokens,
+                                     seq.num_cached_tokens, seq.stop_token_id, _fill(seq))
             else:
-                outputs.append((seq, TokenOutput(ids, lp, tp, None, seq.num_prompt_tokens,
-                                                 seq.num_cached_tokens, fill=_fill(seq))))
+                output = TokenOutput(ids, lp, tp, None, seq.num_prompt_tokens, seq.num_cached_tokens, fill=_fill(seq))
+            if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+                output.prompt_logprobs = seq.prompt_logprobs
+                seq.prompt_logprobs_sent = True
+            outputs.append((seq, output))
             i += 1
         self.num_generated_tokens += len(outputs)
         return outputs

@@ -70,6 +70,12 @@ class Sequence:
         # Structured output: the sequence's GrammarState (tallow/engine/grammar.py), made by
         # EngineCore.add when params.grammar is set.
         self.grammar = None
+        # Prompt logprobs (params.prompt_logprobs): the PromptLogprobs of tokens 1.. gathered chunk
+        # by chunk, the next position whose row still has to score its successor, and whether
+        # they went out with the first output (tallow/engine/prompt_logprobs.py).
+        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_next = 0
+        self.prompt_logprobs_sent = False
 
     # ---- derived -------------------------------------------------------------------
     @property
@@ -87,6 +93,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked and not all computed: no prefix-cache hit may skip their rows."""
+        return self.prompt_logprobs is not None and self.prompt_logprobs_next < self.num_prompt_tokens - 1
 
     @property
     def last_token_id(self) -> int:

@@ -31,7 +31,9 @@ from tallow.attention.metadata import AttentionMetadata
 from tallow.config import EngineConfig
 from tallow.distributed.step_channel import StepChannel, StepInputs
 from tallow.engine.cuda_graphs import fill_pending
-from tallow.engine.sampler import Sampler
+from tallow.engine import prompt_logprobs
+from tallow.engine.prompt_logprobs import PromptRows, plan_prompt_rows
+from tallow.engine.sampler import Sampler, SamplerOutput
 from tallow.engine.scheduler import SchedulerOutput
 from tallow.models.config import ModelConfig
 from tallow.models.sharding import ShardLayout
@@ -69,6 +71,9 @@ class LaunchedStep:
     has_logprobs: bool
     has_top: bool
     done: torch.cuda.Event | None  # recorded after the copies (None on the CPU)
+    # Prompt logprobs computed in the step: its rows and the host copies of their tensors.
+    prompt_rows: PromptRows | None = None
+    prompt_host: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -80,6 +85,8 @@ class StepResult:
     top: TopLogprobs | None
     # Sampling rows (indices into token_ids) whose logits were not finite: their tokens mean nothing.
     invalid_rows: list[int] = field(default_factory=list)
+    # (sequence, its PromptLogprobs of this step), for sequences that asked for prompt logprobs.
+    prompt_logprobs: list[tuple[object, list]] = field(default_factory=list)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -177,6 +184,9 @@ class ModelRunner:
         self.kv_caches = [(zeroed_cache(shape, kv_dtype, device), zeroed_cache(shape, kv_dtype, device))
                           for _ in range(model_config.num_hidden_layers)]
         self.sampler = Sampler(model_config.vocab_size, device)
+        # Prompt logprobs of the step being built: its rows (rank 0) and the tensors execute() made.
+        self._prompt_rows: PromptRows | None = None
+        self._prompt_out: list[torch.Tensor] | None = None
         self.staging = None
         self.graphs = None
         self._events = [torch.cuda.Event() for _ in range(4)] if device.type == "cuda" else []
@@ -217,10 +227,12 @@ class ModelRunner:
         self.graphs.capture()
 
     # ---- batch preparation ------------------------------------------------------------
-    def host_inputs(self, out: SchedulerOutput, pending: list[list[int]] | None = None) -> StepInputs:
+    def host_inputs(self, out: SchedulerOutput, pending: list[list[int]] | None = None,
+                    prompt_rows: PromptRows | None = None) -> StepInputs:
         """The step's flat batch as host arrays. With asynchronous scheduling a decode row's
         token may be PENDING_TOKEN (its step still runs): `pending` (a pair of empty lists)
-        then gets the flat rows of such tokens and their rows in that step's sampled ids."""
+        then gets the flat rows of such tokens and their rows in that step's sampled ids.
+        prompt_rows' rows follow the sampling rows in the logits indices."""
         bs = self.block_size
         num_seqs = len(out.scheduled)
         ids: list[int] = []
@@ -257,8 +269,13 @@ class ModelRunner:
             nb = (seq_lens[i] + bs - 1) // bs
             tables[i, :nb] = s.seq.block_table[:nb]
 
+        num_prompt_rows = 0
+        if prompt_rows is not None:
+            logits_idx += prompt_rows.rows
+            num_prompt_rows = len(prompt_rows.rows)
         longs = [np.array(x, dtype=np.int64) for x in (ids, positions, slots, logits_idx)]
-        return StepInputs(*longs, np.array(qsl, dtype=np.int32), np.array(seq_lens, dtype=np.int32), tables)
+        return StepInputs(*longs, np.array(qsl, dtype=np.int32), np.array(seq_lens, dtype=np.int32), tables,
+                          num_prompt_rows)
 
     def device_inputs(self, inputs: StepInputs, pending: list[list[int]] | None = None,
                       prev_ids: torch.Tensor | None = None
@@ -301,9 +318,15 @@ class ModelRunner:
         without waiting for them (on CUDA). prev_ids: the sampled ids of the step still
         running, where this step's pending tokens are read. None when no row samples."""
         logits = self.logits(out, prev_ids)
-        if logits is None:
+        prompt_rows, prompt_out = self._prompt_rows, self._prompt_out
+        self._prompt_rows = self._prompt_out = None
+        if logits is None and prompt_out is None:
             return None
-        sampled = self.sampler(logits, [s.seq for s in out.scheduled if s.samples])
+        if logits is None:  # prompt-logprob rows only (prefill chunks that end before their prompt does)
+            empty = torch.empty(0, dtype=torch.int64, device=prompt_out[0].device)
+            sampled = SamplerOutput(empty, None, None, None, empty.bool())
+        else:
+            sampled = self.sampler(logits, [s.seq for s in out.scheduled if s.samples])
         # Logprobs travel in their own dtype: tolist() widens each to the same Python float
         # that a float64 copy would give.
         tensors = [sampled.token_ids, sampled.invalid]
@@ -313,13 +336,15 @@ class ModelRunner:
             tensors += [sampled.top_ids, sampled.top_logprobs]
         # Non-blocking copies into pinned host memory; collect() makes the step's one sync.
         host = [x.to("cpu", non_blocking=True) for x in tensors]
+        prompt_host = None if prompt_out is None else [x.to("cpu", non_blocking=True) for x in prompt_out]
         done = None
         if self.device.type == "cuda":
             # A ring of events: at most two steps are in flight (asynchronous scheduling).
             self._event_index = (self._event_index + 1) % len(self._events)
             done = self._events[self._event_index]
             done.record()
-        return LaunchedStep(sampled.token_ids, host, sampled.logprobs is not None, sampled.top_ids is not None, done)
+        return LaunchedStep(sampled.token_ids, host, sampled.logprobs is not None, sampled.top_ids is not None, done,
+                            prompt_rows, prompt_host)
 
     @staticmethod
     def collect(launched: LaunchedStep) -> StepResult:
@@ -331,12 +356,16 @@ class ModelRunner:
         invalid = host[1].nonzero().flatten().tolist() if host[1].any() else []
         logprobs = host[2].tolist() if launched.has_logprobs else None
         top = TopLogprobs(host[-2].tolist(), host[-1].tolist()) if launched.has_top else None
-        return StepResult(token_ids, logprobs, top, invalid)
+        result = StepResult(token_ids, logprobs, top, invalid)
+        if launched.prompt_host is not None:
+            result.prompt_logprobs = prompt_logprobs.to_entries(launched.prompt_rows, launched.prompt_host)
+        return result
 
     def logits(self, out: SchedulerOutput, prev_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The float32 logits [rows, vocab] of the step's sampling rows (scheduler order), after
         its forward; None when no row samples. Pending tokens are read from prev_ids."""
         graphs = self.graphs
+        self._prompt_rows = self._prompt_out = None
         if graphs is not None and out.preempted:
             # A preempted sequence can come back in a later decode-only step (its prompt all
             # but one token cached) in the same staged row, with other block ids: restage all.
@@ -347,7 +376,9 @@ class ModelRunner:
         if graphs is not None:
             graphs.forget_tables()
         pending = None if prev_ids is None else [[], []]
-        inputs = self.host_inputs(out, pending)
+        # Prefill rows keep their logits only for sequences that asked for prompt logprobs.
+        self._prompt_rows = plan_prompt_rows(out.scheduled)
+        inputs = self.host_inputs(out, pending, self._prompt_rows)
         if self.step_channel is not None:
             self.step_channel.send(inputs)
         return self.execute(inputs, pending, prev_ids)
@@ -359,6 +390,13 @@ class ModelRunner:
         none, and on tensor-parallel ranks other than 0, which send their slices to rank 0)."""
         input_ids, positions, meta, logits_idx = self.device_inputs(inputs, pending, prev_ids)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if inputs.num_prompt_rows:
+            split = len(logits_idx) - inputs.num_prompt_rows
+            rows = self._prompt_rows
+            self._prompt_out = prompt_logprobs.compute(
+                self.model, hidden, logits_idx[split:], None if rows is None else rows.targets,
+                0 if rows is None else rows.top_k, self.cfg.vocab_size)
+            logits_idx = logits_idx[:split]
         if not len(logits_idx):
             return None
         if hidden.shape[0] != len(logits_idx):

@@ -46,6 +46,9 @@ class SamplingParams:
     min_tokens: int = 0
     # None: no logprobs; 0: the chosen token's logprob only; k: plus the top k alternatives.
     logprobs: int | None = None
+    # The prompt tokens' logprobs (tallow/engine/prompt_logprobs.py): None: none; 0: each prompt
+    # token's own logprob and rank; k: plus the top k there.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Structured output: the output follows this grammar (tallow/engine/grammar.py); None: free.
@@ -99,6 +102,8 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", f"logprobs must be non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             bad("seed", f"seed must be a signed 64-bit integer, in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):

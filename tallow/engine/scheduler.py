@@ -155,7 +155,8 @@ class Scheduler:
                 # compile ends) waits without holding back the queue behind it.
                 held_back.append(self.waiting.popleft())
                 continue
-            blocks, num_cached = self.kv.get_computed_prefix(seq)
+            # Prompt logprobs need every prompt row's logits: no cached prefix until they are complete.
+            blocks, num_cached = ([], 0) if seq.needs_prompt_logprobs else self.kv.get_computed_prefix(seq)
             n = min(seq.num_tokens - num_cached, budget, self.max_chunk)
             if not self.kv.allocate_slots(seq, n, blocks):
                 break

@@ -19,7 +19,7 @@ from tallow.config import EngineConfig, ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.admission import RETRY_AFTER_S, AdmissionQueue
 from tallow.serve.access_log import current_request, mark_phase
-from tallow.serve.errors import ANTHROPIC, error_response, protocol_for_path
+from tallow.serve.errors import ANTHROPIC, OPENAI, error_response, protocol_for_path
 from tallow.serve.executor import CompletionAborted, CompletionExecutor, CompletionRun
 from tallow.serve.gate import GateState, RequestGate
 from tallow.serve.instrument import RequestStats
@@ -34,6 +34,7 @@ from tallow.serve.protocols.openai_completions import OpenAICompletions
 from tallow.serve.protocols.responses import OpenAIResponses
 from tallow.serve.reasoning_blob import ReasoningSealer
 from tallow.serve.responses_store import ResponsesStore
+from tallow.serve.tokenize import detokenize_request, tokenize_request, tokenizer_info
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,22 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         if isinstance(counted, Rejection):
             return counted.response(ANTHROPIC)
         return JSONResponse(counted)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        engine, raw = serving_engine(), await request.body()
+        result = await asyncio.to_thread(tokenize_request, raw, engine, server_config)
+        return result.response(OPENAI) if isinstance(result, Rejection) else JSONResponse(result)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        engine, raw = serving_engine(), await request.body()
+        result = await asyncio.to_thread(detokenize_request, raw, engine)
+        return result.response(OPENAI) if isinstance(result, Rejection) else JSONResponse(result)
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> dict:
+        return tokenizer_info(serving_engine())
 
     responses_store = ResponsesStore(server_config.responses_ttl_s, server_config.responses_max_bytes)
     app.state.reasoning_sealer = ReasoningSealer(server_config.reasoning_key)

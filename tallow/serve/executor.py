@@ -65,6 +65,9 @@ class ChoiceUpdate:
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None  # set on the choice's last update
     stop_string: str | None = None  # on the last update: the stop string that ended the choice
+    # On the choice's first update, when the request asked for them: the PromptLogprobs of prompt
+    # tokens 1.. (tallow/engine/prompt_logprobs.py).
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -76,6 +79,7 @@ class ChoiceResult:
     finish_reason: str  # "tool_calls" > "stop" > "length"; "abort" when cut off
     logprobs: list[TokenLogprob] | None
     stop_string: str | None = None  # the stop string that ended it, if one did
+    prompt_logprobs: list | None = None  # PromptLogprobs of prompt tokens 1.., when asked
 
 
 @dataclass
@@ -201,6 +205,8 @@ class CompletionRun:
         usage = self.usage
         stats = self._sequence_stats[index]
         filled = 0  # the sequence's jump-forward tokens counted so far (TokenOutput.fill is a running total)
+        prompt_logprobs = unsent_prompt_logprobs = None
+        engine_finish = None
         async for out in stream:
             if stats is not None:
                 stats.output(out)
@@ -210,6 +216,11 @@ class CompletionRun:
             if out.fill != filled:
                 usage.fill += out.fill - filled
                 filled = out.fill
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = unsent_prompt_logprobs = out.prompt_logprobs
+            if plan.score_only:  # the one token computed for it is dropped: no text, no usage
+                engine_finish = out.finish_reason or engine_finish
+                continue
             events = pipeline.feed(out)
             taken = pipeline.taken
             usage.completion_tokens += taken
@@ -218,7 +229,8 @@ class CompletionRun:
                     top = out.top_logprobs[k] if out.top_logprobs else []
                     pending.append(TokenLogprob(out.token_ids[k], out.logprobs[k], top))
             if events:
-                update = ChoiceUpdate(index, events, pending)
+                update = ChoiceUpdate(index, events, pending, prompt_logprobs=unsent_prompt_logprobs)
+                unsent_prompt_logprobs = None
                 all_logprobs += pending
                 pending = []
                 yield update
@@ -226,13 +238,20 @@ class CompletionRun:
                 if stats is not None:
                     stats.end("abort")
                 break
-        if pipeline.engine_finish == "error":
+        if (engine_finish if plan.score_only else pipeline.engine_finish) == "error":
             raise TallowError("the engine failed while generating", status=500, type="server_error")
+        if plan.score_only:
+            reason = "abort" if engine_finish == "abort" else "length"
+            self.results[index] = ChoiceResult(index, "", "", [], reason, [] if want_logprobs else None, None,
+                                               prompt_logprobs)
+            yield ChoiceUpdate(index, [], [], reason, None, unsent_prompt_logprobs)
+            return
         result, reason = pipeline.finish()
         all_logprobs += pending
         self.results[index] = ChoiceResult(index, result.content, result.reasoning, result.tool_calls, reason,
-                                           all_logprobs if want_logprobs else None, result.stop_string)
-        yield ChoiceUpdate(index, result.events, pending, reason, result.stop_string)
+                                           all_logprobs if want_logprobs else None, result.stop_string,
+                                           prompt_logprobs)
+        yield ChoiceUpdate(index, result.events, pending, reason, result.stop_string, unsent_prompt_logprobs)
 
 
 class CompletionExecutor:

@@ -83,6 +83,11 @@ class RequestPlan:
     model: str | None = None
     # Headers the route adds to the response (Responses: the hosted tools it dropped).
     response_headers: dict[str, str] = field(default_factory=dict)
+    # vLLM's prompt_logprobs as asked (the response's prompt_logprobs field); params.prompt_logprobs
+    # is what the engine computes (also for echo with logprobs on /v1/completions).
+    prompt_logprobs: int | None = None
+    # /v1/completions max_tokens 0 with echo: the engine computes one token, which is dropped.
+    score_only: bool = False
 
     def params_for(self, prompt_index: int) -> SamplingParams:
         return replace(self.params, max_tokens=self.max_tokens[prompt_index])
@@ -167,14 +172,26 @@ def tokenize(tokenizer, text: str, **kwargs: Any) -> list[int]:
 def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size: int,
                     max_model_len: int, config: ServerConfig, max_tokens: int | None,
                     logprobs: int | None, prompt_param: str, grammar: GrammarSpec | None = None,
-                    **plan_fields: Any) -> RequestPlan | Rejection:
+                    echo_logprobs: int | None = None, **plan_fields: Any) -> RequestPlan | Rejection:
     """Shared checks and SamplingParams for a parsed request whose prompts are tokenized; grammar:
-    the checked constraint of the reply (tallow/serve/structured.py)."""
+    the checked constraint of the reply (tallow/serve/structured.py). echo_logprobs: the top k of
+    the prompt's logprobs that /v1/completions' echo shows."""
     if req.n > config.max_n:
         return Rejection.invalid(f"n must be at most {config.max_n}, got {req.n}", "n")
     if logprobs is not None and logprobs > config.max_top_logprobs:
         param = "top_logprobs" if prompt_param == "messages" else "logprobs"
         return Rejection.invalid(f"{param} must be at most {config.max_top_logprobs}, got {logprobs}", param)
+    asked = req.prompt_logprobs
+    if asked is not None:
+        if asked > config.max_top_logprobs:
+            return Rejection.invalid(f"prompt_logprobs must be at most {config.max_top_logprobs}, got {asked}",
+                                     "prompt_logprobs")
+        if req.stream:
+            return Rejection.invalid("prompt_logprobs is not available when stream is true", "prompt_logprobs")
+    engine_prompt_logprobs = max((k for k in (asked, echo_logprobs) if k is not None), default=None)
+    if engine_prompt_logprobs is not None and req.n > 1:
+        what = "prompt_logprobs" if asked is not None else "echo with logprobs"
+        return Rejection.invalid(f"{what} needs n = 1 (the prompt is scored once), got n = {req.n}", "n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > config.max_stop_strings:
         return Rejection.invalid(f"stop holds at most {config.max_stop_strings} strings, got {len(stop)}", "stop")
@@ -208,6 +225,7 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=logit_bias, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
+            prompt_logprobs=engine_prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, grammar=grammar)
     except TallowError as e:
@@ -217,7 +235,7 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
         prompts=prompts, params=params, max_tokens=clamped, requested_max_tokens=max_tokens,
         stream=req.stream, model=req.model, include_usage=bool(req.stream and options and options.include_usage),
         continuous_usage_stats=bool(req.stream and options and options.continuous_usage_stats),
-        **plan_fields)
+        prompt_logprobs=asked, **plan_fields)
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int,

@@ -107,3 +107,22 @@ class StreamProtocol(ABC):
 
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def prompt_logprobs_vllm(self, entries: list | None) -> list | None:
+        """vLLM's prompt_logprobs: null for the first prompt token, then per token a dict keyed by
+        token id (the prompt token's own entry, then the top k asked) of {logprob, rank,
+        decoded_token}."""
+        k = self.plan.prompt_logprobs
+        if entries is None or k is None:
+            return None
+        out: list[dict | None] = [None]
+        for e in entries:
+            position = {str(e.token_id): self._vllm_logprob(e.token_id, e.logprob, e.rank)}
+            for rank, (token_id, logprob) in enumerate(e.top[:k], 1):
+                position.setdefault(str(token_id), self._vllm_logprob(token_id, logprob, rank))
+            out.append(position)
+        return out
+
+    def _vllm_logprob(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": finite(logprob), "rank": rank,
+                "decoded_token": self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")}

@@ -92,8 +92,11 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
             choices.append({"index": choice.index, "message": message,
                             "logprobs": self._logprobs(choice.logprobs or []),
                             "finish_reason": choice.finish_reason})
-        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
+        body = {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.model_name, "choices": choices, "usage": summary.usage.to_openai()}
+        if self.plan.prompt_logprobs is not None:  # vLLM's extra: the rendered prompt's tokens, scored
+            body["prompt_logprobs"] = self.prompt_logprobs_vllm(summary.choices[0].prompt_logprobs)
+        return body
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if self.plan.params.logprobs is None or not entries:

@@ -12,7 +12,8 @@ from tallow.serve.protocols.openai_schemas import CompletionRequest
 
 
 class OpenAICompletions(OpenAIChunks, StreamProtocol):
-    """Text completions; choice i answers prompt i // n. Echo prepends the prompt's text."""
+    """Text completions; choice i answers prompt i // n. Echo prepends the prompt's text, and with
+    logprobs the prompt tokens' logprobs (the first token's null, as OpenAI's legacy API gave them)."""
 
     id_prefix = "cmpl-"
 
@@ -22,6 +23,10 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
                              for ids in self.plan.prompts]
         # Legacy logprobs give each token's character offset into the choice's text.
         self.text_offsets = [len(self.prompt_texts[i // self.plan.params.n]) for i in range(self.num_choices)]
+        # Streaming echo with logprobs: the prompt's chunk waits for the choice's first update,
+        # which brings the prompt logprobs.
+        self.echo_logprobs = self.plan.echo and self.plan.params.logprobs is not None
+        self._echo_unsent = set(range(self.num_choices)) if self.echo_logprobs else set()
 
     @classmethod
     def plan_request(cls, raw: bytes, engine, config: ServerConfig) -> RequestPlan | Rejection:
@@ -30,9 +35,11 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
             return req
         if req.suffix is not None:
             return Rejection.invalid("suffix is not supported", "suffix")
-        if req.echo and req.logprobs is not None:
-            return Rejection.invalid("echo with logprobs needs prompt logprobs, which this server does not "
-                                     "compute", "echo")
+        max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else 16
+        score_only = max_tokens == 0
+        if score_only and not req.echo:
+            return Rejection.invalid("max_tokens must be at least 1 (0 only with echo: the prompt is scored, "
+                                     "nothing generated)", "max_tokens")
         prompts = _prompt_ids(req.prompt, engine.tokenizer)
         vocab_size = engine.model_config.vocab_size
         if not prompts or any(not ids for ids in prompts):
@@ -46,22 +53,29 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
             return grammar
         return plan_completion(
             req, prompts, vocab_size=vocab_size, max_model_len=engine.max_model_len, config=config,
-            max_tokens=req.max_tokens if "max_tokens" in req.model_fields_set else 16,
-            logprobs=req.logprobs, prompt_param="prompt", echo=req.echo, grammar=grammar)
+            max_tokens=1 if score_only else max_tokens, logprobs=req.logprobs, prompt_param="prompt",
+            echo_logprobs=req.logprobs if req.echo else None, echo=req.echo, score_only=score_only,
+            grammar=grammar)
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:
-        if not self.plan.echo:
+        if not self.plan.echo or self.echo_logprobs:
             return []
         return [self._chunk([self._choice(i, self.prompt_texts[i // self.plan.params.n])])
                 for i in range(self.num_choices)]
 
     def add_events(self, update: ChoiceUpdate, usage: Usage) -> list[str]:
+        frames = []
+        if update.index in self._echo_unsent:
+            self._echo_unsent.discard(update.index)
+            echo = self._prompt_logprobs_legacy(update.index, update.prompt_logprobs)
+            frames.append(self._chunk([self._choice(update.index, self.prompt_texts[update.index // self.plan.params.n],
+                                                    echo)]))
         text = "".join(e.text for e in update.events if isinstance(e, ContentEvent))
         if not text and update.finish_reason is None and not update.logprobs:
-            return []
+            return frames
         logprobs = self._logprobs(update.index, update.logprobs)
-        return [self._chunk([self._choice(update.index, text, logprobs, update.finish_reason)], usage)]
+        return frames + [self._chunk([self._choice(update.index, text, logprobs, update.finish_reason)], usage)]
 
     def finish(self, usage: Usage) -> list[str]:
         frames = [self._chunk([], usage, final=True)] if self.plan.include_usage else []
@@ -77,11 +91,40 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
     # ---- one body ---------------------------------------------------------------------
     def response(self, summary: CompletionSummary) -> dict:
         n = self.plan.params.n
-        choices = [self._choice(c.index, self.prompt_texts[c.index // n] + c.content,
-                                self._logprobs(c.index, c.logprobs or []), c.finish_reason)
-                   for c in summary.choices]
+        choices = []
+        for c in summary.choices:
+            logprobs = None
+            if self.echo_logprobs:
+                logprobs = _joined(self._prompt_logprobs_legacy(c.index, c.prompt_logprobs),
+                                   self._logprobs(c.index, c.logprobs or []))
+            else:
+                logprobs = self._logprobs(c.index, c.logprobs or [])
+            choice = self._choice(c.index, self.prompt_texts[c.index // n] + c.content, logprobs, c.finish_reason)
+            if self.plan.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs_vllm(c.prompt_logprobs)
+            choices.append(choice)
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.model_name, "choices": choices, "usage": summary.usage.to_openai()}
+
+    def _prompt_logprobs_legacy(self, index: int, entries: list | None) -> dict:
+        """The echoed prompt's part of a choice's legacy logprobs: its tokens, their logprobs (the
+        first null) and top logprobs, and their offsets from the start of the text."""
+        ids = self.plan.prompts[index // self.plan.params.n]
+        entries = entries or []
+        k = self.plan.params.logprobs
+        tokens, offsets, offset = [], [], 0
+        for token_id in ids:
+            tokens.append(self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace"))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        # (entries is shorter than the prompt only when the choice failed before its first token)
+        missing = [None] * (len(ids) - 1 - len(entries))
+        token_logprobs = [None] + [finite(e.logprob) for e in entries] + missing
+        top = None
+        if k > 0:
+            top = [None] + [{self.tokenizer.token_bytes(t).decode("utf-8", errors="replace"): finite(lp)
+                             for t, lp in e.top[:k]} for e in entries] + missing
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def _logprobs(self, index: int, entries: list[TokenLogprob]) -> dict | None:
         if self.plan.params.logprobs is None:
@@ -95,6 +138,16 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
                if self.plan.params.logprobs > 0 else None)
         return {"tokens": tokens, "token_logprobs": [finite(e.logprob) for e in entries],
                 "top_logprobs": top, "text_offset": offsets}
+
+
+def _joined(first: dict, then: dict | None) -> dict:
+    """Two legacy logprobs objects of consecutive tokens as one."""
+    if then is None:
+        return first
+    top = None if first["top_logprobs"] is None else first["top_logprobs"] + then["top_logprobs"]
+    return {"tokens": first["tokens"] + then["tokens"],
+            "token_logprobs": first["token_logprobs"] + then["token_logprobs"], "top_logprobs": top,
+            "text_offset": first["text_offset"] + then["text_offset"]}
 
 
 def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer) -> list[list[int]]:

@@ -60,6 +60,8 @@ class SamplingFields(WireModel):
     stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: each prompt token's logprob (and the top k there), in the response's prompt_logprobs.
+    prompt_logprobs: Count | None = Field(default=None, ge=0)
 
 
 class JsonSchemaSpec(WireModel):
@@ -159,6 +161,8 @@ class ChatCompletionRequest(StructuredFields, SamplingFields):
 
 class CompletionRequest(StructuredFields, SamplingFields):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    # 0 with echo: score the prompt only (no generated token).
+    max_tokens: Count | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
     logprobs: Count | None = Field(default=None, ge=0)
