@@ -34,7 +34,7 @@ from tallow.errors import ModelLoadError
 from tallow.models.config import ModelConfig
 
 _CACHE_FORMAT = 3  # 3: files with quantized weights load natively, never cached
-_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -42,15 +42,19 @@ _BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms per layer: ffn_norm is the one before the MLP there.
+_GEMMA3_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight"""
     base, _, kind = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        names = dict(_BLOCK_NAMES, **_GEMMA3_NORMS) if arch == "gemma3" else _BLOCK_NAMES
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     elif base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     raise ModelLoadError(f"unknown GGUF tensor {gguf_name!r}")
@@ -184,7 +188,12 @@ def load_native(path: str, reader=None):
                 mlp.gate_up_proj = projection([f"{blk}.ffn_gate", f"{blk}.ffn_up"], [None, None])
                 mlp.down_proj = projection([f"{blk}.ffn_down"], [None])
                 layer.input_layernorm.weight = norm_weight(f"{blk}.attn_norm.weight")
-                layer.post_attention_layernorm.weight = norm_weight(f"{blk}.ffn_norm.weight")
+                if config.sandwich_norms:  # Gemma 3 (its file holds the norms as applied, 1 + w)
+                    layer.post_attention_layernorm.weight = norm_weight(f"{blk}.post_attention_norm.weight")
+                    layer.pre_feedforward_layernorm.weight = norm_weight(f"{blk}.ffn_norm.weight")
+                    layer.post_feedforward_layernorm.weight = norm_weight(f"{blk}.post_ffw_norm.weight")
+                else:
+                    layer.post_attention_layernorm.weight = norm_weight(f"{blk}.ffn_norm.weight")
                 if config.qk_norm:
                     attn.q_norm.weight = norm_weight(f"{blk}.attn_q_norm.weight")
                     attn.k_norm.weight = norm_weight(f"{blk}.attn_k_norm.weight")
@@ -203,6 +212,8 @@ def load_native(path: str, reader=None):
         except ValueError as e:
             raise ModelLoadError(f"cannot load GGUF file {path}: {e}") from e
     model.model.rotary_emb.reset_parameters(torch.device("cpu"))
+    if model.model.rotary_emb_local is not None:
+        model.model.rotary_emb_local.reset_parameters(torch.device("cpu"))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ModelLoadError(f"GGUF file {path}: no weights for {left[:8]}")
@@ -268,6 +279,7 @@ def _config(reader, metadata: dict[str, Any]) -> ModelConfig:
     elif get("rope.scaling.type", "none") != "none":
         raise ModelLoadError(f"unsupported GGUF rope scaling {get('rope.scaling.type')!r}")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
+    gemma = _gemma3_options(arch, get, hidden, heads) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=arch,
         vocab_size=get("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
@@ -287,6 +299,35 @@ def _config(reader, metadata: dict[str, Any]) -> ModelConfig:
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=[] if eos is None else [eos],
         pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        **gemma,
+    )
+
+
+def _gemma3_options(arch: str, get, hidden: int, heads: int) -> dict[str, Any]:
+    """ModelConfig's Gemma 3 fields from a gemma3 GGUF's metadata, as llama.cpp reads them: the
+    sliding window on `attention.sliding_window_pattern` layers (a period, default 6: the last
+    layer of each period attends globally; or a list of booleans), the local rotary theta
+    `rope.freq_base_swa` (default 10,000), and a query scale of head_dim ** -0.5 except for the
+    62-layer (27B) model's (hidden / heads) ** -0.5 (transformers' query_pre_attn_scalar)."""
+    if get("final_logit_softcapping") or get("attn_logit_softcapping"):
+        raise ModelLoadError(f"GGUF {arch}: logit softcapping is not supported")
+    layers, head_dim = get("block_count"), get("attention.key_length", 256)
+    window, layer_types = get("attention.sliding_window"), None
+    if window:
+        pattern = get("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            sliding = [bool(p) for p in pattern]
+        else:  # llama.cpp's set_swa_pattern: 0 = every layer slides
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+        layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    return dict(
+        layer_types=layer_types,
+        sliding_window=int(window) if window else None,
+        rope_local_theta=float(get("rope.freq_base_swa", 10_000.0)),
+        query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
+        scale_embeddings=True,
+        sandwich_norms=True,
+        hidden_act="gelu_pytorch_tanh",
     )
 
 
@@ -296,9 +337,11 @@ def _dequantized(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape)])
+        if config.architecture == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # the file holds Gemma's 1 + w; transformers' checkpoints hold w
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             # llama.cpp's converter interleaves the two rotary halves of each head: undo it.
             n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
