@@ -506,11 +506,25 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
 
 // ---- one Llama decoder layer in one call ------------------------------------------------------
 
+// One weight of a projection, in the layout of the layer that holds it (tallow/models/quant.py,
+// gguf_linear.py): kind TL_PART_Q4 (Q4Linear) or TL_PART_Q8 (Q8Linear), in tiles for linear();
+// TL_PART_GGUF (GgufLinear: fmt one of linear_gguf.h's, sc / mn as there); TL_PART_HALF
+// (HalfLinear: w [n, k] float16, or bfloat16 where fmt is 1).
+enum { TL_PART_Q4 = 0, TL_PART_Q8 = 1, TL_PART_GGUF = 2, TL_PART_HALF = 3 };
 typedef struct {
-    const void *w;  // Q4 nibbles or Q8 int8, in tiles (see linear())
-    const uint16_t *d, *m;  // float16; m: Q4 only
+    const void *w;
+    const uint16_t *d, *m;  // float16; m: Q4 and the GGUF formats with offsets, else NULL
+    const uint8_t *sc, *mn;  // GGUF K-quant scales, else NULL
     const float *bias;  // may be NULL
-    int q8, n, k;
+    int kind, fmt, n, k;
+} tl_part;
+
+#define TL_MAX_PARTS 3
+// A projection: its parts' outputs side by side (a fused q/k/v or gate/up whose parts the file
+// stores in different formats: ConcatLinear), n columns in all.
+typedef struct {
+    tl_part part[TL_MAX_PARTS];
+    int nparts, n;
 } tl_proj;
 
 typedef struct {
@@ -529,8 +543,40 @@ typedef struct {
     float *x, *qkv, *attn, *gate_up, *act;  // scratch: [T, hidden], [T, qkv], [T, heads*D], [T, 2I], [T, I]
 } tl_step;
 
+static int part_linear(const tl_part *p, const float *x, int M, float *y, int nthreads) {
+    switch (p->kind) {
+    case TL_PART_Q4:
+    case TL_PART_Q8:
+        return linear(x, M, p->k, p->n, (const uint8_t *)p->w, p->d, p->kind == TL_PART_Q8 ? NULL : p->m, p->bias, y,
+                      nthreads, p->kind == TL_PART_Q8);
+    case TL_PART_GGUF:
+        return tl_gguf_linear(x, M, p->k, p->n, p->fmt, (const uint8_t *)p->w, p->d, p->m, p->sc, p->mn, p->bias, y,
+                              nthreads);
+    default:
+        return tl_half_linear(x, M, p->k, p->n, (const uint16_t *)p->w, p->fmt, p->bias, y, nthreads);
+    }
+}
+
+// The projection's output [M, n]: one part straight into y; several each into scratch, then
+// copied into its columns (the same floats as ConcatLinear's torch.cat of the parts).
 static int proj(const tl_proj *p, const float *x, int M, float *y, int nthreads) {
-    return linear(x, M, p->k, p->n, (const uint8_t *)p->w, p->d, p->q8 ? NULL : p->m, p->bias, y, nthreads, p->q8);
+    if (p->nparts == 1) return part_linear(&p->part[0], x, M, y, nthreads);
+    int widest = 0;
+    for (int i = 0; i < p->nparts; i++) widest = p->part[i].n > widest ? p->part[i].n : widest;
+    float *tmp = (float *)malloc(sizeof(float) * (size_t)M * widest);
+    if (!tmp) return -1;
+    int col = 0;
+    for (int i = 0; i < p->nparts; i++) {
+        const int n = p->part[i].n;
+        if (part_linear(&p->part[i], x, M, tmp, nthreads)) {
+            free(tmp);
+            return -1;
+        }
+        for (int m = 0; m < M; m++) memcpy(y + (size_t)m * p->n + col, tmp + (size_t)m * n, sizeof(float) * n);
+        col += n;
+    }
+    free(tmp);
+    return 0;
 }
 
 // LlamaDecoderLayer.forward on float32 rows: (h, residual) -> (mlp output in h, residual).
