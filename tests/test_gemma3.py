@@ -302,3 +302,57 @@ def test_real_270m_logits_match_transformers_on_the_same_file(gemma_270m_file):
         ref = hf.lm_head(hf.model(torch.tensor([ours])).last_hidden_state[0, rows]).float()
     assert_close(logits, ref, 2e-3 * ref.abs().max().item())
     assert logits.argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
+# ---- files from llama.cpp's own converter (LLAMA_CPP_DIR: its source, e.g. the llama-cpp-python sdist's
+# vendor/llama.cpp) -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
+def test_llama_cpp_converted_files_match_transformers(outtype, tmp_path):
+    """A random Gemma3ForCausalLM folder with a SentencePiece tokenizer trained here (Gemma's
+    settings: identity normalization, no dummy prefix, whitespace kept, byte fallback), converted
+    by llama.cpp's convert_hf_to_gguf.py: tallow's tokenizer from the file's metadata encodes as
+    sentencepiece does, and its logits past the window are transformers' on the same file."""
+    import os
+    import subprocess
+    import sys
+
+    llama_cpp = os.environ.get("LLAMA_CPP_DIR")
+    if not llama_cpp or not os.path.isfile(os.path.join(llama_cpp, "convert_hf_to_gguf.py")):
+        pytest.skip("LLAMA_CPP_DIR does not name llama.cpp's source")
+    spm = pytest.importorskip("sentencepiece")
+    from transformers import AutoModelForCausalLM
+
+    from tallow.models.engine_model import load_tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(open(os.path.join(os.path.dirname(__file__), "..", "docs", "ARCHITECTURE.md")).read())
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tok"), vocab_size=512,
+                                   model_type="bpe", byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+                                   add_dummy_prefix=False, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, split_digits=True, minloglevel=2)
+    hf = hf_gemma(dict(SHAPE_270M, sliding_window=64), seed=3)
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder)
+    (folder / "tokenizer.model").write_bytes((tmp_path / "tok.model").read_bytes())
+    path = str(tmp_path / f"g-{outtype}.gguf")
+    subprocess.run([sys.executable, os.path.join(llama_cpp, "convert_hf_to_gguf.py"), str(folder), "--outtype",
+                    outtype, "--outfile", path], env=dict(os.environ, PYTHONPATH=os.path.join(llama_cpp, "gguf-py")),
+                   check=True, capture_output=True)
+
+    loaded = load_model(path, dtype=torch.float32, device="cpu")
+    tok = load_tokenizer(loaded.tokenizer_source)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tok.model"))
+    for text in ["Hello world, this is tallow.", "  two  spaces and\nnewlines\n\n", "GGUF Q4_K_M ünïcödé 你好 🙂",
+                 "x = 12345 + 6"]:
+        assert tok.encode(text) == sp.encode(text)
+    model = use_backend(loaded.model, "cpu")
+    ref_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
+                                                     dtype=torch.float32)
+    ref_model.config._attn_implementation = "eager"
+    ids = random_ids(100, 512, seed=9)
+    ref = hf_logits(ref_model, ids)
+    atol = ATOL if outtype != "q8_0" else 2e-3 * ref.abs().max().item()
+    check_chunks_then_decode(model, ref, ids, chunk_lens=(70,), block_size=16, atol=atol)
