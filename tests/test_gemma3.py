@@ -277,6 +277,13 @@ def test_real_270m_logits_match_transformers_on_the_same_file(gemma_270m_file):
     loaded = load_model(gemma_270m_file, dtype=torch.float32, device="cpu")
     model = use_backend(loaded.model, "cpu")
     assert [model.config.layer_window(i) for i in range(6)] == [512] * 5 + [None]
+    from tallow.models.dummy import dummy_config
+
+    preset = dummy_config("gemma3-270m")  # dummy:gemma3-270m is this file's architecture
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "layer_types", "sliding_window", "rope_theta", "rope_local_theta",
+              "query_pre_attn_scalar", "hidden_act", "tie_word_embeddings", "max_position_embeddings")
+    assert {f: getattr(preset, f) for f in fields} == {f: getattr(model.config, f) for f in fields}
     import os
 
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gemma_270m_file),
