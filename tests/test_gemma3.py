@@ -363,3 +363,13 @@ def test_llama_cpp_converted_files_match_transformers(outtype, tmp_path):
     ref = hf_logits(ref_model, ids)
     atol = ATOL if outtype != "q8_0" else 2e-3 * ref.abs().max().item()
     check_chunks_then_decode(model, ref, ids, chunk_lens=(70,), block_size=16, atol=atol)
+
+
+def test_cuda_engine_refuses_sliding_window_layers(small_folder):
+    """The Triton kernels have no window: a Gemma 3 engine on CUDA is refused at load, naming why."""
+    from tallow.errors import ModelLoadError
+    from tallow.models.engine_model import load_engine_model
+
+    loaded = load_model(small_folder[1], dtype=torch.float32, device="cpu")
+    with pytest.raises(ModelLoadError, match="sliding-window attention.*CPU only"):
+        load_engine_model(EngineConfig(model=small_folder[1]), torch.device("cuda"), loaded=loaded)

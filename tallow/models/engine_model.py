@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tallow.config import EngineConfig
-from tallow.errors import TallowError
+from tallow.errors import ModelLoadError, TallowError
 from tallow.models.loader import LoadedModel, TokenizerSource, load_model
 
 if TYPE_CHECKING:
@@ -44,6 +44,10 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, device=device, cache_dir=config.cache_dir,
                             seed=config.seed, parallel=parallel)
+    mc = loaded.config
+    if device.type == "cuda" and any(mc.layer_window(i) for i in range(mc.num_hidden_layers)):
+        raise ModelLoadError(f"{loaded.name}: sliding-window attention ({mc.architecture}) runs on the CPU only "
+                             "(the Triton attention kernels have no window): use --device cpu")
     quantization = "none"
     if device.type == "cpu" and config.quantization != "none":
         from tallow.models.quant import quantize_model_
