@@ -101,7 +101,7 @@ def load_tokenizer(source: TokenizerSource) -> Tokenizer:
     if source.kind == "hf":
         return Tokenizer.from_hf_dir(source.path)
     if source.kind == "gguf" and source.metadata:
-        return Tokenizer.from_gguf_metadata(source.metadata)
+        return Tokenizer.from_gguf_metadata(source.metadata, source.cache_path)
     if source.path is None:
         raise TallowError(source.note or "no tokenizer for this model", status=500, type="server_error")
     return Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(source.path))
