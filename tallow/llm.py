@@ -92,7 +92,8 @@ class LLM:
         run = OfflineRun(self.engine)
         choices: dict[int, _Choice] = {}  # by seq_id, in submission order
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            # BOS in front where the model wants one (Gemma, Llama 2), as /v1/completions does
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
             seqs = self.engine.make_sequences(ids, params, request_id=str(i))
             results.append(RequestOutput(str(i), prompt if isinstance(prompt, str) else None, ids))
             for k, seq in enumerate(seqs):

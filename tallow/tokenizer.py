@@ -7,9 +7,11 @@ types stored under llama.cpp's key names) or from a Hugging Face folder (tokeniz
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import logging
 import mmap
+import os
 import struct
 from functools import cached_property
 from pathlib import Path
@@ -104,20 +106,26 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
-        """From GGUF metadata as `read_gguf_tokenizer_metadata` returns it (keys `tokenizer.*`)."""
+    def from_gguf_metadata(cls, meta: dict[str, Any], cache_path: str | None = None) -> "Tokenizer":
+        """From GGUF metadata as `read_gguf_tokenizer_metadata` returns it (keys `tokenizer.*`).
+
+        cache_path: where a SentencePiece vocabulary's merges are kept (.npy of token id pairs,
+        read back when it exists, written after they are derived): deriving them from the
+        vocabulary takes seconds for a large one (Gemma 3's 262,144 tokens: ~5 s here), reading
+        them back a fraction of that. The caller names the file by the GGUF's identity and this
+        module's source (loader.tokenizer_cache_path)."""
         kind = meta.get("tokenizer.ggml.model")
         if "tokenizer.ggml.tokens" not in meta:
             raise ModelLoadError("the GGUF file holds no tokenizer (no tokenizer.ggml.tokens)")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        if kind not in ("gpt2", "llama"):
+            raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
         if kind == "gpt2":
             backend = _byte_level_bpe(tokens, meta["tokenizer.ggml.merges"], meta.get("tokenizer.ggml.pre", "default"))
-        elif kind == "llama":
-            backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), types,
-                                         meta.get("tokenizer.ggml.add_space_prefix", True))
         else:
-            raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+            backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), types,
+                                         meta.get("tokenizer.ggml.add_space_prefix", True), cache_path)
         _add_special_tokens(backend, tokens, types, byte_level=kind == "gpt2")
 
         eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -274,6 +282,40 @@ def _overlaps(spans: Sequence[tuple[int, int]], starts: list[int], start: int, e
 # ---- GGUF -------------------------------------------------------------------------------------
 
 
+def _read_merges(path: str | None, vocab_size: int) -> np.ndarray | None:
+    """Cached merges ([n, 2] token ids, in merge order), or None (none, or unreadable)."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        pairs = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        pairs = None
+    if pairs is None or pairs.ndim != 2 or pairs.shape[1] != 2 or (pairs.size and pairs.max() >= vocab_size):
+        logger.warning("ignoring an unreadable cached merges file %s", path)
+        return None
+    return pairs
+
+
+def _write_merges(path: str | None, pairs: np.ndarray) -> None:
+    """Keep derived merges for _read_merges; failing to write costs only the next start."""
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp.npy"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.save(tmp, pairs, allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def builder_digest() -> str:
+    """A digest of this module's source: merges derived by other code are never read."""
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
 def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     """The `tokenizer.*` keys and `general.architecture` of a GGUF file, as plain Python values.
 
@@ -347,24 +389,29 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> Backend:
 
 
 def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, types: list[int],
-                       add_space_prefix: bool) -> Backend:
+                       add_space_prefix: bool, cache_path: str | None = None) -> Backend:
     """llama.cpp's SentencePiece tokenizer as a BPE: repeatedly join the adjacent pair whose join is
-    the best-scoring vocabulary entry, then spell unknown characters as <0xXX> byte tokens."""
-    if scores is None:  # no scores: earlier entries win, as in files whose scores follow their order
-        scores = [-float(i) for i in range(len(tokens))]
+    the best-scoring vocabulary entry, then spell unknown characters as <0xXX> byte tokens.
+    cache_path: the merges kept as token id pairs (from_gguf_metadata)."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    candidates = []
-    for t, ty, score in zip(tokens, types, scores):
-        if ty not in (NORMAL, USER_DEFINED) or len(t) < 2:
-            continue
-        for k in range(1, len(t)):
-            left, right = t[:k], t[k:]
-            if left in vocab and right in vocab:
-                candidates.append((-score, vocab[t], left, right))
-    candidates.sort()
+    pairs = _read_merges(cache_path, len(tokens))
+    if pairs is None:
+        if scores is None:  # no scores: earlier entries win, as in files whose scores follow their order
+            scores = [-float(i) for i in range(len(tokens))]
+        candidates = []
+        for t, ty, score in zip(tokens, types, scores):
+            if ty not in (NORMAL, USER_DEFINED) or len(t) < 2:
+                continue
+            for k in range(1, len(t)):
+                left, right = t[:k], t[k:]
+                if left in vocab and right in vocab:
+                    candidates.append((-score, vocab[t], left, right))
+        candidates.sort()
+        pairs = np.array([(vocab[a], vocab[b]) for *_, a, b in candidates], dtype=np.int32).reshape(-1, 2)
+        _write_merges(cache_path, pairs)
     unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
-    backend = Backend(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in candidates], unk_token=unk,
-                                 byte_fallback=True, fuse_unk=True))
+    backend = Backend(models.BPE(vocab=vocab, merges=[(tokens[a], tokens[b]) for a, b in pairs.tolist()],
+                                 unk_token=unk, byte_fallback=True, fuse_unk=True))
     replace = normalizers.Replace(" ", "\u2581")
     # Per piece of text between added tokens, as llama.cpp (and Llama's original tokenizer.json) do:
     # "a<tok>b" gets a space in front of both "a" and "b" (sentencepiece itself only before "a").

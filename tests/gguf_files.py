@@ -97,3 +97,87 @@ def write_llama_gguf(path: str, types: dict[str, str], *, arch: str = "llama", h
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# llama.cpp's gemma3 tensor names for transformers' Gemma3ForCausalLM parameters.
+GEMMA3_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gemma3_gguf(path: str, hf_model, weight_type: str = "F32") -> dict[str, np.ndarray]:
+    """A transformers Gemma3ForCausalLM as llama.cpp's convert_hf_to_gguf.py (+ llama-quantize)
+    writes it: arch gemma3, its metadata keys (sliding_window; the period of 6 and the local
+    theta left to their defaults as the converter does), every norm weight stored as 1 + w, no
+    q/k row permutation (Gemma's rotary is NeoX-style), tied embeddings (no output.weight).
+    weight_type: the 2-D tensors' type (F32, F16 or one gguf.quants quantizes); norms stay F32.
+    Returns each HF parameter's values as the file holds them after dequantization (HF names,
+    norms as w), the reference for a lossy type."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType
+
+    c = hf_model.config
+    assert c.layer_types == ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                             for i in range(c.num_hidden_layers)], "the converter writes no pattern: period 6"
+    assert c.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0, "the converter writes no local theta"
+    w = gguf.GGUFWriter(path, "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    scaling = c.rope_parameters["full_attention"]
+    if scaling.get("rope_type", "default") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling["factor"])
+    w.add_sliding_window(c.sliding_window)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    w.add_token_scores([0.0] * c.vocab_size)
+    w.add_token_types([1] * c.vocab_size)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_add_space_prefix(False)
+    held = {}
+    for name, t in hf_model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        base, _, kind = name.rpartition(".")
+        if base.startswith("model.layers."):
+            layer, part = base.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{GEMMA3_NAMES[part]}.{kind}"
+        else:
+            gguf_name = f"{GEMMA3_NAMES[base]}.{kind}"
+        data = t.float().numpy()
+        if name.endswith("norm.weight"):
+            data = data + 1.0  # Gemma3RMSNorm scales by 1 + w: the file holds that
+            w.add_tensor(gguf_name, data)
+            held[name] = data - 1.0
+            continue
+        if weight_type == "F32":
+            w.add_tensor(gguf_name, data)
+            held[name] = data
+        elif weight_type == "F16":
+            w.add_tensor(gguf_name, data.astype(np.float16))
+            held[name] = data.astype(np.float16).astype(np.float32)
+        else:
+            kind_ = GGMLQuantizationType[weight_type]
+            q = gguf.quants.quantize(data, kind_)
+            w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=kind_)
+            held[name] = gguf.quants.dequantize(q, kind_).reshape(data.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held

@@ -402,3 +402,40 @@ def test_engine_greedy_outputs_do_not_depend_on_the_batch(tmp_path):
     together = run(prompts)
     assert together == [run([p])[0] for p in prompts]
     assert len(set(map(tuple, together))) > 1  # the outputs depend on the prompts
+
+
+MIXED = dict(attn_q="Q5_0", attn_k="Q5_1", attn_v="F16", attn_output="Q8_0", ffn_gate="Q4_0", ffn_up="Q5_K",
+             ffn_down="Q4_1", token_embd="Q8_0", output="Q6_K")
+
+
+@needs_kernels
+@pytest.mark.parametrize("types,arch", [(Q4_K_M, "llama"), (Q5_K_M, "qwen2"), (MIXED, "llama")],
+                         ids=["Q4_K_M-mix", "Q5_K_M-mix-qwen2", "every-kind-mixed"])
+def test_fused_layers_run_the_files_formats_bit_for_bit(types, arch, kernels, tmp_path):
+    """A file's own formats (K-quants, Q5_x, F16, q/k/v and gate/up of mixed types as
+    ConcatLinear) run through FusedCpuLayers, one tl_llama_layer call per layer, with the
+    module path's logits bit for bit: prefill chunks of two sequences, then decode steps."""
+    from tallow.attention.cpu_backend import CpuAttentionBackend
+    from tallow.engine.runner import set_attention_backend
+    from tallow.models.loader import load_model
+
+    path = str(tmp_path / "m.gguf")
+    write_llama_gguf(path, types, arch=arch)
+    outs = []
+    for fused in (True, False):
+        loaded = load_model(path, dtype=torch.float32, device="cpu")
+        model = loaded.model
+        set_attention_backend(model, CpuAttentionBackend())
+        if not fused:  # the module path: _cpu_fused's cache says "none for these objects"
+            attn = model.model.layers[0].self_attn
+            model.model.__dict__["_fused"] = ((attn.backend, attn.qkv_proj), None)
+        paged = PagedBatches(loaded.config, num_blocks=16, block_size=16)
+        steps = []
+        for chunks in ([("a", list(range(5, 45))), ("b", [5, 6, 7])], [("a", [9]), ("b", list(range(50, 70)))],
+                       [("a", [11]), ("b", [12])]):
+            ids, positions, meta = paged.step(chunks)
+            with torch.no_grad():
+                steps.append(model.compute_logits(model(ids, positions, paged.kv_caches, meta)))
+        assert (model.model.__dict__["_fused"][1] is not None) == fused
+        outs.append(steps)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 import pytest
 from hypothesis import given, settings
@@ -267,3 +268,26 @@ def test_literal_spans_read_special_tokens_as_text_like_sentencepiece(sentencepi
     assert tok.encode(text, literal_spans=((3, 16),)) == sp.encode(text)
     text = "<end_of_turn>fox<end_of_turn>"
     assert tok.encode(text, literal_spans=((16, 29),)) == [eot, *sp.encode("fox<end_of_turn>")]
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_cached_merges_give_the_same_tokenizer(kind, sentencepiece_model, tmp_path):
+    """A SentencePiece vocabulary's merges kept in cache_path (derived once, then read back)
+    give a tokenizer that tokenizes, decodes and spells tokens exactly as the one derived; a
+    byte-level vocabulary (merges in the file) writes nothing."""
+    meta = read_gguf_tokenizer_metadata(GGUF) if kind == "byte-level" else gguf_metadata_of(sentencepiece_model)
+    path = str(tmp_path / "cache" / "tok.merges.npy")
+    built = Tokenizer.from_gguf_metadata(meta, path)
+    assert os.path.exists(path) == (kind == "sentencepiece")
+    if kind == "sentencepiece":
+        meta = dict(meta, **{"tokenizer.ggml.scores": [0.0] * len(meta["tokenizer.ggml.scores"])})  # unused now
+    cached = Tokenizer.from_gguf_metadata(meta, path)
+    texts = [*SPM_CORPUS, "<|im_start|>user\nhi<|im_end|>", "fox<start_of_turn>fox", "  12345 \t\n ünï 🙂"]
+    for text in texts:
+        ids = built.encode(text, add_special_tokens=True)
+        assert cached.encode(text, add_special_tokens=True) == ids
+        assert cached.decode(ids) == built.decode(ids)
+    assert [cached.token_bytes(i) for i in range(cached.vocab_size)] == [built.token_bytes(i)
+                                                                         for i in range(built.vocab_size)]
+    assert (cached.special_tokens, cached.eos_token_ids, cached.bos_token_id) == (
+        built.special_tokens, built.eos_token_ids, built.bos_token_id)

@@ -6,7 +6,9 @@ every query token's causal attention over its sequence's blocks in place (tl_pag
 decode rows and prefill chunks alike, no gather of K/V, no masks). forward_rotary also
 applies the rotary embedding to q and k in place first, so the model hands it q and k
 before rotation. A token's result is computed from its own context alone, in a fixed order,
-so it does not depend on the batch.
+so it does not depend on the batch. A sliding-window layer (Gemma 3) reads only the keys inside
+each token's window: the blocks before it stay in the cache (the full-attention layers share
+the block tables) but cost no time.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from tallow.ops import cpu_native
 
 
 class CpuAttentionBackend:
+    supports_sliding_window = True
+
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int) -> bool:
         return cpu_native.lib() is not None and dtype == torch.float32 and head_dim % 8 == 0
@@ -28,9 +32,11 @@ class CpuAttentionBackend:
             raise RuntimeError(f"tallow's CPU kernels are unavailable: {cpu_native.unavailable_reason()}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotated), rows at any
-        stride, heads contiguous; caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+        stride, heads contiguous; caches [num_blocks, block_size, num_kv_heads, head_dim].
+        sliding_window: each token attends to its last `sliding_window` positions only."""
         T, H, D = q.shape
         kv_heads = k_cache.shape[2]
         for t in (q, k, v):
@@ -45,15 +51,15 @@ class CpuAttentionBackend:
         if lib.tl_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), H * D, k_cache.data_ptr(),
                                   v_cache.data_ptr(), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
                                   tables.data_ptr(), tables.stride(0), meta.seq_lens.shape[0], H, kv_heads, D,
-                                  k_cache.shape[1], scale, half, torch.get_num_threads()):
+                                  k_cache.shape[1], scale, half, sliding_window or 0, torch.get_num_threads()):
             raise MemoryError("paged attention: out of memory for its workspace")
         return out
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                       meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """forward() with q and k not rotated yet; they are rotated in place. (The model's hot
         path on the CPU is tl_llama_layer, which rotates q and k of a row in one pass.)"""
         cpu_native.rotary_(q, positions, cos_sin_cache)
         cpu_native.rotary_(k, positions, cos_sin_cache)
-        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)

@@ -1,14 +1,15 @@
 """Paged attention in plain torch: the reference backend, on any device.
 
 Everything derived from the batch layout (which cache slots to write, the trimmed block
-tables, the masks) is computed once per step and reused by every layer: the backend keeps
+tables, the masks; a sliding window's masks once per window size) is computed once per step
+and reused by every layer: the backend keeps
 a plan for the last AttentionMetadata object it saw, so a step's metadata must not be
 mutated in place once the forward pass has started.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,17 @@ class _SeqPlan:
     context_len: int  # cached prefix + new tokens
     block_table: torch.Tensor | None  # [num_blocks]; None: no cached prefix, attend the new tokens only
     mask: torch.Tensor | None  # [query_len, context_len] bool; None: plain causal
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> mask
+
+    def windowed(self, window: int, dev: torch.device) -> torch.Tensor:
+        """The mask of a sliding-window layer: query position p sees keys p - window + 1 .. p."""
+        mask = self.window_masks.get(window)
+        if mask is None:
+            q_len, ctx = self.end - self.start, self.context_len
+            keys = torch.arange(ctx, device=dev)[None, :]
+            pos = torch.arange(ctx - q_len, ctx, device=dev)[:, None]
+            mask = self.window_masks[window] = (keys <= pos) & (keys > pos - window)
+        return mask
 
 
 @dataclass
@@ -37,6 +49,17 @@ class _DecodeGroup:
     cache_rows: torch.Tensor
     first_block: int | None  # a lone row whose blocks are consecutive: K/V read in place from here
     mask: torch.Tensor  # [G, 1, 1, num_blocks * block_size] float: 0 within the context, -inf past it
+    lens: torch.Tensor  # [G, 1] the rows' context lengths
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> mask
+
+    def windowed(self, window: int) -> torch.Tensor:
+        """mask with the keys before a sliding window's start at -inf as well."""
+        mask = self.window_masks.get(window)
+        if mask is None:
+            pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            mask = self.mask.masked_fill((pos < self.lens - window)[:, None, None, :], float("-inf"))
+            self.window_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -75,7 +98,7 @@ def _decode_groups(meta: AttentionMetadata, rows: list[int], seqs: list[int], nu
         group_rows = [rows[i] for i in members]
         whole = group_rows == list(range(num_tokens))
         groups.append(_DecodeGroup(None if whole else torch.tensor(group_rows, device=dev), cache_rows, first,
-                                   mask))
+                                   mask, lens))
     return groups
 
 
@@ -117,11 +140,16 @@ class TorchAttentionBackend:
     decoding can amplify.
     """
 
+    supports_sliding_window = True
+
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        """sliding_window: each query attends to its last `sliding_window` positions only (the
+        keys before are masked)."""
         plan = self._plan
         if plan is None or plan.meta is not meta:
             plan = self._plan = _make_plan(meta, q.shape[0], k_cache.shape[2])
@@ -130,19 +158,19 @@ class TorchAttentionBackend:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, k_new)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, v_new)
         if not plan.seqs and len(plan.decode_groups) == 1 and plan.decode_groups[0].rows is None:
-            return _attend_decode(q, k_cache, v_cache, plan.decode_groups[0], scale)
+            return _attend_decode(q, k_cache, v_cache, plan.decode_groups[0], scale, sliding_window)
         out = torch.zeros_like(q)
         for group in plan.decode_groups:
             out.index_copy_(0, group.rows, _attend_decode(q.index_select(0, group.rows), k_cache, v_cache,
-                                                         group, scale))
+                                                         group, scale, sliding_window))
         for s in plan.seqs:
             out[s.start:s.end] = _attend_prefill(q[s.start:s.end], k[s.start:s.end], v[s.start:s.end],
-                                                 k_cache, v_cache, s, scale)
+                                                 k_cache, v_cache, s, scale, sliding_window)
         return out
 
 
 def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
-                   scale: float) -> torch.Tensor:
+                   scale: float, window: int | None = None) -> torch.Tensor:
     """q [G, H, D]: one query token per row, over the contexts of the group's G rows.
 
     The query heads sharing a KV head become that head's query rows, so GQA needs no repeat
@@ -161,12 +189,13 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         k, v = (c.narrow(0, group.first_block, num_blocks).view(1, -1, kv_heads, D).transpose(1, 2)
                 for c in (k_cache, v_cache))
     scores = torch.matmul(q.view(G, kv_heads, H // kv_heads, D), k.transpose(2, 3))
-    probs = scores.mul_(scale).add_(group.mask).softmax(dim=-1)
+    mask = group.mask if window is None else group.windowed(window)
+    probs = scores.mul_(scale).add_(mask).softmax(dim=-1)
     return torch.matmul(probs, v).view(G, H, D)
 
 
 def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, s: _SeqPlan, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, s: _SeqPlan, scale: float, window: int | None = None) -> torch.Tensor:
     """The query tokens of one sequence's chunk, causally over its context."""
     if s.block_table is None:  # the whole context is in this batch
         ks, vs = k, v
@@ -174,7 +203,8 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         kv_heads, D = k_cache.shape[2], k_cache.shape[3]
         ks = k_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
         vs = v_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
+    mask = s.mask if window is None or window >= s.context_len else s.windowed(window, q.device)
     return F.scaled_dot_product_attention(
         q.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-        attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=True,
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
     ).transpose(0, 1)

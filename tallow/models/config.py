@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -26,6 +26,16 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     hidden_act: str = "silu"
     sliding_window: int | None = None
+    # Per layer "sliding_attention" | "full_attention" (Gemma 3): a sliding layer attends to the
+    # last sliding_window positions (itself included). None: every layer attends to everything.
+    layer_types: list[str] | None = None
+    # Gemma 3: the sliding layers' rotary theta (no scaling there); rope_theta/rope_scaling are
+    # the full-attention layers'.
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default head_dim)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    # Norms after attention and after the MLP as well as before each (Gemma 2/3's four per layer).
+    sandwich_norms: bool = False
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
@@ -38,6 +48,16 @@ class ModelConfig:
     @property
     def q_dim(self) -> int:
         return self.num_attention_heads * self.head_dim
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer, or None where it attends to its whole context."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def num_params(self) -> int:
         h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
@@ -53,6 +73,11 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
         mt = (d.get("model_type") or "").lower()
+        if mt == "gemma3" or (mt != "gemma3_text" and any("ForConditionalGeneration" in a for a in archs)):
+            raise ValueError("Gemma 3 multimodal checkpoints (model_type gemma3) are not supported: use the "
+                             "text model (Gemma3ForCausalLM, model_type gemma3_text)")
+        if mt == "gemma3_text" or any("Gemma3" in a for a in archs):
+            return cls._gemma3_from_hf_dict(d)
         if mt in ("qwen3",) or any("Qwen3" in a for a in archs):
             arch = "qwen3"
         elif mt == "qwen2" or any("Qwen2" in a for a in archs):
@@ -97,5 +122,59 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos_list,
             pad_token_id=d.get("pad_token_id"),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        )
+
+    @classmethod
+    def _gemma3_from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Gemma3ForCausalLM's config.json (transformers 4.5x: rope_theta, rope_local_base_freq,
+        rope_scaling, sliding_window_pattern; 5.x: rope_parameters per layer type, layer_types)."""
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if d.get(key) is not None:
+                raise ValueError(f"{key} {d[key]} is not supported (Gemma 3 has none)")
+        if d.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention is not supported")
+        n_layers = d["num_hidden_layers"]
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            pattern = d.get("sliding_window_pattern", 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        rp = d.get("rope_parameters") or {}
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        rope_theta = full.get("rope_theta", d.get("rope_theta", 1_000_000.0))
+        local_theta = local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+        rope_scaling = d.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope scaling on the sliding layers ({local['rope_type']}) is not supported")
+        eos = d.get("eos_token_id", 1)
+        act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+        return cls(
+            architecture="gemma3",
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=n_layers,
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim") or 256,
+            max_position_embeddings=d.get("max_position_embeddings", 131072),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            qk_norm=True,
+            hidden_act="gelu_pytorch_tanh" if act in ("gelu_pytorch_tanh", "gelu_tanh") else act,
+            sliding_window=d.get("sliding_window"),
+            layer_types=list(layer_types),
+            rope_local_theta=float(local_theta),
+            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+            scale_embeddings=True,
+            sandwich_norms=True,
+            bos_token_id=d.get("bos_token_id", 2),
+            eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else [eos],
+            pad_token_id=d.get("pad_token_id", 0),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
         )

@@ -7,8 +7,10 @@ that on a small model at batch 1 rivals the kernels themselves. tl_llama_layer
 arithmetic as the module path over the same kernels, from C: one call per layer.
 
 It applies when the model runs on the CPU in float32 with tallow's kernels throughout:
-every projection a Q4Linear or Q8Linear, attention through CpuAttentionBackend, no q/k norm
-(Qwen3) and no tensor parallelism. Otherwise LlamaModel runs its modules.
+every projection a Q4Linear or Q8Linear, or one of a GGUF file's own formats (GgufLinear:
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; HalfLinear: F16, BF16; a ConcatLinear of up to three of any of
+these, as the q/k/v of a Q4_K_M file), attention through CpuAttentionBackend, no q/k norm
+(Qwen3), none of Gemma 3's options and no tensor parallelism. Otherwise LlamaModel runs its modules.
 """
 
 from __future__ import annotations
@@ -18,12 +20,21 @@ import ctypes
 import torch
 
 from tallow.attention.metadata import AttentionMetadata
-from tallow.ops import cpu_native
+from tallow.ops import cpu_native, silu_and_mul
+
+
+_MAX_PARTS = 3  # TL_MAX_PARTS
+_Q4, _Q8, _GGUF, _HALF = range(4)  # tl_part kinds
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("sc", ctypes.c_void_p),
+                ("mn", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("kind", ctypes.c_int), ("fmt", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int)]
 
 
 class _Proj(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("q8", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int)]
+    _fields_ = [("part", _Part * _MAX_PARTS), ("nparts", ctypes.c_int), ("n", ctypes.c_int)]
 
 
 class _Layer(ctypes.Structure):
@@ -43,12 +54,49 @@ class _Step(ctypes.Structure):
                 ("gate_up", ctypes.c_void_p), ("act", ctypes.c_void_p)]
 
 
-def _proj(linear) -> _Proj:
-    """A Q4Linear's or Q8Linear's descriptor: its weight addresses (qweight, d, m, bias) as it
-    passes them to its own kernel, and its shape."""
+def _parts(linear) -> list | None:
+    """The layers whose outputs side by side make this projection's (a ConcatLinear's parts, or
+    the layer itself), or None where one has no tl_part kind (nn.Linear, DequantizedLinear, a
+    HalfLinear without its kernel)."""
+    from tallow.models.gguf_linear import ConcatLinear, GgufLinear, HalfLinear
+    from tallow.models.quant import Q4Linear, Q8Linear
+
+    layers = list(linear.parts) if isinstance(linear, ConcatLinear) else [linear]
+    if len(layers) > _MAX_PARTS:
+        return None
+    for layer in layers:
+        if isinstance(layer, HalfLinear):
+            if layer._fn is None or layer.weight.device.type != "cpu":
+                return None
+        elif not isinstance(layer, (Q4Linear, Q8Linear, GgufLinear)):
+            return None
+    return layers
+
+
+def _part(layer) -> _Part:
+    """A layer's descriptor: its weight addresses as it passes them to its own kernel."""
+    from tallow.models.gguf_linear import GgufLinear, HalfLinear
     from tallow.models.quant import Q8Linear
 
-    return _Proj(*linear._ptrs, int(isinstance(linear, Q8Linear)), linear.out_features, linear.in_features)
+    n, k = layer.out_features, layer.in_features
+    if isinstance(layer, HalfLinear):
+        bias = None if layer.bias is None else layer.bias.data_ptr()
+        return _Part(layer.weight.data_ptr(), None, None, None, None, bias, _HALF,
+                     int(layer.weight.dtype == torch.bfloat16), n, k)
+    if isinstance(layer, GgufLinear):
+        fmt, w, d, m, sc, mn, bias = layer._ptrs
+        return _Part(w, d, m, sc, mn, bias, _GGUF, fmt, n, k)
+    w, d, m, bias = layer._ptrs
+    return _Part(w, d, m, None, None, bias, _Q8 if isinstance(layer, Q8Linear) else _Q4, 0, n, k)
+
+
+def _proj(linear) -> _Proj:
+    """A projection's descriptor: its parts' (see _parts) and its width."""
+    parts = _parts(linear)
+    proj = _Proj(nparts=len(parts), n=sum(p.out_features for p in parts))
+    for i, layer in enumerate(parts):
+        proj.part[i] = _part(layer)
+    return proj
 
 
 class FusedCpuLayers:
@@ -58,16 +106,16 @@ class FusedCpuLayers:
     @staticmethod
     def supported(model) -> bool:
         from tallow.attention.cpu_backend import CpuAttentionBackend
-        from tallow.models.quant import Q4Linear, Q8Linear
 
         if cpu_native.lib() is None or model.parallel is not None:
             return False
-        native = (Q4Linear, Q8Linear)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.qk_norm or not isinstance(attn.backend, CpuAttentionBackend):
                 return False
-            if not all(isinstance(p, native) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            if layer.sandwich or attn.sliding_window is not None or mlp.act is not silu_and_mul:  # Gemma 3
+                return False
+            if any(_parts(p) is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 return False
             if any(w.dtype != torch.float32 or w.device.type != "cpu"
                    for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)):

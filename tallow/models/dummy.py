@@ -36,6 +36,13 @@ PRESETS: dict[str, dict] = {
                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
     "llama-3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192),
+    # google/gemma-3-270m: sliding window 512 on five of every six layers (sliding_window_pattern 6)
+    "gemma3-270m": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262144,
+                        hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, sliding_window=512,
+                        sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1000000.0,
+                        rope_local_base_freq=10000.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+                        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0),
     "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
@@ -72,6 +79,8 @@ def random_checkpoint(config: ModelConfig, seed: int, device: torch.device,
     for name, p in whole.named_parameters():
         w = torch.empty(p.shape, dtype=dtype, device=device)
         _init_(name, w, generator)
+        if whole._norm_offset(name):  # Gemma's checkpoints hold w of (1 + w)
+            w -= 1.0
         yield from whole.checkpoint_parts(name, w).items()
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tallow.config import EngineConfig
-from tallow.errors import TallowError
+from tallow.errors import ModelLoadError, TallowError
 from tallow.models.loader import LoadedModel, TokenizerSource, load_model
 
 if TYPE_CHECKING:
@@ -44,6 +44,10 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, device=device, cache_dir=config.cache_dir,
                             seed=config.seed, parallel=parallel)
+    mc = loaded.config
+    if device.type == "cuda" and any(mc.layer_window(i) for i in range(mc.num_hidden_layers)):
+        raise ModelLoadError(f"{loaded.name}: sliding-window attention ({mc.architecture}) runs on the CPU only "
+                             "(the Triton attention kernels have no window): use --device cpu")
     quantization = "none"
     if device.type == "cpu" and config.quantization != "none":
         from tallow.models.quant import quantize_model_
@@ -97,7 +101,7 @@ def load_tokenizer(source: TokenizerSource) -> Tokenizer:
     if source.kind == "hf":
         return Tokenizer.from_hf_dir(source.path)
     if source.kind == "gguf" and source.metadata:
-        return Tokenizer.from_gguf_metadata(source.metadata)
+        return Tokenizer.from_gguf_metadata(source.metadata, source.cache_path)
     if source.path is None:
         raise TallowError(source.note or "no tokenizer for this model", status=500, type="server_error")
     return Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(source.path))

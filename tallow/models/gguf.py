@@ -24,6 +24,7 @@ import hashlib
 import json
 import mmap
 import os
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +35,7 @@ from tallow.errors import ModelLoadError
 from tallow.models.config import ModelConfig
 
 _CACHE_FORMAT = 3  # 3: files with quantized weights load natively, never cached
-_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -42,27 +43,112 @@ _BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms per layer: ffn_norm is the one before the MLP there.
+_GEMMA3_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight"""
     base, _, kind = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        names = dict(_BLOCK_NAMES, **_GEMMA3_NORMS) if arch == "gemma3" else _BLOCK_NAMES
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     elif base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     raise ModelLoadError(f"unknown GGUF tensor {gguf_name!r}")
 
 
-def open_gguf(path: str):
-    """The file's gguf.GGUFReader (metadata parsed, tensors memory-mapped, nothing read)."""
-    import gguf
+class _Field:
+    """A metadata value; contents() as gguf.ReaderField gives it (plain Python values)."""
 
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def contents(self) -> Any:
+        return self.value
+
+
+@dataclasses.dataclass
+class GgufTensor:
+    """A tensor's entry, with gguf.ReaderTensor's fields: shape in GGUF's order (ne0 first),
+    data a view of the memory-mapped file shaped as GGUFReader shapes it (float and integer
+    types by element, the block types as bytes [..., row_bytes])."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray
+    n_elements: int
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray
+
+
+class GgufFile:
+    """A GGUF file's metadata and tensor entries, parsed with struct on a memory map, nothing
+    else read: gguf.GGUFReader's fields and tensors for the loader. GGUFReader builds numpy
+    views for every item of every array (a 262,144-token vocabulary took it ~20 s here); this
+    takes a fraction of a second."""
+
+    _ELEMENT_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                      "I32": np.int32, "I64": np.int64}
+
+    def __init__(self, path: str):
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        from tallow.tokenizer import _gguf_string, _gguf_value
+
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = self._map
+        if buf[:4] != b"GGUF":
+            raise ValueError("not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"GGUF v{version} is not supported")
+        pos, self.fields = 24, {}
+        for _ in range(n_kv):
+            key, pos = _gguf_string(buf, pos)
+            (value_type,) = struct.unpack_from("<I", buf, pos)
+            value, pos = _gguf_value(buf, pos + 4, value_type, keep=True)
+            self.fields[key] = _Field(value)
+        entries = []
+        for _ in range(n_tensors):
+            name, pos = _gguf_string(buf, pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = np.frombuffer(buf, np.uint64, n_dims, pos + 4).copy()
+            kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            entries.append((name, dims, GGMLQuantizationType(kind), offset))
+        alignment = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
+        start = -(-pos // alignment) * alignment
+        file_bytes = np.frombuffer(buf, np.uint8)
+        self.tensors = []
+        for name, dims, kind, offset in entries:
+            n = int(np.prod(dims))
+            block, size = GGML_QUANT_SIZES[kind]
+            n_bytes, at = n * size // block, start + int(offset)
+            shape = tuple(int(d) for d in reversed(dims))
+            element = self._ELEMENT_TYPES.get(kind.name)
+            raw = file_bytes[at:at + n_bytes]
+            if len(raw) != n_bytes:
+                raise ValueError(f"tensor {name} is cut short")
+            if element is not None:
+                data = raw.view(element).reshape(shape)
+            else:  # block types: bytes per row, as GGUFReader (quant_shape_to_byte_shape)
+                data = raw.reshape(*shape[:-1], shape[-1] // block * size)
+            self.tensors.append(GgufTensor(name, kind, dims, n, n_bytes, at, data))
+
+
+def open_gguf(path: str) -> GgufFile:
+    """The file's metadata and tensor entries (GgufFile: tensors memory-mapped, nothing read)."""
     try:
-        return gguf.GGUFReader(path)
-    except (OSError, ValueError) as e:
+        return GgufFile(path)
+    except (OSError, ValueError, KeyError, struct.error) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
 
 
@@ -184,7 +270,12 @@ def load_native(path: str, reader=None):
                 mlp.gate_up_proj = projection([f"{blk}.ffn_gate", f"{blk}.ffn_up"], [None, None])
                 mlp.down_proj = projection([f"{blk}.ffn_down"], [None])
                 layer.input_layernorm.weight = norm_weight(f"{blk}.attn_norm.weight")
-                layer.post_attention_layernorm.weight = norm_weight(f"{blk}.ffn_norm.weight")
+                if config.sandwich_norms:  # Gemma 3 (its file holds the norms as applied, 1 + w)
+                    layer.post_attention_layernorm.weight = norm_weight(f"{blk}.post_attention_norm.weight")
+                    layer.pre_feedforward_layernorm.weight = norm_weight(f"{blk}.ffn_norm.weight")
+                    layer.post_feedforward_layernorm.weight = norm_weight(f"{blk}.post_ffw_norm.weight")
+                else:
+                    layer.post_attention_layernorm.weight = norm_weight(f"{blk}.ffn_norm.weight")
                 if config.qk_norm:
                     attn.q_norm.weight = norm_weight(f"{blk}.attn_q_norm.weight")
                     attn.k_norm.weight = norm_weight(f"{blk}.attn_k_norm.weight")
@@ -203,6 +294,8 @@ def load_native(path: str, reader=None):
         except ValueError as e:
             raise ModelLoadError(f"cannot load GGUF file {path}: {e}") from e
     model.model.rotary_emb.reset_parameters(torch.device("cpu"))
+    if model.model.rotary_emb_local is not None:
+        model.model.rotary_emb_local.reset_parameters(torch.device("cpu"))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ModelLoadError(f"GGUF file {path}: no weights for {left[:8]}")
@@ -268,6 +361,7 @@ def _config(reader, metadata: dict[str, Any]) -> ModelConfig:
     elif get("rope.scaling.type", "none") != "none":
         raise ModelLoadError(f"unsupported GGUF rope scaling {get('rope.scaling.type')!r}")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
+    gemma = _gemma3_options(arch, get, hidden, heads) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=arch,
         vocab_size=get("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
@@ -287,6 +381,35 @@ def _config(reader, metadata: dict[str, Any]) -> ModelConfig:
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=[] if eos is None else [eos],
         pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        **gemma,
+    )
+
+
+def _gemma3_options(arch: str, get, hidden: int, heads: int) -> dict[str, Any]:
+    """ModelConfig's Gemma 3 fields from a gemma3 GGUF's metadata, as llama.cpp reads them: the
+    sliding window on `attention.sliding_window_pattern` layers (a period, default 6: the last
+    layer of each period attends globally; or a list of booleans), the local rotary theta
+    `rope.freq_base_swa` (default 10,000), and a query scale of head_dim ** -0.5 except for the
+    62-layer (27B) model's (hidden / heads) ** -0.5 (transformers' query_pre_attn_scalar)."""
+    if get("final_logit_softcapping") or get("attn_logit_softcapping"):
+        raise ModelLoadError(f"GGUF {arch}: logit softcapping is not supported")
+    layers, head_dim = get("block_count"), get("attention.key_length", 256)
+    window, layer_types = get("attention.sliding_window"), None
+    if window:
+        pattern = get("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            sliding = [bool(p) for p in pattern]
+        else:  # llama.cpp's set_swa_pattern: 0 = every layer slides
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+        layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    return dict(
+        layer_types=layer_types,
+        sliding_window=int(window) if window else None,
+        rope_local_theta=float(get("rope.freq_base_swa", 10_000.0)),
+        query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
+        scale_embeddings=True,
+        sandwich_norms=True,
+        hidden_act="gelu_pytorch_tanh",
     )
 
 
@@ -296,9 +419,11 @@ def _dequantized(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape)])
+        if config.architecture == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # the file holds Gemma's 1 + w; transformers' checkpoints hold w
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             # llama.cpp's converter interleaves the two rotary halves of each head: undo it.
             n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads

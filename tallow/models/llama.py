@@ -1,4 +1,9 @@
-"""The engine's model code for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
+"""The engine's model code for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)
+and Gemma 3's text model, which ModelConfig describes as a Llama with options: embeddings
+scaled by sqrt(hidden), norms before and after attention and the MLP (sandwich_norms; the
+norm weights held as applied, Gemma's 1 + w), q/k norms, GeGLU (gelu_tanh), a query scale of
+query_pre_attn_scalar ** -0.5, and sliding-window attention on the layers layer_types names,
+whose rotary embedding has its own theta (rope_local_theta).
 
 One forward pass runs a flat batch of T tokens from many sequences (prefill chunks and
 decode tokens mixed); attention reads and writes the paged KV cache through an
@@ -25,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,7 +39,7 @@ from tallow.attention.metadata import AttentionMetadata
 from tallow.models.config import ModelConfig
 from tallow.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from tallow.models.sharding import ShardLayout
-from tallow.ops import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
+from tallow.ops import apply_rotary, fused_add_rms_norm, gelu_tanh_and_mul, rms_norm, silu_and_mul
 
 if TYPE_CHECKING:
     from tallow.distributed.group import ParallelContext
@@ -52,14 +58,18 @@ def one_row_linear(linear: nn.Module, x: torch.Tensor, **config) -> torch.Tensor
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: ShardLayout,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, layer: int = 0):
         super().__init__()
+        # Sliding-window layers (Gemma 3) attend to their last `sliding_window` positions and
+        # rotate with the local rotary table.
+        self.sliding_window = config.layer_window(layer)
+        self.local_rope = self.sliding_window is not None and config.rope_local_theta is not None
         self.num_heads = shard.num_heads
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
         q_dim, kv_dim = shard.num_heads * config.head_dim, shard.num_kv_heads * config.head_dim
         self.qk_dim = q_dim + kv_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale
         self.qkv_proj = nn.Linear(config.hidden_size, q_dim + 2 * kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=False)  # row-parallel: no bias to add once
         self.parallel = parallel
@@ -80,15 +90,22 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
         v = qkv[:, self.qk_dim:].view(T, self.num_kv_heads, self.head_dim)
+        window = {}
+        if self.sliding_window is not None:
+            if not getattr(self.backend, "supports_sliding_window", False):
+                raise NotImplementedError(f"sliding-window attention (Gemma 3) is not supported by "
+                                          f"{type(self.backend).__name__}: it runs on the CPU backends")
+            window = {"sliding_window": self.sliding_window}
         fused = getattr(self.backend, "forward_rotary", None)
         if fused is not None:  # the backend rotates q and k itself (on CUDA with the KV write)
-            out = fused(qk[:, :H], qk[:, H:], v, *rope, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = fused(qk[:, :H], qk[:, H:], v, *rope, kv_cache[0], kv_cache[1], meta, self.scale, **window)
         elif x.is_cuda:
             q, k = apply_rotary(qk[:, :H], qk[:, H:], *rope)
-            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **window)
         else:
             qk = apply_rope(qk, *rope)
-            out = self.backend.forward(qk[:, :H], qk[:, H:], v, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = self.backend.forward(qk[:, :H], qk[:, H:], v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                       **window)
         out = one_row_linear(self.o_proj, out.view(T, -1))
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
@@ -96,24 +113,33 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, shard: ShardLayout, parallel: ParallelContext | None = None):
         super().__init__()
-        if config.hidden_act != "silu":
+        if config.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
+        self.act = silu_and_mul if config.hidden_act == "silu" else gelu_tanh_and_mul
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * shard.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False)
         self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Llama: post_attention_layernorm is the norm before the MLP. With sandwich_norms (Gemma 3)
+    it normalizes the attention output before the residual add, pre_feedforward_layernorm
+    comes before the MLP and post_feedforward_layernorm after it (transformers' names)."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: ShardLayout,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend, shard, parallel)
+        self.self_attn = LlamaAttention(config, backend, shard, parallel, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, shard, parallel)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
@@ -127,6 +153,12 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
         h = self.self_attn(x, rope, kv_cache, meta)
         norm = self.post_attention_layernorm
+        if self.sandwich:
+            h = rms_norm(h, norm.weight, norm.eps)
+            norm = self.pre_feedforward_layernorm
+            x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+            norm = self.post_feedforward_layernorm
+            return rms_norm(self.mlp(x), norm.weight, norm.eps), residual
         x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
         return self.mlp(x), residual
 
@@ -142,8 +174,13 @@ class LlamaModel(nn.Module):
         self.vocab_start, self.parallel = shard.vocab_start, parallel
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, shard, parallel)
-                                    for _ in range(config.num_hidden_layers))
+        # Gemma 3's sliding layers: their own theta, no scaling.
+        self.rotary_emb_local = None if config.rope_local_theta is None else RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_local_theta, None)
+        # Gemma: embeddings times sqrt(hidden), rounded to float32 as transformers' buffer is.
+        self.embed_scale = float(np.float32(config.hidden_size ** 0.5)) if config.scale_embeddings else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, shard, parallel, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -153,13 +190,14 @@ class LlamaModel(nn.Module):
         if fused is not None:  # every layer in one call of tallow's CPU kernels
             h, residual = fused.forward(h, positions, self.rotary_emb.cos_sin_cache, kv_caches, meta)
             return fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
+        tables = [self.rotary_emb] if self.rotary_emb_local is None else [self.rotary_emb, self.rotary_emb_local]
         if h.is_cuda or hasattr(self.layers[0].self_attn.backend, "forward_rotary"):
-            rope = (positions, self.rotary_emb.cos_sin_cache)  # the kernels read the float32 table
+            ropes = [(positions, t.cos_sin_cache) for t in tables]  # the kernels read the float32 table
         else:
-            rope = self.rotary_emb(positions, h.dtype)
+            ropes = [t(positions, h.dtype) for t in tables]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, rope, kv_cache, meta)
+            h, residual = layer(h, residual, ropes[layer.self_attn.local_rope], kv_cache, meta)
         return fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
     def _cpu_fused(self):
@@ -176,6 +214,10 @@ class LlamaModel(nn.Module):
         return cached[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self._embed(input_ids)
+        return h if self.embed_scale is None else h.mul_(self.embed_scale)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel is None:
             return self.embed_tokens(input_ids)
         # Vocab-parallel: each rank looks up the ids in its rows; the sum has every row once.
@@ -258,6 +300,8 @@ class LlamaForCausalLM(nn.Module):
     def _finish(self, device: torch.device) -> None:
         self.tie_weights()
         self.model.rotary_emb.reset_parameters(device)
+        if self.model.rotary_emb_local is not None:
+            self.model.rotary_emb_local.reset_parameters(device)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -282,8 +326,15 @@ class LlamaForCausalLM(nn.Module):
         load_weights, e.g. to run transformers on the same (random) weights."""
         out = {}
         for name, w in self.state_dict().items():
+            if self._norm_offset(name):
+                w = w - 1.0  # Gemma's checkpoints hold w of (1 + w)
             out.update(self.checkpoint_parts(name, w))
         return out
+
+    def _norm_offset(self, name: str) -> bool:
+        """Whether the checkpoint holds this norm weight minus one (Gemma's RMSNorm scales by
+        1 + w; this model holds the scale itself)."""
+        return self.config.architecture == "gemma3" and name.endswith("norm.weight")
 
     def checkpoint_parts(self, name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """A tensor of this model (named as in state_dict()) under its checkpoint name: fused
@@ -338,6 +389,8 @@ class LlamaForCausalLM(nn.Module):
                 sizes = shards[fused]
                 target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
             w = self._own_slice(leaf, w)
+            if self._norm_offset(name):
+                w = w.float() + 1.0  # (in float32, as Gemma's RMSNorm computes 1 + w)
             if leaf in ("embed_tokens", "lm_head") and w.shape[0] < target.shape[0]:  # vocabulary padding
                 target[w.shape[0]:].zero_()
                 target = target[: w.shape[0]]

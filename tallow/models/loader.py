@@ -40,6 +40,22 @@ class TokenizerSource:
     path: str | None
     metadata: dict[str, Any] = field(default_factory=dict)
     note: str | None = None
+    cache_path: str | None = None  # "gguf": where derived tokenizer merges are kept (tokenizer_cache_path)
+
+
+def tokenizer_cache_path(gguf_path: str, cache_dir: str | None) -> str | None:
+    """The cached SentencePiece merges of a GGUF file (Tokenizer.from_gguf_metadata), named by its
+    path, size and mtime and by the tokenizer code's digest (None without a cache directory)."""
+    if not cache_dir:
+        return None
+    import hashlib
+
+    from tallow.tokenizer import builder_digest
+
+    st = os.stat(gguf_path)
+    key = f"{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{builder_digest()}"
+    stem = os.path.basename(gguf_path).removesuffix(".gguf")
+    return os.path.join(cache_dir, "tokenizers", f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.merges.npy")
 
 
 @dataclass
@@ -139,7 +155,8 @@ def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
             generation = {}
         elif resolved.kind == "gguf":
             model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir, native=source != "default")
-            tokenizer = TokenizerSource("gguf", resolved.location, metadata)
+            tokenizer = TokenizerSource("gguf", resolved.location, metadata,
+                                        cache_path=tokenizer_cache_path(resolved.location, cache_dir))
             generation = {}
         elif resolved.kind == "hf":
             from tallow.models.hf import load_hf_folder

@@ -23,3 +23,11 @@ def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu_and_mul in plain torch ops (any device): two kernels and a temporary."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gate (Gemma): x: [T, 2 * d] = (gate, up) -> gelu_tanh(gate) * up, [T, d], in
+    plain torch ops on every device (gelu with the tanh approximation, as transformers'
+    gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -54,7 +54,7 @@ _SIGNATURES = {
     "tl_silu_and_mul": ([_p, _i, _i, _p, _i], None),
     "tl_rotary": ([_p, _i, _i, _i, _l, _p, _p, _i], None),
     "tl_kv_write": ([_p, _l, _p, _l, _i, _i, _i, _p, _p, _p, _i], None),
-    "tl_paged_attention": ([_p, _l, _p, _l, _p, _p, _p, _p, _p, _l, _i, _i, _i, _i, _i, _f, _i, _i], _i),
+    "tl_paged_attention": ([_p, _l, _p, _l, _p, _p, _p, _p, _p, _l, _i, _i, _i, _i, _i, _f, _i, _i, _i], _i),
     "tl_llama_layer": ([_p, _p, _p, _p, _p, _p, _i, _i], _i),
     "tl_tile_channels": ([], _i),
     "tl_gguf_linear": ([_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _i], _i),

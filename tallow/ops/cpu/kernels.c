@@ -345,8 +345,9 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
 #endif
 
 // Work item `item` = (chunk, KV head): its token (*t) and its n rows' element offsets in the
-// caches (off), whose lines are prefetched to L2. Returns n.
-static int item_rows(long item, int T, const int *first, const int *ctx, const int *seq, const int32_t *block_tables,
+// caches (off; token t's keys start at key0[t]), whose lines are prefetched to L2. Returns n.
+static int item_rows(long item, int T, const int *first, const int *key0, const int *ctx, const int *seq,
+                     const int32_t *block_tables,
                      long bt_stride, int block_size, int kv_heads, int D, const void *k_cache, const void *v_cache,
                      size_t esize, size_t *off, int *t_out) {
     const long chunk = item / kv_heads;
@@ -357,7 +358,7 @@ static int item_rows(long item, int T, const int *first, const int *ctx, const i
         if (first[mid] <= chunk) lo = mid; else hi = mid - 1;
     }
     const int t = lo;
-    const int j0 = (int)(chunk - first[t]) * ATT_CHUNK;
+    const int j0 = key0[t] + (int)(chunk - first[t]) * ATT_CHUNK;
     const int n = ctx[t] - j0 < ATT_CHUNK ? ctx[t] - j0 : ATT_CHUNK;
     const int32_t *table = block_tables + (size_t)seq[t] * bt_stride;
     const size_t kv_row = (size_t)kv_heads * D;
@@ -377,24 +378,27 @@ static int item_rows(long item, int T, const int *first, const int *ctx, const i
 // Causal attention of every query token over its sequence's paged context. q [T, H, D] and
 // out [T, H, D] with row strides in floats (heads at stride D); sequence b owns tokens
 // query_start_loc[b] .. query_start_loc[b+1] - 1, the last of its seq_lens[b] context
-// tokens. The caches hold float32, or float16 where half is set. Returns 0, or -1 out of memory.
+// tokens. window > 0 (a sliding-window layer): a token attends to its last `window` positions
+// only, itself included; the keys before are never read. The caches hold float32, or float16
+// where half is set. Returns 0, or -1 out of memory.
 int tl_paged_attention(const float *q, long q_stride, float *out, long out_stride, const void *k_cache,
                        const void *v_cache, const int32_t *query_start_loc, const int32_t *seq_lens,
                        const int32_t *block_tables, long bt_stride, int B, int H, int kv_heads, int D,
-                       int block_size, float scale, int half, int nthreads) {
+                       int block_size, float scale, int half, int window, int nthreads) {
     const int T = query_start_loc[B];
     const int group = H / kv_heads;
     const size_t part_len = (size_t)D + 2;
-    // token t: sequence seq[t], context ctx[t], chunks first[t] .. first[t + 1] - 1 (per KV head)
-    int *seq = (int *)malloc(sizeof(int) * ((size_t)T + 1) * 3);
+    // token t: sequence seq[t], keys lo[t] .. ctx[t] - 1, chunks first[t] .. first[t + 1] - 1 (per KV head)
+    int *seq = (int *)malloc(sizeof(int) * ((size_t)T + 1) * 4);
     if (!seq) return -1;
-    int *ctx = seq + T + 1, *first = ctx + T + 1;
+    int *ctx = seq + T + 1, *first = ctx + T + 1, *lo = first + T + 1;
     first[0] = 0;
     for (int b = 0; b < B; b++)
         for (int t = query_start_loc[b]; t < query_start_loc[b + 1]; t++) {
             seq[t] = b;
             ctx[t] = seq_lens[b] - (query_start_loc[b + 1] - 1 - t);  // causal: up to itself
-            first[t + 1] = first[t] + (ctx[t] + ATT_CHUNK - 1) / ATT_CHUNK;
+            lo[t] = window > 0 && ctx[t] > window ? ctx[t] - window : 0;
+            first[t + 1] = first[t] + (ctx[t] - lo[t] + ATT_CHUNK - 1) / ATT_CHUNK;
         }
     const long chunks = first[T];
     float *parts = (float *)malloc(sizeof(float) * ((size_t)chunks * kv_heads * group * part_len + 1));
@@ -425,13 +429,13 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         if (ok) {
             if (gather)
                 for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
-            if (cur < items) n_cur = item_rows(cur, T, first, ctx, seq, block_tables, bt_stride, block_size, kv_heads,
+            if (cur < items) n_cur = item_rows(cur, T, first, lo, ctx, seq, block_tables, bt_stride, block_size, kv_heads,
                                                D, k_cache, v_cache, esize, off_cur, &t_cur);
         }
         while (cur < items) {
             const long next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             if (next < items)
-                n_next = item_rows(next, T, first, ctx, seq, block_tables, bt_stride, block_size, kv_heads, D, k_cache,
+                n_next = item_rows(next, T, first, lo, ctx, seq, block_tables, bt_stride, block_size, kv_heads, D, k_cache,
                                    v_cache, esize, off_next, &t_next);
             const int kvh = (int)(cur % kv_heads);
             const float *qh = q + t_cur * q_stride + (size_t)kvh * group * D;
@@ -502,11 +506,25 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
 
 // ---- one Llama decoder layer in one call ------------------------------------------------------
 
+// One weight of a projection, in the layout of the layer that holds it (tallow/models/quant.py,
+// gguf_linear.py): kind TL_PART_Q4 (Q4Linear) or TL_PART_Q8 (Q8Linear), in tiles for linear();
+// TL_PART_GGUF (GgufLinear: fmt one of linear_gguf.h's, sc / mn as there); TL_PART_HALF
+// (HalfLinear: w [n, k] float16, or bfloat16 where fmt is 1).
+enum { TL_PART_Q4 = 0, TL_PART_Q8 = 1, TL_PART_GGUF = 2, TL_PART_HALF = 3 };
 typedef struct {
-    const void *w;  // Q4 nibbles or Q8 int8, in tiles (see linear())
-    const uint16_t *d, *m;  // float16; m: Q4 only
+    const void *w;
+    const uint16_t *d, *m;  // float16; m: Q4 and the GGUF formats with offsets, else NULL
+    const uint8_t *sc, *mn;  // GGUF K-quant scales, else NULL
     const float *bias;  // may be NULL
-    int q8, n, k;
+    int kind, fmt, n, k;
+} tl_part;
+
+#define TL_MAX_PARTS 3
+// A projection: its parts' outputs side by side (a fused q/k/v or gate/up whose parts the file
+// stores in different formats: ConcatLinear), n columns in all.
+typedef struct {
+    tl_part part[TL_MAX_PARTS];
+    int nparts, n;
 } tl_proj;
 
 typedef struct {
@@ -525,8 +543,40 @@ typedef struct {
     float *x, *qkv, *attn, *gate_up, *act;  // scratch: [T, hidden], [T, qkv], [T, heads*D], [T, 2I], [T, I]
 } tl_step;
 
+static int part_linear(const tl_part *p, const float *x, int M, float *y, int nthreads) {
+    switch (p->kind) {
+    case TL_PART_Q4:
+    case TL_PART_Q8:
+        return linear(x, M, p->k, p->n, (const uint8_t *)p->w, p->d, p->kind == TL_PART_Q8 ? NULL : p->m, p->bias, y,
+                      nthreads, p->kind == TL_PART_Q8);
+    case TL_PART_GGUF:
+        return tl_gguf_linear(x, M, p->k, p->n, p->fmt, (const uint8_t *)p->w, p->d, p->m, p->sc, p->mn, p->bias, y,
+                              nthreads);
+    default:
+        return tl_half_linear(x, M, p->k, p->n, (const uint16_t *)p->w, p->fmt, p->bias, y, nthreads);
+    }
+}
+
+// The projection's output [M, n]: one part straight into y; several each into scratch, then
+// copied into its columns (the same floats as ConcatLinear's torch.cat of the parts).
 static int proj(const tl_proj *p, const float *x, int M, float *y, int nthreads) {
-    return linear(x, M, p->k, p->n, (const uint8_t *)p->w, p->d, p->q8 ? NULL : p->m, p->bias, y, nthreads, p->q8);
+    if (p->nparts == 1) return part_linear(&p->part[0], x, M, y, nthreads);
+    int widest = 0;
+    for (int i = 0; i < p->nparts; i++) widest = p->part[i].n > widest ? p->part[i].n : widest;
+    float *tmp = (float *)malloc(sizeof(float) * (size_t)M * widest);
+    if (!tmp) return -1;
+    int col = 0;
+    for (int i = 0; i < p->nparts; i++) {
+        const int n = p->part[i].n;
+        if (part_linear(&p->part[i], x, M, tmp, nthreads)) {
+            free(tmp);
+            return -1;
+        }
+        for (int m = 0; m < M; m++) memcpy(y + (size_t)m * p->n + col, tmp + (size_t)m * n, sizeof(float) * n);
+        col += n;
+    }
+    free(tmp);
+    return 0;
 }
 
 // LlamaDecoderLayer.forward on float32 rows: (h, residual) -> (mlp output in h, residual).
@@ -542,7 +592,7 @@ int tl_llama_layer(const tl_layer *L, const tl_step *S, void *k_cache, void *v_c
                 k_cache, v_cache, S->kv_half);
     if (tl_paged_attention(S->qkv, qkv_stride, S->attn, q_dim, k_cache, v_cache, S->query_start_loc, S->seq_lens,
                            S->block_tables, S->bt_stride, S->B, L->heads, L->kv_heads, D, S->block_size, L->scale,
-                           S->kv_half, nthreads))
+                           S->kv_half, 0, nthreads))
         return -1;
     if (proj(&L->o, S->attn, T, h, nthreads)) return -1;
     tl_add_rms_norm(h, residual, L->post_norm, L->eps, T, L->hidden, S->x, residual, nthreads);

@@ -94,28 +94,42 @@ typedef struct {
     __m256i w[2][16];  // channels 0..7, 8..15
 } gblock;
 
+// The planes' bits: word j of a plane is broadcast once (both halves), its half-word h spread
+// over the 16 int16 lanes by one byte shuffle (lane l reads byte 2h + l / 8) and tested against
+// bit l % 8. Where the zero point is the last plane's bit (Q5_0: 16, Q6_K: 32), q - zero is
+// formed as q_lo (+ 16 b4) - zero * (1 - b_last): no separate subtraction pass.
 static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk, int planes, int zero, gblock *W) {
     const __m256i lo = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16((short)zero);
-    const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                           (short)0x8000);
-    for (int h = 0; h < 2; h++) {
+    const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i sel[2] = {
+        _mm256_setr_epi8(0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1,
+                         1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1),
+        _mm256_setr_epi8(2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1,
+                         3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1)};
+    for (int h = 0; h < 2; h++)
         for (int g = 0; g < 8; g++) {
             const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * g + 16 * h)));
             W->w[h][2 * g] = _mm256_and_si256(t, lo);
             W->w[h][2 * g + 1] = _mm256_srli_epi16(t, 4);
         }
-        const uint32_t *pl = (const uint32_t *)(blk + 256);
-        for (int p = 0; p < planes; p++) {
-            const __m256i bit = _mm256_set1_epi16((short)(16 << p));
-            for (int j = 0; j < 16; j++) {
-                const __m256i v = _mm256_set1_epi16((short)(pl[16 * p + j] >> (16 * h)));
-                const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(v, bits), bits);
-                W->w[h][j] = _mm256_add_epi16(W->w[h][j], _mm256_and_si256(set, bit));
+    const uint32_t *pl = (const uint32_t *)(blk + 256);
+    const int folded = planes > 0 && zero == 16 << (planes - 1);  // the zero point taken with the last plane
+    for (int p = 0; p < planes; p++) {
+        const __m256i bit = _mm256_set1_epi16((short)(16 << p));
+        const int last = folded && p == planes - 1;
+        for (int j = 0; j < 16; j++) {
+            const __m256i v = _mm256_set1_epi32((int)pl[16 * p + j]);
+            for (int h = 0; h < 2; h++) {
+                const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(v, sel[h]), bits);
+                const __m256i set = _mm256_cmpeq_epi16(b, bits);
+                W->w[h][j] = last ? _mm256_sub_epi16(W->w[h][j], _mm256_andnot_si256(set, bit))
+                                  : _mm256_add_epi16(W->w[h][j], _mm256_and_si256(set, bit));
             }
         }
-        if (zero)
-            for (int j = 0; j < 16; j++) W->w[h][j] = _mm256_sub_epi16(W->w[h][j], z);
     }
+    if (zero && !folded)
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 16; j++) W->w[h][j] = _mm256_sub_epi16(W->w[h][j], z);
 }
 
 static inline __attribute__((always_inline)) void gguf_row(const gblock *W, const int16_t *xb, float dx, float sx,
@@ -151,27 +165,39 @@ static inline __attribute__((always_inline)) void gguf_row(const gblock *W, cons
 #endif
 
 // The GT channels' float scales of block b of a tile: dw0 (and Q6_K's dw1), mw (has_m formats).
+// Eight channels at a time (F16C conversions and float32 products, exact conversions and one
+// rounding per product: the floats of a scalar loop, in both builds).
+static inline __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256 u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256 i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
 static inline void gguf_block_scales(int fmt, int b, const uint16_t *d, const uint16_t *m, const uint8_t *sc,
                                      const uint8_t *mn, float *dw0, float *dw1, float *mw) {
     if (fmt == TL_Q5_0 || fmt == TL_Q5_1) {
-        for (int c = 0; c < GT; c++) dw0[c] = _cvtsh_ss(d[GT * b + c]);
-        if (fmt == TL_Q5_1)
-            for (int c = 0; c < GT; c++) mw[c] = _cvtsh_ss(m[GT * b + c]);
+        for (int c = 0; c < GT; c += 8) {
+            _mm256_storeu_ps(dw0 + c, half8(d + GT * b + c));
+            if (fmt == TL_Q5_1) _mm256_storeu_ps(mw + c, half8(m + GT * b + c));
+        }
         return;
     }
     const int sb = b / 8;  // the super-block of 256
     if (fmt == TL_Q6_K) {
         const int8_t *s = (const int8_t *)sc + (size_t)2 * GT * b;
-        for (int c = 0; c < GT; c++) {
-            const float dd = _cvtsh_ss(d[GT * sb + c]);
-            dw0[c] = dd * (float)s[c];
-            dw1[c] = dd * (float)s[GT + c];
+        for (int c = 0; c < GT; c += 8) {
+            const __m256 dd = half8(d + GT * sb + c);
+            _mm256_storeu_ps(dw0 + c, _mm256_mul_ps(dd, i8x8(s + c)));
+            _mm256_storeu_ps(dw1 + c, _mm256_mul_ps(dd, i8x8(s + GT + c)));
         }
         return;
     }
-    for (int c = 0; c < GT; c++) {  // Q4_K, Q5_K
-        dw0[c] = _cvtsh_ss(d[GT * sb + c]) * (float)sc[GT * b + c];
-        mw[c] = -(_cvtsh_ss(m[GT * sb + c]) * (float)mn[GT * b + c]);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int c = 0; c < GT; c += 8) {  // Q4_K, Q5_K: dw0 = d * sc, mw = -(dmin * mn)
+        _mm256_storeu_ps(dw0 + c, _mm256_mul_ps(half8(d + GT * sb + c), u8x8(sc + GT * b + c)));
+        _mm256_storeu_ps(mw + c, _mm256_xor_ps(_mm256_mul_ps(half8(m + GT * sb + c), u8x8(mn + GT * b + c)), sign));
     }
 }
 
