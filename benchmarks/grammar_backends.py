@@ -75,15 +75,11 @@ def ms(xs: list[float]) -> float:
     return 1e3 * statistics.median(xs)
 
 
-def bench_llguidance(tokenizer, vocab: int, batch: int, steps: int, repeat: int, rng) -> dict:
-    import llguidance as llg
-    from llguidance.numpy import fill_next_token_bitmask_par
+def time_compiles(backend, repeat: int) -> tuple[list[float], list[float]]:
+    """tallow's GrammarBackend on TYPICAL_SCHEMAS, each `repeat` times in order: seconds to compile
+    and copy a matcher with the cache emptied (cold), then again with it warm (cached)."""
+    from tallow.engine.grammar import GrammarSpec
 
-    from tallow.engine.grammar import JSON_OPTIONS, GrammarBackend, GrammarSpec
-
-    t0 = time.perf_counter()
-    backend = GrammarBackend(tokenizer, vocab)
-    tokenizer_s = time.perf_counter() - t0
     cold, cached = [], []
     for schema in TYPICAL_SCHEMAS:
         spec = GrammarSpec("json_schema", canonical(schema))
@@ -95,6 +91,19 @@ def bench_llguidance(tokenizer, vocab: int, batch: int, steps: int, repeat: int,
             t0 = time.perf_counter()
             backend.compile(spec).result().deep_copy()
             cached.append(time.perf_counter() - t0)
+    return cold, cached
+
+
+def bench_llguidance(tokenizer, vocab: int, batch: int, steps: int, repeat: int, rng) -> dict:
+    import llguidance as llg
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    from tallow.engine.grammar import JSON_OPTIONS, GrammarBackend
+
+    t0 = time.perf_counter()
+    backend = GrammarBackend(tokenizer, vocab)
+    tokenizer_s = time.perf_counter() - t0
+    cold, cached = time_compiles(backend, repeat)
     templates = [llg.LLMatcher(backend.ll_tokenizer, llg.LLMatcher.grammar_from_json_schema(
         canonical(s), defaults=JSON_OPTIONS)) for s in TYPICAL_SCHEMAS]
     matchers = [templates[i % len(templates)].deep_copy() for i in range(batch)]

@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import table, write_json  # noqa: E402
-from benchmarks.grammar_backends import TYPICAL_SCHEMAS, canonical  # noqa: E402
+from benchmarks.grammar_backends import TYPICAL_SCHEMAS, canonical, time_compiles  # noqa: E402
 
 LONG_ARRAY = {"type": "object", "properties": {"words": {"type": "array", "minItems": 1000,
                                                           "items": {"type": "string", "maxLength": 12}}},
@@ -46,20 +46,10 @@ PROMPT = "Write the customer's record as JSON. Customer 17 wants express deliver
 
 
 def compile_times(tokenizer, vocab: int, repeat: int) -> dict:
-    from tallow.engine.grammar import GrammarBackend, GrammarSpec
+    from tallow.engine.grammar import GrammarBackend
 
     backend = GrammarBackend(tokenizer, vocab)
-    cold, cached = [], []
-    for schema in TYPICAL_SCHEMAS:
-        spec = GrammarSpec("json_schema", canonical(schema))
-        for _ in range(repeat):
-            backend.clear_cache()
-            t0 = time.perf_counter()
-            backend.compile(spec).result().deep_copy()
-            cold.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            backend.compile(spec).result().deep_copy()
-            cached.append(time.perf_counter() - t0)
+    cold, cached = time_compiles(backend, repeat)
     backend.shutdown()
     return {"schemas": len(TYPICAL_SCHEMAS), "cold_median_ms": 1e3 * statistics.median(cold),
             "cold_max_ms": 1e3 * max(cold), "cached_median_ms": 1e3 * statistics.median(cached),
