@@ -7,6 +7,7 @@ accordingly. The reference for such a file is the float32 model of its own dequa
 from __future__ import annotations
 
 import numpy as np
+from model_utils import gguf_tensor_name
 
 # Byte offsets of each block's float16 scale fields (the rest of a block is codes and integer
 # scales, any bit pattern valid).
@@ -153,12 +154,7 @@ def write_gemma3_gguf(path: str, hf_model, weight_type: str = "F32") -> dict[str
     for name, t in hf_model.state_dict().items():
         if name == "lm_head.weight":
             continue
-        base, _, kind = name.rpartition(".")
-        if base.startswith("model.layers."):
-            layer, part = base.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{GEMMA3_NAMES[part]}.{kind}"
-        else:
-            gguf_name = f"{GEMMA3_NAMES[base]}.{kind}"
+        gguf_name = gguf_tensor_name(name, GEMMA3_NAMES)
         data = t.float().numpy()
         if name.endswith("norm.weight"):
             data = data + 1.0  # Gemma3RMSNorm scales by 1 + w: the file holds that

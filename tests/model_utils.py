@@ -127,6 +127,26 @@ def llama3_rope_factors(rope: dict, head_dim: int):
     return np.array(factors, dtype=np.float32)
 
 
+def gguf_tensor_name(hf_name: str, names: dict[str, str]) -> str:
+    """A transformers parameter name in GGUF's spelling: model.layers.3.self_attn.q_proj.weight
+    -> blk.3.attn_q.weight, through `names` (HF module path -> GGUF base name)."""
+    base, _, kind = hf_name.rpartition(".")
+    if base.startswith("model.layers."):
+        layer, part = base.removeprefix("model.layers.").split(".", 1)
+        return f"blk.{layer}.{names[part]}.{kind}"
+    return f"{names[base]}.{kind}"
+
+
+def run_all(core, prompts_ids, params) -> list:
+    """Add a sequence per prompt (per choice) to an EngineCore and step until none has work."""
+    seqs = [s for ids in prompts_ids for s in core.make_sequences(ids, params)]
+    for s in seqs:
+        core.add(s)
+    while core.has_work():
+        core.step()
+    return seqs
+
+
 def write_gguf(path: str, hf_model, arch: str) -> None:
     """hf_model's weights as a float32 GGUF, the way llama.cpp's converter names and permutes them."""
     import gguf
@@ -154,12 +174,7 @@ def write_gguf(path: str, hf_model, arch: str) -> None:
     for name, w in hf_model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        base, _, kind = name.rpartition(".")
-        if base.startswith("model.layers."):
-            layer, part = base.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{names[part]}.{kind}"
-        else:
-            gguf_name = f"{names[base]}.{kind}"
+        gguf_name = gguf_tensor_name(name, names)
         w = w.float().numpy()
         if arch == "llama" and name.endswith("q_proj.weight"):
             w = llama_cpp_permute(w, c.num_attention_heads)

@@ -15,6 +15,7 @@ from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.llm import LLM
 from deadlines import async_wait_until
+from model_utils import run_all
 PROMPTS = [
     "The capital of France is",
     "Once upon a time",
@@ -55,15 +56,6 @@ def dense_loaded(default_model):
 def make_core(loaded, **overrides) -> EngineCore:
     cfg = dataclasses.replace(EngineConfig(model="default", device="cpu"), **overrides)
     return EngineCore(cfg, loaded=loaded)
-
-
-def run_all(core: EngineCore, prompts_ids, params):
-    seqs = [s for ids in prompts_ids for s in core.make_sequences(ids, params)]
-    for s in seqs:
-        core.add(s)
-    while core.has_work():
-        core.step()
-    return seqs
 
 
 @pytest.fixture(scope="module")

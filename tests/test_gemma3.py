@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gguf_files import write_gemma3_gguf
-from model_utils import PagedBatches
+from model_utils import PagedBatches, run_all
 from tallow.attention.cpu_backend import CpuAttentionBackend
 from tallow.config import EngineConfig
 from tallow.models.config import ModelConfig
@@ -197,16 +197,8 @@ def test_engine_greedy_equals_transformers_generate(shape_270m_folder):
     prompts = [random_ids(n, SHAPE_270M["vocab_size"], seed=10 + n) for n in (520, 40, 700)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
-    def generate(batch):
-        seqs = [s for ids in batch for s in core.make_sequences(ids, params)]
-        for s in seqs:
-            core.add(s)
-        while core.has_work():
-            core.step()
-        return [list(s.output_ids) for s in seqs]
-
-    together = generate(prompts)
-    alone = [generate([p])[0] for p in prompts]
+    together = [list(s.output_ids) for s in run_all(core, prompts, params)]
+    alone = [list(run_all(core, [p], params)[0].output_ids) for p in prompts]
     assert together == alone
     with torch.no_grad():
         expected = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False)[0, 520:].tolist()

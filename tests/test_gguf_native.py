@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_files import random_blocks, write_llama_gguf
-from model_utils import PagedBatches
+from model_utils import PagedBatches, run_all
 from torch import nn
 
 from tallow.models import gguf_linear as gl
@@ -391,16 +391,8 @@ def test_engine_greedy_outputs_do_not_depend_on_the_batch(tmp_path):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 160, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 1)]
 
-    def run(batch):
-        seqs = [s for ids in batch for s in core.make_sequences(ids, params)]
-        for s in seqs:
-            core.add(s)
-        while core.has_work():
-            core.step()
-        return [s.output_ids for s in seqs]
-
-    together = run(prompts)
-    assert together == [run([p])[0] for p in prompts]
+    together = [s.output_ids for s in run_all(core, prompts, params)]
+    assert together == [run_all(core, [p], params)[0].output_ids for p in prompts]
     assert len(set(map(tuple, together))) > 1  # the outputs depend on the prompts
 
 

@@ -37,6 +37,11 @@ def reference(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
 
 
+def own_logprobs(ref: torch.Tensor, ids: list[int]) -> list[float]:
+    """Each prompt token's logprob after the ones before it (tokens 1 .. len - 1), from reference()."""
+    return [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
 def prompt_ids(n: int = 45) -> list[int]:
     return list(PROMPT_TEXT.encode())[:n]
 
@@ -166,8 +171,7 @@ def test_echo_with_logprobs_scores_the_prompt(server, tiny):
     assert len(lp.tokens) == len(ids) + 1 == len(lp.token_logprobs) == len(lp.top_logprobs)
     assert "".join(lp.tokens[:len(ids)]) == text
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.token_logprobs[1:len(ids)] == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, len(ids))],
-                                                         abs=TOL)
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(own_logprobs(ref, ids), abs=TOL)
     assert lp.text_offset[:len(ids)] == list(range(len(ids)))
     for i in range(1, len(ids)):
         (top_lp,) = lp.top_logprobs[i].values()
@@ -190,8 +194,7 @@ def test_echo_max_tokens_zero_scores_only(server, tiny):
         assert choice["finish_reason"] == "length"
         assert choice["logprobs"]["top_logprobs"] is None
         assert choice["logprobs"]["token_logprobs"][0] is None
-        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
-            [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))], abs=TOL)
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(own_logprobs(ref, prompt), abs=TOL)
     # without logprobs: the prompt's text alone
     body = post(server, "/v1/completions", {"prompt": "abc", "echo": True, "max_tokens": 0}).json()
     assert body["choices"][0]["text"] == "abc" and body["choices"][0]["logprobs"] is None
@@ -208,8 +211,7 @@ def test_streamed_echo_with_logprobs(server, tiny):
     first = chunks[0].choices[0]
     assert first.text == text
     assert first.logprobs.token_logprobs[0] is None
-    assert first.logprobs.token_logprobs[1:] == pytest.approx(
-        [ref[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=TOL)
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(own_logprobs(ref, ids), abs=TOL)
     assert all(len(top) <= 2 for top in first.logprobs.top_logprobs[1:])
     whole = client.completions.create(model="m", prompt=text, echo=True, logprobs=2, max_tokens=3, temperature=0)
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
