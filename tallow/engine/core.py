@@ -450,23 +450,17 @@ class EngineCore:
                         tp = [top[i][:k]]
             ids = [token_ids[i]]
             if seq.grammar is not None:
+                # Forced before this first sampled token (g.unsent) and after it (jump-forward).
                 g = seq.grammar
-                head, extra = g.unsent, forced.get(seq.seq_id) if forced else None
-                if head:  # forced before this first sampled token
+                head, tail = g.unsent, (forced.get(seq.seq_id) if forced else None) or []
+                if head or tail:
                     g.unsent = []
-                    ids = head + ids
+                    ids = head + ids + tail
                     if lp is not None:
-                        lp = [0.0] * len(head) + lp
+                        lp = [0.0] * len(head) + lp + [0.0] * len(tail)
                     if tp is not None:
-                        tp = [[(t, 0.0)] for t in head] + tp
-                    self.num_generated_tokens += len(head)
-                if extra:
-                    ids += extra
-                    if lp is not None:
-                        lp += [0.0] * len(extra)
-                    if tp is not None:
-                        tp += [[(t, 0.0)] for t in extra]
-                    self.num_generated_tokens += len(extra)
+                        tp = [[(t, 0.0)] for t in head] + tp + [[(t, 0.0)] for t in tail]
+                    self.num_generated_tokens += len(head) + len(tail)
             if seq.status is finished:
                 output = TokenOutput(ids, lp, tp, seq.finish_reason, seq.num_prompt_tokens,
                                      seq.num_cached_tokens, seq.stop_token_id, _fill(seq))
