@@ -13,8 +13,10 @@ def _to_cache(x, scale, FP8: tl.constexpr):
     """x as the cache stores it: FP8, x / scale saturated to +-448 in e4m3 (the per-tensor
     scale of an fp8 KV cache); else x unchanged (cast at the store)."""
     if FP8:
-        return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0).to(tl.float8e4nv)
-    return x
+        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0).to(tl.float8e4nv)
+    else:
+        y = x
+    return y
 
 
 @triton.jit
