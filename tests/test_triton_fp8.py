@@ -142,8 +142,8 @@ def _tiny_fp8_checkpoint(path, strategy: str, seed: int = 0, fmt: str = "compres
             w = torch.randn(shape, generator=g) * (0.2 if "lm_head" in name else 0.06)
         w = w.to(dtype)
         if name.endswith("_proj.weight"):
-            if strategy == "tensor":
-                scale = (w.float().abs().max() / 448.0).reshape(1)
+            if strategy == "tensor":  # one scale, 0-d as some checkpoints store it ([1] in others)
+                scale = (w.float().abs().max() / 448.0).reshape(() if "q_proj" in name else (1,))
                 q = (w.float() / scale).clamp(-448, 448).to(FP8)
             else:
                 q, scale = quantize_per_channel(w)

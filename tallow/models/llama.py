@@ -369,7 +369,7 @@ class LlamaForCausalLM(nn.Module):
         """This rank's part of an fp8 weight's weight_scale as float32 [rows]: a per-tensor scale
         ([] or [1]) repeated for every row; per-channel scales ([N] or [N, 1]) split with the
         output rows of a column-parallel layer, whole for a row-parallel one (its rows are whole)."""
-        w = (w if isinstance(w, torch.Tensor) else w[:]).float().reshape(-1)
+        w = (w if isinstance(w, torch.Tensor) else w[...]).float().reshape(-1)  # [...]: 0-d slices too
         if w.numel() == 1:
             return w.expand(rows)
         split = _SPLIT.get(leaf) if self.parallel is not None else None
