@@ -154,9 +154,10 @@ def main() -> None:
     variants = args.variants or [f"{args.quantization}/{args.kv_cache_dtype}/{args.kv_cache_scale}"]
     rows, load_s = [], {}
     for variant in variants:
-        quant, kv_dtype, kv_scale = (variant.split("/") + ["auto", "1.0"])[:3]
+        parts = variant.split("/")
+        quant, kv_dtype, kv_scale = (parts + ["auto", "auto", "1.0"][len(parts):])[:3]
         load_s[variant] = run_variant(args, quant, kv_dtype, kv_scale, rows)
-        first = [r for r in rows if r.get("variant") == variants[0] and r["engine"] == "tallow"]
+        first = [r for r in rows if r["engine"] == "tallow" and r["variant"] == rows[0]["variant"]]
         for r in rows:
             base = next((f for f in first if f["batch"] == r["batch"]), None)
             if r["engine"] == "tallow" and base is not None:
