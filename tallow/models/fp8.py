@@ -131,6 +131,8 @@ def quantize_model_fp8_(model: nn.Module) -> int:
             setattr(parent, attr, Fp8Linear.from_linear(linear))
             del linear
             count += 1
+    if count and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the float weights' blocks back to the driver: the KV budget reads its free memory
     return count
 
 
