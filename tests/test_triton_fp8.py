@@ -358,8 +358,10 @@ def test_fp8_linear_paths_agree(where):
     reference = fl.dequantized_weight(torch.float64).cpu()
     bias = lin.bias.double().cpu()
     default = Fp8Linear.large_batch
-    for M, mode, tol in ((1, "w8a8", 8e-3), (7, "w8a8", 1e-2), (200, "weight_only", 1e-2), (200, "w8a8", 4e-2),
-                         (200, "scaled_mm", 4e-2)):
+    # W8A8: e4m3 rounds each activation by up to 2^-4 (about 2.7% RMS), so an output's error is
+    # about 2.7% of the outputs' spread: 6e-2 of the largest leaves twice that.
+    for M, mode, tol in ((1, "w8a8", 8e-3), (7, "w8a8", 1e-2), (200, "weight_only", 1e-2), (200, "w8a8", 6e-2),
+                         (200, "scaled_mm", 6e-2)):
         Fp8Linear.large_batch = mode
         try:
             x = torch.randn(M, 512, device=where, dtype=torch.bfloat16)
