@@ -146,7 +146,7 @@ def dequantize_checkpoint(weights: Iterable[tuple[str, Any]], dtype: torch.dtype
     for name, w in weights:
         w = w if isinstance(w, torch.Tensor) else w[...]  # a safetensors slice, read whole ([:] fails on 0-d)
         module, _, kind = name.rpartition(".")
-        if kind in ("input_scale", "input_scale_ub", "input_zero_point", "weight_zero_point"):
+        if kind in ("input_scale", "input_scale_ub", "input_zero_point", "weight_zero_point", "k_scale", "v_scale"):
             continue
         if kind == "weight_scale":
             if module in pending:

@@ -239,8 +239,9 @@ _SPLIT = {
     "embed_tokens": (0, "vocab"), "lm_head": (0, "vocab"),
 }
 # Checkpoint tensors the model does not use: fp8 checkpoints' static activation scales (tallow
-# quantizes activations per token at run time, or not at all).
-_UNUSED_KINDS = ("input_scale", "input_scale_ub")
+# quantizes activations per token at run time, or not at all) and a compressed-tensors
+# kv_cache_scheme's k_scale / v_scale (not read yet: --kv-cache-scale sets an fp8 cache's scales).
+_UNUSED_KINDS = ("input_scale", "input_scale_ub", "k_scale", "v_scale")
 
 
 class LlamaForCausalLM(nn.Module):
