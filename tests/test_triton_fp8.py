@@ -663,3 +663,36 @@ def test_fp8_kernels_compile_for_hopper():
         GROUP=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=128, BLOCK_Q=32, BLOCK_N=64,
         DOT_PRECISION="tf32", KV_FP8=True), 8, floats=("scale_log2",))
     assert "e4m3x2" in prefill.asm["ptx"] and prefill.metadata.shared <= 227 * 1024
+
+
+def test_quantize_model_fp8_replaces_the_projections_only():
+    """`--quantization fp8` (quantize_model_fp8_, here on the CPU: Fp8Linear's torch fallback):
+    every q/k/v, o, gate/up and down projection becomes an Fp8Linear within e4m3's half ulp of
+    its float weight, the LM head and embedding stay as they were, a second pass changes
+    nothing, and the model's logits stay close to the float model's."""
+    from tallow.models.config import ModelConfig
+    from tallow.models.dummy import PRESETS, init_random_
+    from tallow.models.fp8 import quantize_model_fp8_
+    from tallow.models.llama import LlamaForCausalLM
+    from tallow.ops.triton_fp8 import Fp8Linear
+
+    from model_utils import PagedBatches
+
+    config = ModelConfig.from_hf_dict(dict(PRESETS["qwen3-0.6b"], num_hidden_layers=2, vocab_size=300))
+    model = LlamaForCausalLM.empty(config, device=torch.device("cpu"), dtype=torch.float32)
+    init_random_(model, 0)
+    model.model.embed_tokens.weight.data.normal_(0.0, 1.0)
+    float_weights = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    ids, pos, meta = PagedBatches(config).step([("a", list(range(3, 20)))])
+    want = model.compute_logits(model(ids, pos, PagedBatches(config).kv_caches, meta))
+    head = model.lm_head
+    assert quantize_model_fp8_(model) == 8
+    assert quantize_model_fp8_(model) == 0 and model.lm_head is head
+    for name, module in model.named_modules():
+        if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
+            assert isinstance(module, Fp8Linear) and module.weight.dtype == FP8
+            w = float_weights[name]
+            bound = _half_ulp_bound(w, module.weight_scale[:, None])
+            assert ((module.dequantized_weight() - w).abs() <= bound).all(), name
+    got = model.compute_logits(model(ids, pos, PagedBatches(config).kv_caches, meta))
+    assert ((got - want).norm() / want.norm()).item() < 0.05
