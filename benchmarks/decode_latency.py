@@ -127,8 +127,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-scale", default="1.0")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="QUANT/KV_DTYPE[/KV_SCALE] engines timed one after the other (default: the options above)")
-    ap.add_argument("--fp8-large-batch", choices=("weight_only", "w8a8", "scaled_mm"), default=None,
-                    help="Fp8Linear's path for batches of --fp8-w8a8-min-rows rows or more")
+    ap.add_argument("--fp8-large-batch", choices=("weight_only", "w8a8", "scaled_mm"), default="weight_only",
+                    help="fp8 weights' path for batches of --fp8-w8a8-min-rows (64) rows or more")
     ap.add_argument("--fp8-w8a8-min-rows", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -144,13 +144,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    if args.fp8_large_batch or args.fp8_w8a8_min_rows:
+    if args.fp8_w8a8_min_rows:
         from tallow.ops.triton_fp8 import Fp8Linear
 
-        if args.fp8_large_batch:
-            Fp8Linear.large_batch = args.fp8_large_batch
-        if args.fp8_w8a8_min_rows:
-            Fp8Linear.w8a8_min_rows = args.fp8_w8a8_min_rows
+        Fp8Linear.w8a8_min_rows = args.fp8_w8a8_min_rows
     variants = args.variants or [f"{args.quantization}/{args.kv_cache_dtype}/{args.kv_cache_scale}"]
     rows, load_s = [], {}
     for variant in variants:
@@ -177,7 +174,7 @@ def run_variant(args, quantization: str, kv_cache_dtype: str, kv_cache_scale: st
 
     t0 = time.perf_counter()
     core = make_core(model=args.model, device=args.device, dtype=args.dtype, quantization=quantization,
-                     kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale,
+                     kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale, fp8_large_batch=args.fp8_large_batch,
                      enforce_eager=args.enforce_eager,
                      async_scheduling={"on": True, "off": False}.get(args.async_scheduling, "auto"),
                      max_num_seqs=max(256, max(args.batch)),

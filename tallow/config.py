@@ -30,6 +30,10 @@ class EngineConfig:
     # "int8-torch", "bf16"; "none" keeps dense weights. "fp8" (CUDA, sm_89+): float weights
     # quantized per output channel to e4m3 at load (an fp8 checkpoint is fp8 whatever this says).
     quantization: str = "auto"
+    # FP8 weights (CUDA): the path of batches of 64 rows or more (prefill, big decode batches):
+    # "weight_only" (bf16 activations: greedy output batch invariant), "w8a8" (activations
+    # quantized per token, fp8 tensor cores: tallow's kernel) or "scaled_mm" (torch._scaled_mm).
+    fp8_large_batch: str = "weight_only"
     seed: int = 0
 
     # KV cache

@@ -279,6 +279,9 @@ def test_cpu_refuses_fp8_options():
     with pytest.raises(TallowError) as e:
         load_engine_model(EngineConfig(model="/nonexistent", kv_cache_scale="-1"), cpu)
     assert e.value.param == "kv_cache_scale"
+    with pytest.raises(TallowError) as e:
+        load_engine_model(EngineConfig(model="/nonexistent", fp8_large_batch="fast"), cpu)
+    assert e.value.param == "fp8_large_batch"
 
 
 # ---- kernels: interpreter and CUDA --------------------------------------------------------------
@@ -578,6 +581,7 @@ def test_fp8_engine_greedy_batch_invariance_with_cuda_graphs(tmp_path, where):
                      kv_cache_scale="calibrate")
     assert core.quantization == "fp8" and core.kv_dtype == FP8
     assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert model.model.layers[0].mlp.down_proj.large_batch == "weight_only"  # EngineConfig.fp8_large_batch
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = random_prompts(core.model_config.vocab_size, [5, 37, 64, 90, 17, 140], seed=2)
     replays = core.runner.graphs.num_replays

@@ -45,6 +45,9 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
     resolve the KV cache's dtype."""
     dtype = resolve_dtype(config.dtype, device)
     kv_scale = resolve_kv_cache_scale(config.kv_cache_scale)
+    if config.fp8_large_batch not in FP8_LARGE_BATCH_PATHS:
+        raise TallowError(f"fp8_large_batch {config.fp8_large_batch!r}: one of {', '.join(FP8_LARGE_BATCH_PATHS)}",
+                          param="fp8_large_batch")
     if config.quantization == "fp8":  # refused before anything loads
         from tallow.models.fp8 import require_fp8_device
 
@@ -70,6 +73,10 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
         quantization = quantize_model_(loaded.model, config.quantization)
     if quantization == "none" and _has_fp8_layers(loaded.model):
         quantization = "fp8 (checkpoint)"
+    if quantization.startswith("fp8"):
+        from tallow.models.fp8 import set_large_batch_path
+
+        set_large_batch_path(loaded.model, config.fp8_large_batch)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.quantization,
                                       loaded.config.head_dim)
     return EngineModel(loaded, device, dtype, kv_dtype, quantization, kv_scale)
@@ -89,6 +96,7 @@ def resolve_kv_cache_scale(value: str | float) -> float | None:
 
 
 FP8_KV_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
+FP8_LARGE_BATCH_PATHS = ("weight_only", "w8a8", "scaled_mm")
 
 
 def _has_fp8_layers(model: torch.nn.Module) -> bool:

@@ -136,6 +136,14 @@ def quantize_model_fp8_(model: nn.Module) -> int:
     return count
 
 
+def set_large_batch_path(model: nn.Module, path: str) -> None:
+    """Every Fp8Linear of the model takes `path` for batches of w8a8_min_rows rows or more
+    (EngineConfig.fp8_large_batch: "weight_only", "w8a8" or "scaled_mm")."""
+    for module in model.modules():
+        if type(module).__name__ == "Fp8Linear":
+            module.large_batch = path
+
+
 def dequantize_checkpoint(weights: Iterable[tuple[str, Any]], dtype: torch.dtype
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """An fp8 checkpoint's tensors with each fp8 weight times its weight_scale, in dtype (the CPU
@@ -173,4 +181,4 @@ def scale_for(target_rows: int, w: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["PROJECTIONS", "checkpoint_fp8_format", "dequantize_checkpoint", "fp8_skeleton_", "fp8_tensor_names",
-           "quantize_model_fp8_", "require_fp8_device", "scale_for"]
+           "quantize_model_fp8_", "require_fp8_device", "scale_for", "set_large_batch_path"]

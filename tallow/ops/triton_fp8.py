@@ -227,6 +227,7 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dt
 
 class Fp8Linear(torch.nn.Module):
     """A Linear whose weight [N, K] is float8_e4m3fn with a float32 scale per output channel.
+    The engine sets each layer's large_batch from EngineConfig.fp8_large_batch.
 
     weight and weight_scale are parameters (requires_grad False), so a checkpoint's tensors
     load into them by name (LlamaForCausalLM.load_weights). Class attributes set the paths
