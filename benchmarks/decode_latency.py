@@ -11,7 +11,8 @@ share of a step (scheduling, input staging, sampling, output processing).
     python benchmarks/decode_latency.py --model dummy:llama-3-8b --prompt-len 512 --new-tokens 128 --transformers
 
 --variants runs several weight / KV-cache formats one after the other in the same run (each
-engine shut down and its memory freed before the next), as QUANT/KV_DTYPE[/KV_SCALE], and adds
+engine shut down and its memory freed before the next), as QUANT/KV_DTYPE[/KV_SCALE[/FP8_LARGE_BATCH]]
+(the last: weight_only | w8a8 | scaled_mm, fp8 weights' path for 64+ rows: the TTFT column), and adds
 each row's speed-up over the first variant's row of the same batch, e.g. bf16 against fp8
 weights at batch 1 and an fp8 KV cache at batch 32 on CUDA:
 
@@ -152,8 +153,9 @@ def main() -> None:
     rows, load_s = [], {}
     for variant in variants:
         parts = variant.split("/")
-        quant, kv_dtype, kv_scale = (parts + ["auto", "auto", "1.0"][len(parts):])[:3]
-        load_s[variant] = run_variant(args, quant, kv_dtype, kv_scale, rows)
+        defaults = ["auto", "auto", "1.0", args.fp8_large_batch]
+        quant, kv_dtype, kv_scale, large = (parts + defaults[len(parts):])[:4]
+        load_s[variant] = run_variant(args, quant, kv_dtype, kv_scale, rows, large)
         first = [r for r in rows if r["engine"] == "tallow" and r["variant"] == rows[0]["variant"]]
         for r in rows:
             base = next((f for f in first if f["batch"] == r["batch"]), None)
@@ -165,7 +167,8 @@ def main() -> None:
     write_json(args.out, {"benchmark": "decode_latency", "load_s": load_s, "results": rows})
 
 
-def run_variant(args, quantization: str, kv_cache_dtype: str, kv_cache_scale: str, rows: list) -> float:
+def run_variant(args, quantization: str, kv_cache_dtype: str, kv_cache_scale: str, rows: list,
+                fp8_large_batch: str = "weight_only") -> float:
     """Time one engine (weights in `quantization`, KV cache in kv_cache_dtype) at every batch
     size, appending to rows; shut it down and free its memory. Returns its load seconds."""
     import gc
@@ -174,7 +177,7 @@ def run_variant(args, quantization: str, kv_cache_dtype: str, kv_cache_scale: st
 
     t0 = time.perf_counter()
     core = make_core(model=args.model, device=args.device, dtype=args.dtype, quantization=quantization,
-                     kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale, fp8_large_batch=args.fp8_large_batch,
+                     kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale, fp8_large_batch=fp8_large_batch,
                      enforce_eager=args.enforce_eager,
                      async_scheduling={"on": True, "off": False}.get(args.async_scheduling, "auto"),
                      max_num_seqs=max(256, max(args.batch)),
@@ -183,7 +186,8 @@ def run_variant(args, quantization: str, kv_cache_dtype: str, kv_cache_scale: st
     if args.enforce_eager:
         core.runner.graphs = None
     load_s = time.perf_counter() - t0
-    variant = f"{quantization}/{kv_cache_dtype}/{kv_cache_scale}"
+    variant = f"{quantization}/{kv_cache_dtype}/{kv_cache_scale}" + (
+        f"/{fp8_large_batch}" if quantization == "fp8" else "")
     rng = random.Random(0)
     vocab = min(core.model_config.vocab_size, 10000)
     for b in args.batch:
