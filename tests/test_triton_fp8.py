@@ -10,7 +10,9 @@ Tiers:
   Triton 3.6's interpreter loads float8e4nv (raw bytes, widened exactly by its float
   converter) but rounds float32 -> e4m3 by truncation without carry; `_fp8_casts_like_cuda`
   makes that cast torch's round-to-nearest-even (what the GPU's cvt.rn.satfinite does on the
-  saturated values the kernels cast), so quantized bytes compare exactly.
+  saturated values the kernels cast), so quantized bytes compare exactly; bfloat16 tl.dot
+  operands are widened first (test_triton_quant's `_dot_bfloat16_as_float32`), so the bf16 /
+  fp16 weight-only paths run interpreted too.
 - gpu: the same kernel cases, plus an fp8 checkpoint's logits against its weights dequantized
   to bf16, fp8 KV attention against bf16 KV, and greedy batch invariance with CUDA graphs.
 - slow: every fp8 kernel compiled for sm_90 on the CPU (wgmma on e4m3 operands for W8A8).
@@ -298,12 +300,11 @@ def test_fp8_gemv_matches_float64(where, K):
     x = torch.randn(1, K, generator=g).to(where)
     _check(fp8_gemv(x, q, s, block_k=64), x, reference, 1e-5)
     _check(fp8_gemv(x[0], q, s, block_n=8, block_k=32), x, reference, 1e-5)
-    if where == "cuda":
-        _check(fp8_gemv(x, q, s), x, reference, 1e-5)  # the default tiles
-        xb = x.bfloat16()
-        y = fp8_gemv(xb, q, s)
-        assert y.dtype == torch.bfloat16
-        _check(y, xb, reference, 8e-3)
+    _check(fp8_gemv(x, q, s), x, reference, 1e-5)  # the default tiles
+    xb = x.bfloat16()  # (the interpreter rounds the output by truncation: within the same bound)
+    y = fp8_gemv(xb, q, s)
+    assert y.dtype == torch.bfloat16
+    _check(y, xb, reference, 8e-3)
 
 
 @pytest.mark.parametrize("where", [INTERPRETER, CUDA])
@@ -316,12 +317,13 @@ def test_fp8_gemm_weight_only_matches_float64(where):
         x = torch.randn(M, K, generator=g).to(where)
         _check(fp8_gemm(x, q, s, block_m=16, block_n=32, block_k=32, split_k=1), x, reference, 1e-5)
     _check(fp8_gemm(x, q, s, block_m=16, block_n=32, block_k=32, split_k=2), x, reference, 1e-5)  # ragged split
-    if where == "cuda":  # bf16 / fp16 activations (exact products, float32 sums): the output's rounding
-        for M, dtype in ((5, torch.bfloat16), (64, torch.bfloat16), (300, torch.bfloat16), (40, torch.float16)):
-            x = torch.randn(M, K, generator=g).to(where, dtype)
-            y = fp8_gemm(x, q, s)
-            assert y.dtype == dtype
-            _check(y, x, reference, 8e-3 if dtype == torch.bfloat16 else 1e-3)
+    # bf16 / fp16 activations (exact products, float32 sums): the output's rounding; default tiles
+    cases = ((5, torch.bfloat16), (64, torch.bfloat16), (300, torch.bfloat16), (40, torch.float16))
+    for M, dtype in cases if where == "cuda" else cases[:1] + cases[3:]:
+        x = torch.randn(M, K, generator=g).to(where, dtype)
+        y = fp8_gemm(x, q, s)
+        assert y.dtype == dtype
+        _check(y, x, reference, 8e-3 if dtype == torch.bfloat16 else 1e-3)
 
 
 @pytest.mark.parametrize("where", [INTERPRETER, CUDA])
