@@ -623,7 +623,8 @@ def _compile_sm90(kernel, types: dict, consts: dict, num_warps: int, num_stages:
 def test_fp8_kernels_compile_for_hopper():
     """Every fp8 kernel compiles for sm_90: the GEMV reads weights in 16-byte vectors and widens
     e4m3 pairs in one instruction; the W8A8 GEMM runs wgmma on e4m3 operands, the weight-only
-    one on bf16; quantize_rows and the KV writes convert with cvt.rn.satfinite to e4m3; the
+    one on bf16, both software-pipelined (a K not a multiple of BLOCK_K masks the fp8 weight
+    byte by byte and is not); quantize_rows and the KV writes convert with cvt.rn.satfinite to e4m3; the
     attention kernels read an fp8 cache; shared memory fits an H100/H200 (227 KB)."""
     if INTERPRET:
         pytest.skip("compiles real kernels: run without TRITON_INTERPRET")
@@ -639,11 +640,14 @@ def test_fp8_kernels_compile_for_hopper():
                          dict(A_FP8=True, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=False, A16=False), 4, 3)
     ptx = w8a8.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx, [line for line in ptx.split("\n") if "mma" in line][:3]
-    assert w8a8.metadata.shared <= 227 * 1024
+    # software-pipelined: asynchronous copies into one buffer per stage (3 x 24 KB), within 227 KB
+    assert "async_copy_global_to_local" in w8a8.asm["ttgir"]
+    assert 3 * (128 + 64) * 128 <= w8a8.metadata.shared <= 227 * 1024
     weight_only = _compile_sm90(triton_fp8._fp8_gemm_kernel, {"a_ptr": bf, "a_scale_ptr": f32, "w_ptr": f8,
                                                               "w_scale_ptr": f32, "y_ptr": bf},
-                                dict(A_FP8=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=False, SPLIT=True, A16=True), 4, 3)
+                                dict(A_FP8=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, SPLIT=True, A16=True), 4, 3)
     assert "wgmma.mma_async" in weight_only.asm["ptx"] and weight_only.metadata.shared <= 227 * 1024
+    assert "async_copy_global_to_local" in weight_only.asm["ttgir"]
     rows = _compile_sm90(triton_fp8._quant_rows_kernel, {"x_ptr": bf, "q_ptr": f8, "s_ptr": f32},
                          dict(BLOCK_K=1024), 4)
     assert "satfinite.e4m3x2" in rows.asm["ptx"]

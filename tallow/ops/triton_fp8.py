@@ -128,7 +128,9 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K,
     a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = pid_k * k_per_split
+    # (a multiple of BLOCK_K, said so: the tiles' addresses are then known aligned, which the
+    # software pipeliner's asynchronous copies need; without it the loop ran unpipelined)
+    k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
