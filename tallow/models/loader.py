@@ -159,10 +159,17 @@ def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
                                         cache_path=tokenizer_cache_path(resolved.location, cache_dir))
             generation = {}
         elif resolved.kind == "hf":
-            from tallow.models.hf import load_hf_folder
+            from tallow.models import fp8 as fp8_weights
+            from tallow.models.hf import load_hf_folder, quantization_format, weight_files
 
             config, generation, weights = load_hf_folder(resolved.location, slices=parallel is not None)
+            fp8 = quantization_format(resolved.location)
             model = LlamaForCausalLM.empty(config, device=device, dtype=dtype, parallel=parallel)
+            if fp8 is not None and device.type == "cpu":  # fp8 checkpoints on the CPU: dequantized
+                weights = fp8_weights.dequantize_checkpoint(weights, dtype)
+            elif fp8 is not None:
+                fp8_weights.require_fp8_device(device, f"{resolved.name}: an fp8 checkpoint ({fp8})", "model")
+                fp8_weights.fp8_skeleton_(model, fp8_weights.fp8_tensor_names(weight_files(resolved.location)))
             model.load_weights(weights)
             tokenizer = TokenizerSource("hf", resolved.location)
         else:
