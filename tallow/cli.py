@@ -16,7 +16,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="default | path/to/model.gguf | HF folder | dummy:<preset>")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default=d.quantization, help="CPU weight format: auto (int4) | int4 | int8 (tallow's kernels where they build) | int4-torch | int8-torch | bf16 | none")
+    p.add_argument("--quantization", default=d.quantization, help="CPU weight format: auto (int4) | int4 | int8 (tallow's kernels where they build) | int4-torch | int8-torch | bf16 | none; on CUDA a GGUF file keeps its quantized blocks unless none (dequantized to --dtype)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None)

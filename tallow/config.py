@@ -27,7 +27,8 @@ class EngineConfig:
     device: str = "auto"
     # Weight format for Linear layers on the CPU: "auto" is int4 (tallow's Q4 kernels, the LM
     # head Q8; torch's int4/int8 kernels where those cannot build), "int8", "int4-torch",
-    # "int8-torch", "bf16"; "none" keeps dense weights.
+    # "int8-torch", "bf16"; "none" keeps dense weights. On CUDA a GGUF file's block-quantized
+    # weights stay in their blocks (Triton kernels) unless this is "none" (dequantized to dtype).
     quantization: str = "auto"
     seed: int = 0
 

@@ -135,6 +135,32 @@ def test_quant_gemv_matches_float64(where, fmt):
 
 
 @pytest.mark.parametrize("where", [INTERP, CUDA])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_quant_gemv1_matches_float64(where, fmt):
+    """The one-row kernel (whole blocks per load): float32 products of the exact weights, a
+    partial tile of rows (N = 37), K split over programs, and every tile setting it takes."""
+    from tallow.ops.triton_quant import quant_gemv1
+
+    w, reference, g = _case(fmt, where)
+    x = torch.randn(1, w.K, generator=g).to(where)
+    _check(quant_gemv1(x, w), x, reference, GEMV_TOL[torch.float32])
+    _check(quant_gemv1(x, w, split_k=2, block_n=8), x, reference, GEMV_TOL[torch.float32])
+    _check(quant_gemv1(x, w, split_k=1, block_n=32, num_warps=2), x, reference, GEMV_TOL[torch.float32])
+    if where == "cuda":
+        for dtype in (torch.bfloat16, torch.float16):
+            xd = torch.randn(1, w.K, generator=g).to(where, dtype)
+            _check(quant_gemv1(xd, w), xd, reference, GEMV_TOL[dtype])
+    with pytest.raises(ValueError, match="one row"):
+        quant_gemv1(torch.randn(2, w.K).to(where), w)
+    if fmt == "Q8_0":  # 8 blocks a row: four per step
+        from tallow.ops.triton_quant_layout import random_blocks, repack
+
+        raw = random_blocks(fmt, N, 256, generator=g)
+        x = torch.randn(1, 256, generator=g).to(where)
+        _check(quant_gemv1(x, repack(raw.to(where), fmt, 256)), x, _dequantized(raw, fmt), GEMV_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("where", [INTERP, CUDA])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quant_gemm_matches_float64(where, fmt):
     from tallow.ops.triton_quant import quant_gemm

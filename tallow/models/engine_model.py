@@ -43,7 +43,8 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
     dtype = resolve_dtype(config.dtype, device)
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, device=device, cache_dir=config.cache_dir,
-                            seed=config.seed, parallel=parallel)
+                            seed=config.seed, parallel=parallel,
+                            gguf_blocks=not (device.type == "cuda" and config.quantization == "none"))
     mc = loaded.config
     if device.type == "cuda" and any(mc.layer_window(i) for i in range(mc.num_hidden_layers)):
         raise ModelLoadError(f"{loaded.name}: sliding-window attention ({mc.architecture}) runs on the CPU only "

@@ -131,12 +131,16 @@ def resolve_source(source: str) -> ResolvedSource:
 
 
 def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
-               cache_dir: str | None = None, seed: int = 0, parallel: ParallelContext | None = None) -> LoadedModel:
+               cache_dir: str | None = None, seed: int = 0, parallel: ParallelContext | None = None,
+               gguf_blocks: bool = True) -> LoadedModel:
     """Build the engine's model for a source. cache_dir keeps dequantized GGUF weights
     (None: dequantize on every load); seed drives the random weights of dummy models.
     With parallel, the model is this tensor-parallel rank's shard, and no more than one whole
     tensor is ever in memory (GGUF files are then dequantized tensor by tensor, without the
-    cache). A registered source (register_model_source) loads through its own function."""
+    cache). A registered source (register_model_source) loads through its own function.
+    gguf_blocks: on CUDA, a GGUF file with block-quantized weights keeps them in their blocks
+    (tallow/models/gguf_cuda.py; not the `default` source, not with parallel); False
+    dequantizes it to `dtype` as before."""
     registered = registered_source(source)
     if registered is not None:
         if parallel is not None:
@@ -154,7 +158,8 @@ def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
             tokenizer = TokenizerSource("gguf", resolved.location, metadata)
             generation = {}
         elif resolved.kind == "gguf":
-            model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir, native=source != "default")
+            model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir, native=source != "default",
+                                         blocks=gguf_blocks)
             tokenizer = TokenizerSource("gguf", resolved.location, metadata,
                                         cache_path=tokenizer_cache_path(resolved.location, cache_dir))
             generation = {}
@@ -198,14 +203,24 @@ def read_model_config(source: str) -> ModelConfig:
 
 
 def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
-               cache_dir: str | None, native: bool = True) -> tuple[LlamaForCausalLM, dict[str, Any]]:
+               cache_dir: str | None, native: bool = True, blocks: bool = True
+               ) -> tuple[LlamaForCausalLM, dict[str, Any]]:
     """A file with quantized (or F16/BF16) weights, on the CPU in float32: its weights kept in
     their own types (gguf.load_native; no cache). Otherwise from the cache when it holds this
     file (memory-mapped, no copy on CPU in float32), or converted in float32 on the CPU, cached,
     then moved. native False (the default model): the cached float32 path for every file (its
-    warm start maps the cache instead of parsing the GGUF)."""
+    warm start maps the cache instead of parsing the GGUF). On CUDA (native and blocks) a file
+    with block-quantized weights keeps its blocks on the device (gguf_cuda.load_gguf_blocks)."""
     from tallow.models import gguf
 
+    if native and blocks and device.type == "cuda":
+        reader = gguf.open_gguf(path)
+        if any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in reader.tensors):
+            from tallow.models.gguf_cuda import load_gguf_blocks
+
+            _, metadata, model = load_gguf_blocks(path, reader, device, dtype)
+            return model, metadata
+        del reader
     cached = gguf.read_cache(path, cache_dir) if cache_dir else None
     if cached is not None:
         config, metadata, state = cached

@@ -31,6 +31,8 @@ wgmma in the GEMM); the defaults are reasoned, not tuned: benchmarks/gpu_quant_l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -164,6 +166,79 @@ def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
 
 
 @triton.jit
+def _gemv1_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N, NB, blocks_per_split,
+                  KIND: tl.constexpr, QH: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLIT: tl.constexpr):
+    """One activation row (decode at batch 1) for Q8_0 (KIND 0), Q4_K / Q5_K (2) and Q6_K (3):
+    each step loads whole blocks of BLOCK_N rows as one 3-D tile (a row's block bytes
+    contiguous: 16-byte loads), the scales as [BLOCK_N, pieces, 1] tiles, and accumulates the
+    exact products w * x per element in float32 (one cross-thread reduction at the end). Rows
+    past N read row 0 (no masks on the loads) and are not stored."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r3 = tl.where(rmask, rows, 0).to(tl.int64)[:, None, None]
+    b_start = pid_k * blocks_per_split
+    b_end = tl.minimum(b_start + blocks_per_split, NB)
+    if KIND == 0:  # Q8_0: BB blocks of 32 per step
+        jb = tl.arange(0, BB)[None, :, None]
+        i3 = tl.arange(0, 32)[None, None, :]
+        acc = tl.zeros([BLOCK_N, BB, 32], dtype=tl.float32)
+        for b in range(b_start, b_end, BB):
+            q = tl.load(qs_ptr + r3 * (NB * 32) + (b + jb) * 32 + i3).to(tl.float32)
+            d = tl.load(d_ptr + r3 * NB + b + jb).to(tl.float32)
+            x = tl.load(x_ptr + (b + jb) * 32 + i3).to(tl.float32)
+            acc += q * (d * x)
+    elif KIND == 2:  # Q4_K / Q5_K: byte 32g + i holds element 64g + i (low) and 64g + 32 + i (high)
+        g3 = tl.arange(0, 4)[None, :, None]
+        i3 = tl.arange(0, 32)[None, None, :]
+        acc = tl.zeros([BLOCK_N, 4, 32], dtype=tl.float32)
+        for b in range(b_start, b_end):
+            q = tl.load(qs_ptr + r3 * (NB * 128) + b * 128 + g3 * 32 + i3).to(tl.int32)
+            lo = q & 0xF
+            hi = q >> 4
+            if QH:
+                qh = tl.load(qh_ptr + r3 * (NB * 32) + b * 32 + i3).to(tl.int32)
+                lo = lo | (((qh >> (2 * g3)) & 1) << 4)
+                hi = hi | (((qh >> (2 * g3 + 1)) & 1) << 4)
+            d = tl.load(d_ptr + r3 * NB + b).to(tl.float32)
+            dmin = tl.load(m_ptr + r3 * NB + b).to(tl.float32)
+            s_base = r3 * (NB * 8) + b * 8 + 2 * g3
+            sc_lo = tl.load(sc_ptr + s_base).to(tl.float32) * d
+            sc_hi = tl.load(sc_ptr + s_base + 1).to(tl.float32) * d
+            mn_lo = tl.load(mn_ptr + s_base).to(tl.float32) * dmin
+            mn_hi = tl.load(mn_ptr + s_base + 1).to(tl.float32) * dmin
+            x_lo = tl.load(x_ptr + b * 256 + g3 * 64 + i3).to(tl.float32)
+            x_hi = tl.load(x_ptr + b * 256 + g3 * 64 + 32 + i3).to(tl.float32)
+            acc += (lo.to(tl.float32) * sc_lo - mn_lo) * x_lo + (hi.to(tl.float32) * sc_hi - mn_hi) * x_hi
+    else:  # Q6_K: 16-byte chunk c of ql: chunk c of element e0 = 128(c//4) + 32((c//2)%2) + 16(c%2) + i (low
+        # nibble; high nibble e0 + 64); high bits in qh byte 32(c//4) + 16(c%2) + i; a scale per 16.
+        c3 = tl.arange(0, 8)[None, :, None]
+        i3 = tl.arange(0, 16)[None, None, :]
+        e0 = 128 * (c3 // 4) + 32 * ((c3 // 2) % 2) + 16 * (c3 % 2)
+        sh = 2 * ((c3 // 2) % 2)
+        acc = tl.zeros([BLOCK_N, 8, 16], dtype=tl.float32)
+        for b in range(b_start, b_end):
+            ql = tl.load(qs_ptr + r3 * (NB * 128) + b * 128 + c3 * 16 + i3).to(tl.int32)
+            qh = tl.load(qh_ptr + r3 * (NB * 64) + b * 64 + 32 * (c3 // 4) + 16 * (c3 % 2) + i3).to(tl.int32)
+            d = tl.load(d_ptr + r3 * NB + b).to(tl.float32)
+            s_base = r3 * (NB * 16) + b * 16 + e0 // 16
+            sc_lo = tl.load(sc_ptr + s_base).to(tl.float32) * d
+            sc_hi = tl.load(sc_ptr + s_base + 4).to(tl.float32) * d
+            lo = ((ql & 0xF) | (((qh >> sh) & 3) << 4)) - 32
+            hi = ((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)) - 32
+            x_lo = tl.load(x_ptr + b * 256 + e0 + i3).to(tl.float32)
+            x_hi = tl.load(x_ptr + b * 256 + e0 + 64 + i3).to(tl.float32)
+            acc += lo.to(tl.float32) * sc_lo * x_lo + hi.to(tl.float32) * sc_hi * x_hi
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if SPLIT:
+        tl.store(y_ptr + pid_k * N + rows, y, mask=rmask)
+    else:
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
 def _quant_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
                        M, N, NB, stride_xm, stride_ym, blocks_per_split,
                        KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
@@ -226,6 +301,11 @@ def _check(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _split_plan(NB: int, bps: int, n_tiles: int, split_k: int | None, device: torch.device) -> tuple[int, int]:
     """(number of K splits, blocks per split, a multiple of bps). By default (split_k None) K is
     split until there are about two programs per SM on CUDA; not at all elsewhere."""
@@ -233,7 +313,7 @@ def _split_plan(NB: int, bps: int, n_tiles: int, split_k: int | None, device: to
     if split_k is None:
         split_k = 1
         if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            sms = _sm_count(device)
             split_k = triton.cdiv(2 * sms, n_tiles)
     split = max(1, min(split_k, steps))
     blocks_per_split = triton.cdiv(steps, split) * bps
@@ -281,6 +361,42 @@ def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, s
     return _sum_splits(y, split, x)
 
 
+# Formats with the one-row kernel (_gemv1_kernel): format -> (KIND, QH).
+_GEMV1_FORMATS = {"Q8_0": (0, False), "Q4_K": (2, False), "Q5_K": (2, True), "Q6_K": (3, False)}
+# Its defaults (block_n, num_warps, num_stages, programs per SM before K is split).
+GEMV1_DEFAULTS = dict(block_n=16, num_warps=4, num_stages=3, waves=2)
+
+
+def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, split_k: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None
+                ) -> torch.Tensor:
+    """x[1, K] @ W^T for Q8_0 / Q4_K / Q5_K / Q6_K: whole blocks per load (_gemv1_kernel),
+    float32 products and sums. K is split over programs (float32 partials summed in a second
+    pass) until there are `waves` programs per SM."""
+    x = _check(x, w)
+    if x.shape[0] != 1 or w.fmt not in _GEMV1_FORMATS:
+        raise ValueError(f"quant_gemv1 takes one row of {', '.join(_GEMV1_FORMATS)}")
+    if x.stride(0) != w.K:
+        x = x.contiguous()
+    opts = GEMV1_DEFAULTS
+    block_n = block_n or opts["block_n"]
+    num_warps = num_warps or opts["num_warps"]
+    num_stages = num_stages or opts["num_stages"]
+    waves = waves or opts["waves"]
+    N, NB = w.N, w.blocks_per_row
+    kind, qh = _GEMV1_FORMATS[w.fmt]
+    bb = next(n for n in (4, 2, 1) if NB % n == 0) if kind == 0 else 1
+    n_tiles = triton.cdiv(N, block_n)
+    if split_k is None and x.device.type == "cuda":
+        split_k = triton.cdiv(waves * _sm_count(x.device), n_tiles)
+    split, blocks_per_split = _split_plan(NB, bb, n_tiles, split_k or 1, x.device)
+    y = _output(split, 1, N, x)
+    _gemv1_kernel[(n_tiles, split)](
+        x, y, *_planes(w), N, NB, blocks_per_split, KIND=kind, QH=qh, BB=bb, BLOCK_N=block_n,
+        SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages)
+    return _sum_splits(y, split, x)
+
+
 def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, block_n: int = 64,
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x[M, K] @ W^T for any M: bfloat16 tensor-core products of the activation and the weight
@@ -304,10 +420,11 @@ class TritonQuantLinear(torch.nn.Module):
     """A bias-free Linear whose weight [N, K] is GGUF blocks in planes: `quant_gemv` up to
     `gemv_max_rows` rows, `quant_gemm` above."""
 
-    def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8):
+    def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = weight
         self.gemv_max_rows = gemv_max_rows
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def from_gguf_bytes(cls, raw: torch.Tensor, fmt: str, in_features: int, device=None, **kwargs):
@@ -328,14 +445,18 @@ class TritonQuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= self.gemv_max_rows:
+        if x2.shape[0] == 1 and self.weight.fmt in _GEMV1_FORMATS:
+            y = quant_gemv1(x2, self.weight)
+        elif x2.shape[0] <= self.gemv_max_rows:
             y = quant_gemv(x2, self.weight)
         else:
             y = quant_gemm(x2, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*shape[:-1], self.weight.N)
 
     def extra_repr(self) -> str:
         return f"{self.weight.fmt}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-__all__ = ["TritonQuantLinear", "quant_gemm", "quant_gemv"]
+__all__ = ["TritonQuantLinear", "quant_gemm", "quant_gemv", "quant_gemv1"]

@@ -1,0 +1,213 @@
+"""GGUF files served with their weights in block form by tallow's Triton kernels
+(tallow/models/gguf_cuda.py: TritonQuantLinear projections and LM head, a block embedding).
+
+- triton_interp (TRITON_INTERPRET=1, on the CPU): whole small files loaded by load_blocks on the
+  CPU, their logits over a prefill (the GEMM) and decode steps of one and three rows (the GEMVs)
+  against the float32 model of the file's weights dequantized by gguf (the float path).
+- gpu: the same files on CUDA in bf16 against the same file dequantized to bf16 (the loader's
+  `gguf_blocks=False`, what `--quantization none` selects), on the Triton attention path; and
+  the engine over a Q4_K_M file with CUDA graphs and asynchronous scheduling: greedy tokens do
+  not depend on the batch, graph replays equal eager steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from gguf_files import write_llama_gguf
+from model_utils import PagedBatches
+from triton_test_devices import CUDA, INTERPRETER
+
+pytest.importorskip("gguf")
+
+Q4_K_M = dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q4_K", ffn_gate="Q4_K", ffn_up="Q4_K",
+              ffn_down="Q6_K", token_embd="Q4_K", output="Q6_K")
+Q8_0 = dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd",
+                      "output"], "Q8_0")
+Q5_K_M = dict(Q4_K_M, attn_q="Q5_K", attn_k="Q5_K", attn_output="Q5_K", ffn_gate="Q5_K", ffn_up="Q5_K",
+              token_embd="Q5_K")
+FILES = {  # id -> (types, arch, tied)
+    "Q4_K_M": (Q4_K_M, "llama", False),
+    "Q8_0-tied": (Q8_0, "llama", True),
+    "Q5_K_M-qwen2": (Q5_K_M, "qwen2", False),
+}
+
+
+def write(tmp_path, kind: str) -> str:
+    types, arch, tied = FILES[kind]
+    path = str(tmp_path / f"{kind}.gguf")
+    write_llama_gguf(path, types, arch=arch, tied=tied)
+    return path
+
+
+def steps_of(prompts):
+    """A prefill of all prompts, then a decode step of one row and one of three."""
+    a, b, c = prompts
+    return [[("a", a), ("b", b), ("c", c)], [("a", [7])], [("a", [9]), ("b", [11]), ("c", [13])]]
+
+
+PROMPTS = [list(range(5, 30)), [7, 3, 99, 150, 2, 2, 41], [1, 2, 3]]
+
+
+def run_steps(model, config, device, dtype, steps) -> list[torch.Tensor]:
+    paged = PagedBatches(config, num_blocks=32, block_size=16, dtype=dtype)
+    paged.kv_caches = [(k.to(device), v.to(device)) for k, v in paged.kv_caches]
+    out = []
+    for chunks in steps:
+        ids, pos, meta = paged.step(chunks)
+        meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in
+                                            ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+        with torch.no_grad():
+            hidden = model(ids.to(device), pos.to(device), paged.kv_caches, meta)
+            out.append(model.compute_logits(hidden).float().cpu())
+    return out
+
+
+def float_reference(path: str):
+    from tallow.models import gguf
+    from tallow.models.llama import LlamaForCausalLM
+
+    config, _, weights = gguf.read_gguf(path)
+    model = LlamaForCausalLM.empty(config, device=torch.device("cpu"), dtype=torch.float32)
+    model.load_weights(weights)
+    return config, model.eval()
+
+
+def assert_block_layers(model, types, tied):
+    from tallow.models.gguf_cuda import CudaQuantEmbedding, QuantConcat
+    from tallow.ops.triton_quant import TritonQuantLinear
+
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert isinstance(model.model.embed_tokens, CudaQuantEmbedding)
+    assert model.model.embed_tokens.weight_q.fmt == types["token_embd"]
+    assert isinstance(model.lm_head, TritonQuantLinear)
+    assert model.lm_head.weight.fmt == types["token_embd" if tied else "output"]
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight_q
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantConcat if types["attn_q"] != types["attn_v"] else TritonQuantLinear)
+
+
+@pytest.mark.parametrize("kind", list(FILES))
+@pytest.mark.parametrize("where", [INTERPRETER])
+def test_block_model_logits_match_dequantized_float32(kind, where, tmp_path):
+    """On the CPU under Triton's interpreter: prefill (GEMM, bf16 products: 1e-2 of the largest
+    logit) and decode steps (the GEMVs, float32) against gguf's dequantized float32 model."""
+    from tallow.attention.torch_ref import TorchAttentionBackend
+    from tallow.engine.runner import set_attention_backend
+    from tallow.models import gguf
+    from tallow.models.gguf_cuda import load_gguf_blocks
+
+    path = write(tmp_path, kind)
+    types, _, tied = FILES[kind]
+    config, _, model = load_gguf_blocks(path, gguf.open_gguf(path), torch.device("cpu"), torch.float32)
+    assert_block_layers(model, types, tied)
+    ref_config, ref = float_reference(path)
+    assert ref_config == config
+    for m in (model, ref):
+        set_attention_backend(m, TorchAttentionBackend())
+    steps = steps_of(PROMPTS)
+    got = run_steps(model, config, "cpu", torch.float32, steps)
+    want = run_steps(ref, config, "cpu", torch.float32, steps)
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert (x - y).abs().max() <= 1e-2 * y.abs().max(), i
+        assert torch.equal(x.argmax(-1), y.argmax(-1)), i
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(FILES))
+@pytest.mark.parametrize("where", [CUDA])
+def test_cuda_block_logits_match_the_file_dequantized_to_bf16(kind, where, tmp_path):
+    """The loader on CUDA keeps the blocks (no nn.Linear, the planes about the file's size) and
+    its bf16 logits match the same file dequantized to bf16 (relative error of the logits
+    below 3e-2, as the GPU engine tests hold bf16 against float32)."""
+    from tallow.attention.triton_backend import TritonAttentionBackend
+    from tallow.engine.runner import set_attention_backend
+    from tallow.models.loader import load_model
+
+    path = write(tmp_path, kind)
+    types, _, tied = FILES[kind]
+    blocks = load_model(path, dtype=torch.bfloat16, device="cuda").model
+    dense = load_model(path, dtype=torch.bfloat16, device="cuda", gguf_blocks=False).model
+    assert_block_layers(blocks, types, tied)
+    assert any(type(m) is torch.nn.Linear for m in dense.modules())
+    planes = sum(m.weight.nbytes() for m in blocks.modules()
+                 if hasattr(getattr(m, "weight", None), "planes"))
+    if not tied:
+        planes += blocks.model.embed_tokens.weight_q.nbytes()
+    assert planes <= 1.1 * os.path.getsize(path)
+    config = blocks.config
+    for m in (blocks, dense):
+        set_attention_backend(m, TritonAttentionBackend(config.num_attention_heads, config.num_key_value_heads,
+                                                        config.head_dim, max_num_seqs=8, device="cuda"))
+    steps = steps_of(PROMPTS)
+    got = run_steps(blocks, config, "cuda", torch.bfloat16, steps)
+    want = run_steps(dense, config, "cuda", torch.bfloat16, steps)
+    for i, (x, y) in enumerate(zip(got, want)):
+        err = ((x - y).norm() / y.norm()).item()
+        assert err < 3e-2, f"step {i}: relative error {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_engines(tmp_path_factory):
+    """Engines over one Q4_K_M file on CUDA (float32 activations): CUDA graphs + async
+    scheduling (the defaults), and eager."""
+    import json
+
+    from tokenizers import Tokenizer, models
+
+    from tallow.config import EngineConfig
+    from tallow.engine.core import EngineCore
+    from tallow.models.loader import TokenizerSource, load_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    folder = tmp_path_factory.mktemp("q4km")
+    path = write(folder, "Q4_K_M")
+    Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1}, unk_token="<unk>")).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    # float32 activations: the kernels' sums in float32 whatever the batch (bf16 outputs could
+    # round apart between the one-row and the batched GEMV and flip a near-tie)
+    loaded = load_model(path, dtype=torch.float32, device="cuda")
+    loaded.tokenizer_source = TokenizerSource("hf", str(folder))
+    config = EngineConfig(model=path, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=16)
+    graphs = EngineCore(config, loaded=loaded)
+    eager = EngineCore(config, loaded=loaded)
+    eager.runner.graphs = None
+    return graphs, eager
+
+
+def _generate(core, prompts, params):
+    seqs = [core.make_sequences(p, params)[0] for p in prompts]
+    for s in seqs:
+        core.add(s)
+    while core.has_work():
+        core.step()
+    return [list(s.output_ids) for s in seqs]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_q4_k_m_engine_greedy_is_batch_invariant_under_cuda_graphs(q4_k_m_engines):
+    """Greedy tokens of each prompt alone equal those in a batch of six (decode batches of 1..6
+    rows: the one-row GEMV, the small-M GEMV and, in prefill, the GEMM), with the decode steps
+    replayed from CUDA graphs under asynchronous scheduling; and the eager engine agrees."""
+    from tallow.engine.sampling import SamplingParams
+
+    graphs, eager = q4_k_m_engines
+    assert graphs.runner.graphs is not None and graphs.async_scheduling
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 160, (n,), generator=g).tolist() for n in (5, 37, 64, 90, 17, 12)]
+    replays = graphs.runner.graphs.num_replays
+    together = _generate(graphs, prompts, params)
+    assert graphs.runner.graphs.num_replays - replays >= params.max_tokens - 1
+    alone = [_generate(graphs, [p], params)[0] for p in prompts]
+    assert together == alone
+    assert _generate(eager, prompts, params) == together
+    assert len({tuple(t) for t in together}) > 1
