@@ -151,9 +151,9 @@ SHAPES = {  # name -> (N, K, formats)
     "gate_up": (28672, 4096, ["Q4_K", "Q8_0"]), "down": (4096, 14336, ["Q4_K", "Q6_K"]),
     "v": (1024, 4096, ["Q6_K"]), "lm_head": (128256, 4096, ["Q6_K", "Q8_0"]),
 }
-CONFIGS = [dict(block_n=bn, num_warps=w, num_stages=s, waves=wv)
-           for bn in (8, 16, 32) for w in (2, 4, 8) for s in (3,) for wv in (1, 2, 4)]
-CONFIGS += [dict(block_n=16, num_warps=4, num_stages=s, waves=2) for s in (1, 2, 4)]
+CONFIGS = [dict(block_n=bn, num_warps=w, num_stages=3, waves=2) for bn in (8, 16, 32) for w in (2, 4, 8)]
+CONFIGS += [dict(block_n=16, num_warps=4, num_stages=3, waves=wv) for wv in (1, 4, 8)]
+CONFIGS += [dict(block_n=16, num_warps=4, num_stages=s, waves=2) for s in (2, 4)]
 
 
 def time_graph(fn, reps: int = 20, rounds: int = 5) -> float:
@@ -192,6 +192,8 @@ def kernels(args) -> None:
     for name in shapes:
         N, K, fmts = SHAPES[name]
         for fmt in fmts:
+            if args.formats and fmt not in args.formats.split(","):
+                continue
             if time.perf_counter() - t_start > args.budget_s:
                 print(f"budget spent: skipping {name} {fmt}", flush=True)
                 continue
@@ -248,6 +250,7 @@ def main() -> None:
     else:
         ap = argparse.ArgumentParser()
         ap.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)}")
+        ap.add_argument("--formats", default=None, help="comma-separated: only these formats")
         ap.add_argument("--sweep", action="store_true", help="time every config of CONFIGS too")
         ap.add_argument("--budget-s", type=float, default=200.0)
         ap.add_argument("--out", default=None)
