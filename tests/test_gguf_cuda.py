@@ -211,3 +211,79 @@ def test_q4_k_m_engine_greedy_is_batch_invariant_under_cuda_graphs(q4_k_m_engine
     assert together == alone
     assert _generate(eager, prompts, params) == together
     assert len({tuple(t) for t in together}) > 1
+
+
+# ---- tensor-parallel shards (CPU, plain torch: the planes are compared, no kernel runs) ----------
+
+
+@dataclasses.dataclass
+class _Rank:
+    """What LlamaForCausalLM reads of a ParallelContext at construction."""
+
+    rank: int
+    world_size: int
+
+
+def _dense(layer) -> torch.Tensor:
+    """A projection's weight [out, in] in float32 (TritonQuantLinear / QuantConcat / Linear)."""
+    from tallow.models.gguf_cuda import QuantConcat
+    from tallow.ops.triton_quant_layout import dequantize
+
+    if isinstance(layer, QuantConcat):
+        return torch.cat([_dense(p) for p in layer.parts])
+    if hasattr(layer.weight, "planes"):
+        return dequantize(layer.weight)
+    return layer.weight.float()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0-tied"])
+def test_tensor_parallel_shards_hold_their_slices_of_the_blocks(kind, tmp_path):
+    """Each rank of two holds its Megatron slices in block form: q/k/v and gate/up rows, o and
+    down input columns cut on block boundaries, its vocabulary rows of the embedding and LM head
+    (zero padding after the last token); together they are the whole model's weights."""
+    pytest.importorskip("triton")
+    from tallow.models import gguf
+    from tallow.models.gguf_cuda import load_gguf_blocks
+    from tallow.ops.triton_quant_layout import dequantize
+
+    types, arch, tied = FILES[kind]
+    path = str(tmp_path / "m.gguf")
+    write_llama_gguf(path, types, arch=arch, tied=tied, hidden=512, inter=1024, vocab=161)
+    cpu = torch.device("cpu")
+    config, _, full = load_gguf_blocks(path, gguf.open_gguf(path), cpu, torch.float32)
+    shards = [load_gguf_blocks(path, gguf.open_gguf(path), cpu, torch.float32, _Rank(r, 2))[2] for r in range(2)]
+    q, kv, inter = config.hidden_size, config.num_key_value_heads * config.head_dim, config.intermediate_size
+    for i, layer in enumerate(full.model.layers):
+        qkv = _dense(layer.self_attn.qkv_proj)
+        gate_up = _dense(layer.mlp.gate_up_proj)
+        parts = [m.model.layers[i] for m in shards]
+        got_qkv = [_dense(p.self_attn.qkv_proj) for p in parts]
+        for r, g in enumerate(got_qkv):
+            hq, hk = q // 2, kv // 2
+            want = torch.cat([qkv[r * hq:(r + 1) * hq], qkv[q + r * hk:q + (r + 1) * hk],
+                              qkv[q + kv + r * hk:q + kv + (r + 1) * hk]])
+            assert torch.equal(g, want)
+            half = inter // 2
+            assert torch.equal(_dense(parts[r].mlp.gate_up_proj),
+                               torch.cat([gate_up[r * half:(r + 1) * half], gate_up[inter + r * half:inter + (r + 1) * half]]))
+        assert torch.equal(torch.cat([_dense(p.self_attn.o_proj) for p in parts], dim=1), _dense(layer.self_attn.o_proj))
+        assert torch.equal(torch.cat([_dense(p.mlp.down_proj) for p in parts], dim=1), _dense(layer.mlp.down_proj))
+    heads = [_dense(m.lm_head) for m in shards]
+    assert all(h.shape[0] == 81 for h in heads)
+    assert torch.equal(torch.cat(heads)[:161], _dense(full.lm_head)) and not torch.cat(heads)[161:].any()
+    embeds = [dequantize(m.model.embed_tokens.weight_q) for m in shards]
+    assert torch.equal(torch.cat(embeds)[:161], dequantize(full.model.embed_tokens.weight_q))
+
+
+def test_shards_off_block_boundaries_are_refused(tmp_path):
+    """hidden 256 in two ranks: the o projection's input slice is 128 columns, half a K-quant
+    super-block: load_blocks refuses (the loader then dequantizes); Q8_0's blocks of 32 fit."""
+    pytest.importorskip("triton")
+    from tallow.models import gguf
+    from tallow.models.gguf_cuda import load_gguf_blocks
+
+    path = write(tmp_path, "Q4_K_M")
+    with pytest.raises(ValueError, match="block boundaries"):
+        load_gguf_blocks(path, gguf.open_gguf(path), torch.device("cpu"), torch.float32, _Rank(0, 2))
+    path = write(tmp_path, "Q8_0-tied")
+    load_gguf_blocks(path, gguf.open_gguf(path), torch.device("cpu"), torch.float32, _Rank(1, 2))

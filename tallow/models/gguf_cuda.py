@@ -118,49 +118,104 @@ def _interleave_index(rows: int, n_head: int, device: torch.device) -> torch.Ten
     return torch.arange(rows, device=device).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def load_blocks(config: ModelConfig, src: RawTensors, device: torch.device, dtype: torch.dtype):
+def _block_shape(type_name: str) -> tuple[int, int]:
+    """(elements, bytes) per block; float types: one element of its size."""
+    from tallow.ops.triton_quant_layout import BLOCK_SIZES
+
+    if type_name in FLOAT_TYPES:
+        return 1, _FLOAT_DTYPES[type_name].itemsize
+    return BLOCK_SIZES[type_name]
+
+
+def shards_fit(config: ModelConfig, src: RawTensors, shard) -> bool:
+    """Whether every row-parallel projection (o, down) of a tensor-parallel shard starts and
+    ends its input slice on block boundaries (256 for the K-quants, 32 for the others). When not,
+    the blocks cannot be split there (the loader dequantizes such a file instead)."""
+    for i in range(config.num_hidden_layers):
+        for kind, span in (("attn_output", "q"), ("ffn_down", "mlp")):
+            elems = _block_shape(src.type_name(f"blk.{i}.{kind}.weight"))[0]
+            start, length = shard.span(span)
+            if start % elems or length % elems:
+                return False
+    return True
+
+
+def load_blocks(config: ModelConfig, src: RawTensors, device: torch.device, dtype: torch.dtype, parallel=None):
     """A LlamaForCausalLM on `device` (CUDA) whose projections, embedding and LM head keep the
-    source's block formats (module docstring). Norms in dtype, as the dense path holds them."""
+    source's block formats (module docstring). Norms in dtype, as the dense path holds them.
+    With parallel (a ParallelContext), this rank's Megatron shard: column-parallel q/k/v and
+    gate/up keep their rows of the shard, row-parallel o and down their input columns (whole
+    blocks: shards_fit must hold), the embedding and LM head their vocabulary rows (the LM head
+    padded with zero blocks to vocab_per_rank)."""
     from tallow.models.llama import LlamaForCausalLM
 
-    model = LlamaForCausalLM._skeleton(config, dtype, None, None)  # on the meta device
+    model = LlamaForCausalLM._skeleton(config, dtype, None, parallel)  # on the meta device
+    shard = model.shard
+    sharded = parallel is not None
+    if sharded and not shards_fit(config, src, shard):
+        raise ValueError("the row-parallel projections' input slices do not fall on block boundaries")
 
-    def bias(names: list[str]) -> torch.Tensor | None:
+    def rows(t: torch.Tensor, kind: str | None) -> torch.Tensor:
+        if not sharded or kind is None:
+            return t
+        start, length = shard.span(kind)
+        return t[start:start + length]
+
+    def bias(names: list[str], kinds: list[str | None]) -> torch.Tensor | None:
         if not src.has(f"{names[0]}.bias"):
             return None
-        return torch.cat([_floats(src, f"{n}.bias", device) for n in names]).to(dtype)
+        return torch.cat([rows(_floats(src, f"{n}.bias", device), k) for n, k in zip(names, kinds)]).to(dtype)
 
-    def part(name: str, n_head: int | None) -> torch.Tensor:
+    def part(name: str, n_head: int | None, row_kind: str | None, col_kind: str | None) -> torch.Tensor:
         raw = src.raw(f"{name}.weight", device)
         if n_head is not None and config.architecture == "llama":
             raw = raw.index_select(0, _interleave_index(raw.shape[0], n_head, device))
-        return raw
+        raw = rows(raw, row_kind)
+        if sharded and col_kind is not None:  # whole blocks of the input (shards_fit)
+            elems, nbytes = _block_shape(src.type_name(f"{name}.weight"))
+            start, length = shard.span(col_kind)
+            raw = raw[:, start // elems * nbytes:(start + length) // elems * nbytes]
+        return raw.contiguous()
 
-    def projection(names: list[str], heads: list[int | None]) -> nn.Module:
+    def projection(names: list[str], heads: list[int | None], row_kinds: list[str | None] | None = None,
+                   col_kind: str | None = None) -> nn.Module:
+        row_kinds = row_kinds or [None] * len(names)
         types = [src.type_name(f"{n}.weight") for n in names]
         in_features = src.shape(f"{names[0]}.weight")[1]
-        b = bias(names)
+        if sharded and col_kind is not None:
+            in_features = shard.span(col_kind)[1]
+        b = bias(names, row_kinds)
         if len(set(types)) == 1:
-            raws = [part(n, h) for n, h in zip(names, heads)]
+            raws = [part(n, h, k, col_kind) for n, h, k in zip(names, heads, row_kinds)]
             raw = raws[0] if len(raws) == 1 else torch.cat(raws)
             del raws
             return cuda_linear(raw, types[0], in_features, b, dtype)
-        rows = [src.shape(f"{n}.weight")[0] for n in names]
-        biases = [None] * len(names) if b is None else list(b.split(rows))
-        return QuantConcat([cuda_linear(part(n, h), t, in_features, bb, dtype)
-                            for n, h, t, bb in zip(names, heads, types, biases)])
+        parts = [part(n, h, k, col_kind) for n, h, k in zip(names, heads, row_kinds)]
+        biases = [None] * len(names) if b is None else list(b.split([p.shape[0] for p in parts]))
+        layers = []
+        for i, t in enumerate(types):
+            layers.append(cuda_linear(parts[i], t, in_features, biases[i], dtype))
+            parts[i] = None
+        return QuantConcat(layers)
 
     def norm(name: str) -> nn.Parameter:
         return nn.Parameter(_floats(src, name, device).to(dtype).contiguous(), requires_grad=False)
+
+    def vocab_rows(name: str) -> torch.Tensor:
+        """The tensor's vocabulary rows of this rank, padded with zero rows (zero blocks) to
+        vocab_per_rank."""
+        raw = rows(src.raw(name, device), "vocab")
+        pad = shard.vocab_per_rank - raw.shape[0] if sharded else 0
+        return torch.cat([raw, raw.new_zeros(pad, raw.shape[1])]) if pad > 0 else raw
 
     for i, layer in enumerate(model.model.layers):
         blk = f"blk.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = projection([f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"],
-                                   [config.num_attention_heads, config.num_key_value_heads, None])
-        attn.o_proj = projection([f"{blk}.attn_output"], [None])
-        mlp.gate_up_proj = projection([f"{blk}.ffn_gate", f"{blk}.ffn_up"], [None, None])
-        mlp.down_proj = projection([f"{blk}.ffn_down"], [None])
+                                   [config.num_attention_heads, config.num_key_value_heads, None], ["q", "kv", "kv"])
+        attn.o_proj = projection([f"{blk}.attn_output"], [None], col_kind="q")
+        mlp.gate_up_proj = projection([f"{blk}.ffn_gate", f"{blk}.ffn_up"], [None, None], ["mlp", "mlp"])
+        mlp.down_proj = projection([f"{blk}.ffn_down"], [None], col_kind="mlp")
         layer.input_layernorm.weight = norm(f"{blk}.attn_norm.weight")
         if config.sandwich_norms:
             layer.post_attention_layernorm.weight = norm(f"{blk}.post_attention_norm.weight")
@@ -172,11 +227,11 @@ def load_blocks(config: ModelConfig, src: RawTensors, device: torch.device, dtyp
             attn.q_norm.weight = norm(f"{blk}.attn_q_norm.weight")
             attn.k_norm.weight = norm(f"{blk}.attn_k_norm.weight")
     model.model.norm.weight = norm("output_norm.weight")
-    rows, hidden = src.shape("token_embd.weight")
-    if rows != config.vocab_size:
-        raise ValueError(f"token_embd has {rows} rows for a vocabulary of {config.vocab_size}")
+    vocab, hidden = src.shape("token_embd.weight")
+    if vocab != config.vocab_size:
+        raise ValueError(f"token_embd has {vocab} rows for a vocabulary of {config.vocab_size}")
     embd_type = src.type_name("token_embd.weight")
-    embd_layer = cuda_linear(src.raw("token_embd.weight", device), embd_type, hidden, None, dtype)
+    embd_layer = cuda_linear(vocab_rows("token_embd.weight"), embd_type, hidden, None, dtype)
     if embd_type in BLOCK_TYPES:
         model.model.embed_tokens = CudaQuantEmbedding(embd_layer.weight, dtype)
     else:
@@ -184,7 +239,7 @@ def load_blocks(config: ModelConfig, src: RawTensors, device: torch.device, dtyp
     if config.tie_word_embeddings:
         model.lm_head = embd_layer
     else:
-        model.lm_head = projection(["output"], [None])
+        model.lm_head = cuda_linear(vocab_rows("output.weight"), src.type_name("output.weight"), hidden, None, dtype)
     model.model.rotary_emb.reset_parameters(device)
     if model.model.rotary_emb_local is not None:
         model.model.rotary_emb_local.reset_parameters(device)
@@ -224,11 +279,12 @@ class GgufFileTensors:
         return torch.from_numpy(data).reshape(rows, -1).to(device)
 
 
-def load_gguf_blocks(path: str, reader, device: torch.device, dtype: torch.dtype):
-    """(config, metadata, model) of a GGUF file with its block weights kept on `device`."""
+def load_gguf_blocks(path: str, reader, device: torch.device, dtype: torch.dtype, parallel=None):
+    """(config, metadata, model) of a GGUF file with its block weights kept on `device` (with
+    parallel: this rank's shard; ValueError where shards_fit does not hold)."""
     from tallow.models.gguf import _config
 
     metadata = {name: field.contents() for name, field in reader.fields.items()
                 if name.startswith(("general.", "tokenizer."))}
     config = _config(reader, metadata)
-    return config, metadata, load_blocks(config, GgufFileTensors(path, reader), device, dtype)
+    return config, metadata, load_blocks(config, GgufFileTensors(path, reader), device, dtype, parallel)

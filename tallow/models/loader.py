@@ -139,8 +139,8 @@ def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
     tensor is ever in memory (GGUF files are then dequantized tensor by tensor, without the
     cache). A registered source (register_model_source) loads through its own function.
     gguf_blocks: on CUDA, a GGUF file with block-quantized weights keeps them in their blocks
-    (tallow/models/gguf_cuda.py; not the `default` source, not with parallel); False
-    dequantizes it to `dtype` as before."""
+    (tallow/models/gguf_cuda.py; not the `default` source; with parallel where the o/down
+    input slices fall on block boundaries); False dequantizes it to `dtype` as before."""
     registered = registered_source(source)
     if registered is not None:
         if parallel is not None:
@@ -152,9 +152,15 @@ def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
         if resolved.kind == "gguf" and parallel is not None:
             from tallow.models import gguf
 
-            config, metadata, weights = gguf.read_gguf(resolved.location)
-            model = LlamaForCausalLM.empty(config, device=device, dtype=dtype, parallel=parallel)
-            model.load_weights(weights)
+            found = None
+            if gguf_blocks and device.type == "cuda" and source != "default":
+                found = _cuda_blocks(resolved.location, device, dtype, parallel)
+            if found is not None:
+                model, metadata = found
+            else:
+                config, metadata, weights = gguf.read_gguf(resolved.location)
+                model = LlamaForCausalLM.empty(config, device=device, dtype=dtype, parallel=parallel)
+                model.load_weights(weights)
             tokenizer = TokenizerSource("gguf", resolved.location, metadata)
             generation = {}
         elif resolved.kind == "gguf":
@@ -214,13 +220,9 @@ def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
     from tallow.models import gguf
 
     if native and blocks and device.type == "cuda":
-        reader = gguf.open_gguf(path)
-        if any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in reader.tensors):
-            from tallow.models.gguf_cuda import load_gguf_blocks
-
-            _, metadata, model = load_gguf_blocks(path, reader, device, dtype)
-            return model, metadata
-        del reader
+        found = _cuda_blocks(path, device, dtype, None)
+        if found is not None:
+            return found
     cached = gguf.read_cache(path, cache_dir) if cache_dir else None
     if cached is not None:
         config, metadata, state = cached
@@ -240,6 +242,33 @@ def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
             del state["lm_head.weight"]
         gguf.write_cache(path, cache_dir, config, metadata, state)
     return model.to(device=device, dtype=dtype), metadata
+
+
+def _cuda_blocks(path: str, device: torch.device, dtype: torch.dtype, parallel: ParallelContext | None
+                 ) -> tuple[LlamaForCausalLM, dict[str, Any]] | None:
+    """(model, metadata) of a GGUF file with block-quantized weights kept in their blocks on
+    CUDA (tallow/models/gguf_cuda.py; with parallel, this rank's shard), or None for a file
+    without block types, or a shard whose row-parallel inputs do not fall on block boundaries
+    (logged: the caller dequantizes)."""
+    from tallow.models import gguf, gguf_cuda
+
+    reader = gguf.open_gguf(path)
+    if not any(t.tensor_type.name in gguf_cuda.BLOCK_TYPES for t in reader.tensors):
+        return None
+    if parallel is not None:
+        from tallow.models.sharding import ShardLayout
+
+        src = gguf_cuda.GgufFileTensors(path, reader)
+        config = gguf.read_gguf(path, reader)[0]
+        if not gguf_cuda.shards_fit(config, src, ShardLayout.of(config, parallel.rank, parallel.world_size)):
+            import logging
+
+            logging.getLogger("tallow.models").warning(
+                "%s: tensor-parallel slices of the o/down projections do not fall on block boundaries: "
+                "weights dequantized to %s", os.path.basename(path), str(dtype).removeprefix("torch."))
+            return None
+    _, metadata, model = gguf_cuda.load_gguf_blocks(path, reader, device, dtype, parallel)
+    return model, metadata
 
 
 def _dummy_tokenizer(config: ModelConfig) -> TokenizerSource:
