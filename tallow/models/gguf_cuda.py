@@ -47,7 +47,8 @@ class RawTensors(Protocol):
 
 
 class QuantConcat(nn.Module):
-    """Fused projection whose parts have different block types: outputs concatenated."""
+    """Fused projection whose parts have different block types (one layer per run of parts of
+    one type): outputs concatenated."""
 
     def __init__(self, parts: list[nn.Module]):
         super().__init__()
@@ -190,12 +191,22 @@ def load_blocks(config: ModelConfig, src: RawTensors, device: torch.device, dtyp
             raw = raws[0] if len(raws) == 1 else torch.cat(raws)
             del raws
             return cuda_linear(raw, types[0], in_features, b, dtype)
-        parts = [part(n, h, k, col_kind) for n, h, k in zip(names, heads, row_kinds)]
-        biases = [None] * len(names) if b is None else list(b.split([p.shape[0] for p in parts]))
-        layers = []
-        for i, t in enumerate(types):
-            layers.append(cuda_linear(parts[i], t, in_features, biases[i], dtype))
-            parts[i] = None
+        # Runs of parts of one type share a layer (Q4_K_M's q and k; v in Q6_K on its own).
+        layers, start = [], 0
+        while start < len(names):
+            end = start + 1
+            while end < len(names) and types[end] == types[start]:
+                end += 1
+            raws = [part(n, h, k, col_kind) for n, h, k in zip(names[start:end], heads[start:end],
+                                                                row_kinds[start:end])]
+            raw = raws[0] if len(raws) == 1 else torch.cat(raws)
+            del raws
+            bb = None
+            if b is not None:
+                r0 = sum(layer.out_features for layer in layers)
+                bb = b[r0:r0 + raw.shape[0]]
+            layers.append(cuda_linear(raw, types[start], in_features, bb, dtype))
+            start = end
         return QuantConcat(layers)
 
     def norm(name: str) -> nn.Parameter:
