@@ -13,7 +13,9 @@ use_more_bits picks, the LM head Q6_K), else every projection in <type> (Q8_0, Q
     python benchmarks/gpu_gguf_model.py offline --model gguf-random:llama-3-8b --num-seqs 128
 
 `decode` and `offline` are benchmarks/decode_latency.py and benchmarks/offline_throughput.py
-with the source registered (same arguments; run them with --model dummy:llama-3-8b for bf16).
+with the source registered (same arguments; run them with --model dummy:llama-3-8b for bf16);
+`--tune-gemv` first times a few settings of the one-row GEMV on each of the loaded model's
+layer shapes and uses the fastest (printed: candidates for triton_quant.GEMV1_DEFAULTS).
 """
 
 from __future__ import annotations
@@ -233,19 +235,77 @@ def kernels(args) -> None:
     write_json(args.out, {"benchmark": "gpu_gguf_kernels", "results": rows})
 
 
+TUNE_CONFIGS = [dict(block_n=bn, num_warps=w, num_stages=3, waves=wv)
+                for bn in (8, 16, 32) for w in (4, 8) for wv in (2, 8)]
+
+
+def tune_gemv1(model, budget_s: float = 60.0) -> dict:
+    """Time TUNE_CONFIGS of the one-row GEMV on every distinct (format, N, K) of the model's
+    block layers (CUDA graphs of 10 calls) and set the fastest in triton_quant.GEMV1_TUNED;
+    returns {shape: (microseconds default, microseconds best, best config)}."""
+    import torch
+
+    from tallow.ops import triton_quant as tq
+
+    weights = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if w is not None and hasattr(w, "planes") and w.fmt in tq._GEMV1_FORMATS:
+            weights.setdefault((w.fmt, w.N, w.K), w)
+    out, t0 = {}, time.perf_counter()
+    for key, w in weights.items():
+        if time.perf_counter() - t0 > budget_s:
+            print(f"tune budget spent: {key} keeps the defaults", flush=True)
+            continue
+        x = torch.randn(1, w.K, device=w.device, dtype=torch.bfloat16)
+        base = time_graph(lambda: tq.quant_gemv1(x, w), reps=10, rounds=3)
+        timed = []
+        for cfg in TUNE_CONFIGS:
+            try:
+                timed.append((time_graph(lambda: tq.quant_gemv1(x, w, **cfg), reps=10, rounds=3), cfg))
+            except Exception as e:  # noqa: BLE001 (a config that does not compile: skipped)
+                print(f"  {key} {cfg}: {type(e).__name__}", flush=True)
+        best_t, best = min(timed, key=lambda t: t[0])
+        if best_t < base:
+            tq.GEMV1_TUNED[key] = best
+        out["%s %dx%d" % key] = (round(base, 2), round(best_t, 2), best, round(w.nbytes() / best_t / 1e3, 1))
+        print(f"tune {key}: default {base:.2f} us, best {best_t:.2f} us {best} "
+              f"({w.nbytes() / best_t / 1e3:.0f} GB/s)", flush=True)
+    return out
+
+
+def _tuned_make_core(make_core, budget_s: float):
+    """offline_throughput.make_core, then the GEMV tuned on the loaded model (before the timed
+    runs; the CUDA graphs captured at load are captured again with the tuned settings)."""
+    def wrapped(**config):
+        core = make_core(**config)
+        tune_gemv1(core.runner.model, budget_s)
+        if core.runner.graphs is not None:
+            core.runner.capture_graphs(core.runner.graphs.max_batch)
+        return core
+    return wrapped
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in ("kernels", "decode", "offline"):
         print(__doc__)
         sys.exit(2)
     mode = sys.argv.pop(1)
     register()
+    tune = "--tune-gemv" in sys.argv
+    if tune:
+        sys.argv.remove("--tune-gemv")
     if mode == "decode":
         from benchmarks import decode_latency
 
+        if tune:
+            decode_latency.make_core = _tuned_make_core(decode_latency.make_core, 60.0)
         decode_latency.main()
     elif mode == "offline":
         from benchmarks import offline_throughput
 
+        if tune:
+            offline_throughput.make_core = _tuned_make_core(offline_throughput.make_core, 60.0)
         offline_throughput.main()
     else:
         ap = argparse.ArgumentParser()

@@ -363,8 +363,11 @@ def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, s
 
 # Formats with the one-row kernel (_gemv1_kernel): format -> (KIND, QH).
 _GEMV1_FORMATS = {"Q8_0": (0, False), "Q4_K": (2, False), "Q5_K": (2, True), "Q6_K": (3, False)}
-# Its defaults (block_n, num_warps, num_stages, programs per SM before K is split).
-GEMV1_DEFAULTS = dict(block_n=16, num_warps=4, num_stages=3, waves=2)
+# Its defaults (block_n, num_warps, num_stages, programs per SM before K is split), and
+# settings per (format, N, K) that override them (filled by a tuning run, e.g.
+# benchmarks/gpu_gguf_model.py decode --tune-gemv).
+GEMV1_DEFAULTS = dict(block_n=16, num_warps=4, num_stages=3, waves=4)
+GEMV1_TUNED: dict[tuple[str, int, int], dict] = {}
 
 
 def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, split_k: int | None = None,
@@ -378,7 +381,7 @@ def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, 
         raise ValueError(f"quant_gemv1 takes one row of {', '.join(_GEMV1_FORMATS)}")
     if x.stride(0) != w.K:
         x = x.contiguous()
-    opts = GEMV1_DEFAULTS
+    opts = GEMV1_TUNED.get((w.fmt, w.N, w.K), GEMV1_DEFAULTS)
     block_n = block_n or opts["block_n"]
     num_warps = num_warps or opts["num_warps"]
     num_stages = num_stages or opts["num_stages"]
