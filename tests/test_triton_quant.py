@@ -17,6 +17,8 @@ Tolerances, as a fraction of the largest |reference| output:
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -152,12 +154,15 @@ def test_quant_gemv1_matches_float64(where, fmt):
             _check(quant_gemv1(xd, w), xd, reference, GEMV_TOL[dtype])
     with pytest.raises(ValueError, match="one row"):
         quant_gemv1(torch.randn(2, w.K).to(where), w)
-    if fmt == "Q8_0":  # 8 blocks a row: four per step
-        from tallow.ops.triton_quant_layout import random_blocks, repack
+    # More blocks a row: Q8_0's four blocks per step, the K-quants' two super-blocks per step
+    # (unrolled) with K split in two, and an odd number of super-blocks (one per step).
+    from tallow.ops.triton_quant_layout import random_blocks, repack
 
-        raw = random_blocks(fmt, N, 256, generator=g)
-        x = torch.randn(1, 256, generator=g).to(where)
-        _check(quant_gemv1(x, repack(raw.to(where), fmt, 256)), x, _dequantized(raw, fmt), GEMV_TOL[torch.float32])
+    for K, kwargs in ((1024, dict(split_k=2)), (768, {})):
+        raw = random_blocks(fmt, N, K, generator=g)
+        x = torch.randn(1, K, generator=g).to(where)
+        _check(quant_gemv1(x, repack(raw.to(where), fmt, K), **kwargs), x, _dequantized(raw, fmt),
+               GEMV_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("where", [INTERP, CUDA])
@@ -251,6 +256,19 @@ def test_kernels_compile_for_hopper(fmt):
     bps = 1 if tq._FORMAT_ARGS[fmt][5] == 8 else 4
     gemv = compile_(tq._quant_gemv_kernel, dict(BPS=bps, BLOCK_M=1, BLOCK_N=32, SPLIT=False), 2, 2)
     assert "ld.global.v4.b32" in gemv.asm["ptx"]
+    if fmt in tq._GEMV1_FORMATS:  # the one-row kernel: whole blocks in 16-byte loads
+        kind, qh = tq._GEMV1_FORMATS[fmt]
+        consts = dict(KIND=kind, QH=qh, BB=4 if kind == 0 else 2, BLOCK_N=16, SPLIT=True)
+        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in tq._gemv1_kernel.arg_names}
+        signature["y_ptr"] = "*fp32"
+        aligned = [n for n in tq._gemv1_kernel.arg_names if n.endswith("_ptr") or n == "NB"]
+        attrs = {(tq._gemv1_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        gemv1 = triton.compile(ASTSource(tq._gemv1_kernel, signature, consts, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        ptx = gemv1.asm["ptx"]
+        loop = "".join(re.findall(r"Inner Loop Header.*?\n(.*?)bra\s+\$L__BB0_\d+;", ptx, re.S))
+        # the weights in 16-byte loads, and no layout conversion through shared memory per block
+        assert "ld.global.v4.b32" in loop and "bar.sync" not in loop and "st.shared" not in loop
     gemm = compile_(tq._quant_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=64, SPLIT=False), 4, 3)
     assert "wgmma.mma_async" in gemm.asm["ptx"]
     assert gemm.metadata.shared <= 227 * 1024

@@ -171,66 +171,82 @@ def _gemv1_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N,
                   SPLIT: tl.constexpr):
     """One activation row (decode at batch 1) for Q8_0 (KIND 0), Q4_K / Q5_K (2) and Q6_K (3):
     each step loads whole blocks of BLOCK_N rows as one 3-D tile (a row's block bytes
-    contiguous: 16-byte loads), the scales as [BLOCK_N, pieces, 1] tiles, and accumulates the
-    exact products w * x per element in float32 (one cross-thread reduction at the end). Rows
-    past N read row 0 (no masks on the loads) and are not stored."""
+    contiguous: 16-byte loads; BB blocks per step), block scales as [BLOCK_N] and sub-block
+    scales as [BLOCK_N, pieces] vectors broadcast into the tile, the activation as a tile of
+    the same shape (its rows all read the same addresses, from L1), and accumulates the exact
+    products w * x per element in float32 (one cross-thread reduction at the end). Loading x
+    and the scales in these shapes keeps every tensor in the weight tile's layout: no shared-
+    memory conversion in the loop (sm_90 PTX checked with BLOCK_N = 4 * num_warps, one
+    16-byte weight load per thread and block). Rows past N read row 0 and are not stored."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    r3 = tl.where(rmask, rows, 0).to(tl.int64)[:, None, None]
+    r1 = tl.where(rmask, rows, 0).to(tl.int64)
+    r2 = r1[:, None]
+    r3 = r1[:, None, None]
+    z3 = r3 * 0  # broadcasts x's addresses over the rows (the tile's shape and layout)
     b_start = pid_k * blocks_per_split
     b_end = tl.minimum(b_start + blocks_per_split, NB)
     if KIND == 0:  # Q8_0: BB blocks of 32 per step
+        jb2 = tl.arange(0, BB)[None, :]
         jb = tl.arange(0, BB)[None, :, None]
         i3 = tl.arange(0, 32)[None, None, :]
         acc = tl.zeros([BLOCK_N, BB, 32], dtype=tl.float32)
         for b in range(b_start, b_end, BB):
             q = tl.load(qs_ptr + r3 * (NB * 32) + (b + jb) * 32 + i3).to(tl.float32)
-            d = tl.load(d_ptr + r3 * NB + b + jb).to(tl.float32)
-            x = tl.load(x_ptr + (b + jb) * 32 + i3).to(tl.float32)
-            acc += q * (d * x)
+            d = tl.load(d_ptr + r2 * NB + b + jb2).to(tl.float32)
+            x = tl.load(x_ptr + (b + jb) * 32 + i3 + z3).to(tl.float32)
+            acc += q * d[:, :, None] * x
     elif KIND == 2:  # Q4_K / Q5_K: byte 32g + i holds element 64g + i (low) and 64g + 32 + i (high)
+        g2 = tl.arange(0, 4)[None, :]
         g3 = tl.arange(0, 4)[None, :, None]
         i3 = tl.arange(0, 32)[None, None, :]
         acc = tl.zeros([BLOCK_N, 4, 32], dtype=tl.float32)
-        for b in range(b_start, b_end):
-            q = tl.load(qs_ptr + r3 * (NB * 128) + b * 128 + g3 * 32 + i3).to(tl.int32)
-            lo = q & 0xF
-            hi = q >> 4
-            if QH:
-                qh = tl.load(qh_ptr + r3 * (NB * 32) + b * 32 + i3).to(tl.int32)
-                lo = lo | (((qh >> (2 * g3)) & 1) << 4)
-                hi = hi | (((qh >> (2 * g3 + 1)) & 1) << 4)
-            d = tl.load(d_ptr + r3 * NB + b).to(tl.float32)
-            dmin = tl.load(m_ptr + r3 * NB + b).to(tl.float32)
-            s_base = r3 * (NB * 8) + b * 8 + 2 * g3
-            sc_lo = tl.load(sc_ptr + s_base).to(tl.float32) * d
-            sc_hi = tl.load(sc_ptr + s_base + 1).to(tl.float32) * d
-            mn_lo = tl.load(mn_ptr + s_base).to(tl.float32) * dmin
-            mn_hi = tl.load(mn_ptr + s_base + 1).to(tl.float32) * dmin
-            x_lo = tl.load(x_ptr + b * 256 + g3 * 64 + i3).to(tl.float32)
-            x_hi = tl.load(x_ptr + b * 256 + g3 * 64 + 32 + i3).to(tl.float32)
-            acc += (lo.to(tl.float32) * sc_lo - mn_lo) * x_lo + (hi.to(tl.float32) * sc_hi - mn_hi) * x_hi
+        for b0 in range(b_start, b_end, BB):
+            for u in tl.static_range(BB):
+                b = b0 + u
+                q = tl.load(qs_ptr + r3 * (NB * 128) + b * 128 + g3 * 32 + i3).to(tl.int32)
+                lo = q & 0xF
+                hi = q >> 4
+                if QH:
+                    qh = tl.load(qh_ptr + r3 * (NB * 32) + b * 32 + i3 + g3 * 0).to(tl.int32)
+                    lo = lo | (((qh >> (2 * g3)) & 1) << 4)
+                    hi = hi | (((qh >> (2 * g3 + 1)) & 1) << 4)
+                d = tl.load(d_ptr + r1 * NB + b).to(tl.float32)[:, None]
+                dmin = tl.load(m_ptr + r1 * NB + b).to(tl.float32)[:, None]
+                s_base = r2 * (NB * 8) + b * 8 + 2 * g2
+                sc_lo = (tl.load(sc_ptr + s_base).to(tl.float32) * d)[:, :, None]
+                sc_hi = (tl.load(sc_ptr + s_base + 1).to(tl.float32) * d)[:, :, None]
+                mn_lo = (tl.load(mn_ptr + s_base).to(tl.float32) * dmin)[:, :, None]
+                mn_hi = (tl.load(mn_ptr + s_base + 1).to(tl.float32) * dmin)[:, :, None]
+                x_lo = tl.load(x_ptr + b * 256 + g3 * 64 + i3 + z3).to(tl.float32)
+                x_hi = tl.load(x_ptr + b * 256 + g3 * 64 + 32 + i3 + z3).to(tl.float32)
+                acc += (lo.to(tl.float32) * sc_lo - mn_lo) * x_lo + (hi.to(tl.float32) * sc_hi - mn_hi) * x_hi
     else:  # Q6_K: 16-byte chunk c of ql: chunk c of element e0 = 128(c//4) + 32((c//2)%2) + 16(c%2) + i (low
         # nibble; high nibble e0 + 64); high bits in qh byte 32(c//4) + 16(c%2) + i; a scale per 16.
+        c2 = tl.arange(0, 8)[None, :]
         c3 = tl.arange(0, 8)[None, :, None]
         i3 = tl.arange(0, 16)[None, None, :]
         e0 = 128 * (c3 // 4) + 32 * ((c3 // 2) % 2) + 16 * (c3 % 2)
+        s0 = 8 * (c2 // 4) + 2 * ((c2 // 2) % 2) + (c2 % 2)  # e0 // 16
+        s0 = tl.max_contiguous(s0, [1, 1])
         sh = 2 * ((c3 // 2) % 2)
         acc = tl.zeros([BLOCK_N, 8, 16], dtype=tl.float32)
-        for b in range(b_start, b_end):
-            ql = tl.load(qs_ptr + r3 * (NB * 128) + b * 128 + c3 * 16 + i3).to(tl.int32)
-            qh = tl.load(qh_ptr + r3 * (NB * 64) + b * 64 + 32 * (c3 // 4) + 16 * (c3 % 2) + i3).to(tl.int32)
-            d = tl.load(d_ptr + r3 * NB + b).to(tl.float32)
-            s_base = r3 * (NB * 16) + b * 16 + e0 // 16
-            sc_lo = tl.load(sc_ptr + s_base).to(tl.float32) * d
-            sc_hi = tl.load(sc_ptr + s_base + 4).to(tl.float32) * d
-            lo = ((ql & 0xF) | (((qh >> sh) & 3) << 4)) - 32
-            hi = ((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)) - 32
-            x_lo = tl.load(x_ptr + b * 256 + e0 + i3).to(tl.float32)
-            x_hi = tl.load(x_ptr + b * 256 + e0 + 64 + i3).to(tl.float32)
-            acc += lo.to(tl.float32) * sc_lo * x_lo + hi.to(tl.float32) * sc_hi * x_hi
+        for b0 in range(b_start, b_end, BB):
+            for u in tl.static_range(BB):
+                b = b0 + u
+                ql = tl.load(qs_ptr + r3 * (NB * 128) + b * 128 + c3 * 16 + i3).to(tl.int32)
+                qh = tl.load(qh_ptr + r3 * (NB * 64) + b * 64 + 32 * (c3 // 4) + 16 * (c3 % 2) + i3).to(tl.int32)
+                d = tl.load(d_ptr + r1 * NB + b).to(tl.float32)[:, None]
+                s_base = r2 * (NB * 16) + b * 16 + s0
+                sc_lo = (tl.load(sc_ptr + s_base).to(tl.float32) * d)[:, :, None]
+                sc_hi = (tl.load(sc_ptr + s_base + 4).to(tl.float32) * d)[:, :, None]
+                lo = ((ql & 0xF) | (((qh >> sh) & 3) << 4)) - 32
+                hi = ((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)) - 32
+                x_lo = tl.load(x_ptr + b * 256 + e0 + i3 + z3).to(tl.float32)
+                x_hi = tl.load(x_ptr + b * 256 + e0 + 64 + i3 + z3).to(tl.float32)
+                acc += lo.to(tl.float32) * sc_lo * x_lo + hi.to(tl.float32) * sc_hi * x_hi
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if SPLIT:
         tl.store(y_ptr + pid_k * N + rows, y, mask=rmask)
@@ -366,13 +382,16 @@ _GEMV1_FORMATS = {"Q8_0": (0, False), "Q4_K": (2, False), "Q5_K": (2, True), "Q6
 # Its defaults (block_n, num_warps, num_stages, programs per SM before K is split), and
 # settings per (format, N, K) that override them (filled by a tuning run, e.g.
 # benchmarks/gpu_gguf_model.py decode --tune-gemv).
-GEMV1_DEFAULTS = dict(block_n=16, num_warps=4, num_stages=3, waves=4)
+# num_warps = block_n / 4 gives one 16-byte weight load per thread and block (the layout the
+# loop keeps without conversions); unroll: K-quant super-blocks per loop step (Q8_0: up to 4
+# blocks of 32 per step).
+GEMV1_DEFAULTS = dict(block_n=16, num_stages=3, waves=8, unroll=2)
 GEMV1_TUNED: dict[tuple[str, int, int], dict] = {}
 
 
 def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, split_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None
-                ) -> torch.Tensor:
+                num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
+                unroll: int | None = None) -> torch.Tensor:
     """x[1, K] @ W^T for Q8_0 / Q4_K / Q5_K / Q6_K: whole blocks per load (_gemv1_kernel),
     float32 products and sums. K is split over programs (float32 partials summed in a second
     pass) until there are `waves` programs per SM."""
@@ -381,14 +400,16 @@ def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, 
         raise ValueError(f"quant_gemv1 takes one row of {', '.join(_GEMV1_FORMATS)}")
     if x.stride(0) != w.K:
         x = x.contiguous()
-    opts = GEMV1_TUNED.get((w.fmt, w.N, w.K), GEMV1_DEFAULTS)
+    opts = {**GEMV1_DEFAULTS, **GEMV1_TUNED.get((w.fmt, w.N, w.K), {})}
+    if unroll is not None:
+        opts["unroll"] = unroll
     block_n = block_n or opts["block_n"]
-    num_warps = num_warps or opts["num_warps"]
+    num_warps = num_warps or opts.get("num_warps") or max(1, min(8, block_n // 4))
     num_stages = num_stages or opts["num_stages"]
     waves = waves or opts["waves"]
     N, NB = w.N, w.blocks_per_row
     kind, qh = _GEMV1_FORMATS[w.fmt]
-    bb = next(n for n in (4, 2, 1) if NB % n == 0) if kind == 0 else 1
+    bb = next(n for n in ((4, 2, 1) if kind == 0 else (opts["unroll"], 1)) if NB % n == 0)
     n_tiles = triton.cdiv(N, block_n)
     if split_k is None and x.device.type == "cuda":
         split_k = triton.cdiv(waves * _sm_count(x.device), n_tiles)
