@@ -207,6 +207,31 @@ def test_triton_quant_linear_dispatches_by_rows(where):
     assert (y.double().cpu() - want).abs().max().item() > 1e-5 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("where", [INTERP, CUDA])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequantize_weight_and_the_cublas_path(where, fmt):
+    """dequantize_weight writes the planes' exact weights (float32 output: equal to the torch
+    dequantize; bf16: its rounding on CUDA, within one bf16 step under the interpreter), and TritonQuantLinear takes it plus a matmul from
+    dequant_min_rows rows on, with bf16 operands as quant_gemm (GEMM tolerance)."""
+    from tallow.ops.triton_quant import TritonQuantLinear, dequantize_weight
+    from tallow.ops.triton_quant_layout import dequantize, random_blocks, repack
+
+    g = torch.Generator().manual_seed(5)
+    K = 768 if fmt != "Q8_0" else 96 * 4
+    raw = random_blocks(fmt, N, K, generator=g)
+    w = repack(raw.to(where), fmt, K)
+    exact = dequantize(w)
+    assert torch.equal(dequantize_weight(w, torch.float32), exact)
+    wb = dequantize_weight(w, torch.bfloat16)
+    if where == "cuda":  # round to nearest (the interpreter's float32 -> bf16 cast truncates)
+        assert torch.equal(wb, exact.to(torch.bfloat16))
+    else:
+        assert ((wb.float() - exact).abs() <= exact.abs() * 2.0 ** -7).all()
+    layer = TritonQuantLinear(w, dequant_min_rows=17)
+    x = torch.randn(17, K, generator=g).to(where)
+    _check(layer(x), x, _dequantized(raw, fmt), GEMM_TOL)
+
+
 def test_repack_rejects_wrong_shapes():
     from tallow.ops.triton_quant_layout import repack
 
@@ -269,6 +294,15 @@ def test_kernels_compile_for_hopper(fmt):
         loop = "".join(re.findall(r"Inner Loop Header.*?\n(.*?)bra\s+\$L__BB0_\d+;", ptx, re.S))
         # the weights in 16-byte loads, and no layout conversion through shared memory per block
         assert "ld.global.v4.b32" in loop and "bar.sync" not in loop and "st.shared" not in loop
+        # and the kernel that writes the weight out for the cuBLAS path (bf16)
+        consts = dict(KIND=kind, QH=qh, BB=4 if kind == 0 else 2, BLOCK_N=16)
+        k = tq._dequant_kernel
+        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
+        aligned = [n for n in k.arg_names if n.endswith("_ptr") or n in ("NB", "K")]
+        attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        deq = triton.compile(ASTSource(k, signature, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "num_stages": 1})
+        assert "ld.global.v4.b32" in deq.asm["ptx"]
     gemm = compile_(tq._quant_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=64, SPLIT=False), 4, 3)
     assert "wgmma.mma_async" in gemm.asm["ptx"]
     assert gemm.metadata.shared <= 227 * 1024

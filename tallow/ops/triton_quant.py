@@ -255,6 +255,72 @@ def _gemv1_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N,
 
 
 @triton.jit
+def _dequant_kernel(y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N, NB, K,
+                    KIND: tl.constexpr, QH: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W [N, K] written out (y's dtype) from the planes of Q8_0 / Q4_K / Q5_K / Q6_K: program
+    (i, j) writes BLOCK_N rows of BB blocks (the tiles and index maps of _gemv1_kernel)."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1) * BB
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r1 = tl.where(rmask, rows, 0).to(tl.int64)
+    r2 = r1[:, None]
+    r3 = r1[:, None, None]
+    m3 = rmask[:, None, None]
+    out = y_ptr + r3 * K
+    if KIND == 0:
+        jb2 = tl.arange(0, BB)[None, :]
+        jb = tl.arange(0, BB)[None, :, None]
+        i3 = tl.arange(0, 32)[None, None, :]
+        q = tl.load(qs_ptr + r3 * (NB * 32) + (b + jb) * 32 + i3).to(tl.float32)
+        d = tl.load(d_ptr + r2 * NB + b + jb2).to(tl.float32)
+        tl.store(out + (b + jb) * 32 + i3, (q * d[:, :, None]).to(y_ptr.dtype.element_ty), mask=m3)
+    elif KIND == 2:
+        g2 = tl.arange(0, 4)[None, :]
+        g3 = tl.arange(0, 4)[None, :, None]
+        i3 = tl.arange(0, 32)[None, None, :]
+        for u in tl.static_range(BB):
+            bu = b + u
+            q = tl.load(qs_ptr + r3 * (NB * 128) + bu * 128 + g3 * 32 + i3).to(tl.int32)
+            lo = q & 0xF
+            hi = q >> 4
+            if QH:
+                qh = tl.load(qh_ptr + r3 * (NB * 32) + bu * 32 + i3 + g3 * 0).to(tl.int32)
+                lo = lo | (((qh >> (2 * g3)) & 1) << 4)
+                hi = hi | (((qh >> (2 * g3 + 1)) & 1) << 4)
+            d = tl.load(d_ptr + r1 * NB + bu).to(tl.float32)[:, None]
+            dmin = tl.load(m_ptr + r1 * NB + bu).to(tl.float32)[:, None]
+            s_base = r2 * (NB * 8) + bu * 8 + 2 * g2
+            sc_lo = (tl.load(sc_ptr + s_base).to(tl.float32) * d)[:, :, None]
+            sc_hi = (tl.load(sc_ptr + s_base + 1).to(tl.float32) * d)[:, :, None]
+            mn_lo = (tl.load(mn_ptr + s_base).to(tl.float32) * dmin)[:, :, None]
+            mn_hi = (tl.load(mn_ptr + s_base + 1).to(tl.float32) * dmin)[:, :, None]
+            col = bu * 256 + g3 * 64 + i3
+            tl.store(out + col, (lo.to(tl.float32) * sc_lo - mn_lo).to(y_ptr.dtype.element_ty), mask=m3)
+            tl.store(out + col + 32, (hi.to(tl.float32) * sc_hi - mn_hi).to(y_ptr.dtype.element_ty), mask=m3)
+    else:
+        c2 = tl.arange(0, 8)[None, :]
+        c3 = tl.arange(0, 8)[None, :, None]
+        i3 = tl.arange(0, 16)[None, None, :]
+        e0 = 128 * (c3 // 4) + 32 * ((c3 // 2) % 2) + 16 * (c3 % 2)
+        s0 = tl.max_contiguous(8 * (c2 // 4) + 2 * ((c2 // 2) % 2) + (c2 % 2), [1, 1])
+        sh = 2 * ((c3 // 2) % 2)
+        for u in tl.static_range(BB):
+            bu = b + u
+            ql = tl.load(qs_ptr + r3 * (NB * 128) + bu * 128 + c3 * 16 + i3).to(tl.int32)
+            qh = tl.load(qh_ptr + r3 * (NB * 64) + bu * 64 + 32 * (c3 // 4) + 16 * (c3 % 2) + i3).to(tl.int32)
+            d = tl.load(d_ptr + r1 * NB + bu).to(tl.float32)[:, None]
+            s_base = r2 * (NB * 16) + bu * 16 + s0
+            sc_lo = (tl.load(sc_ptr + s_base).to(tl.float32) * d)[:, :, None]
+            sc_hi = (tl.load(sc_ptr + s_base + 4).to(tl.float32) * d)[:, :, None]
+            lo = ((ql & 0xF) | (((qh >> sh) & 3) << 4)) - 32
+            hi = ((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)) - 32
+            col = bu * 256 + e0 + i3
+            tl.store(out + col, (lo.to(tl.float32) * sc_lo).to(y_ptr.dtype.element_ty), mask=m3)
+            tl.store(out + col + 64, (hi.to(tl.float32) * sc_hi).to(y_ptr.dtype.element_ty), mask=m3)
+
+
+@triton.jit
 def _quant_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
                        M, N, NB, stride_xm, stride_ym, blocks_per_split,
                        KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
@@ -421,6 +487,21 @@ def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, 
     return _sum_splits(y, split, x)
 
 
+def dequantize_weight(w: QuantWeight, dtype: torch.dtype = torch.bfloat16, *, block_n: int = 16) -> torch.Tensor:
+    """The weight [N, K] in `dtype`, written by a Triton kernel from the planes (Q8_0, Q4_K,
+    Q5_K, Q6_K): for a cuBLAS GEMM where many activation rows share it (TritonQuantLinear)."""
+    if w.fmt not in _GEMV1_FORMATS:
+        raise ValueError(f"dequantize_weight takes {', '.join(_GEMV1_FORMATS)}")
+    kind, qh = _GEMV1_FORMATS[w.fmt]
+    NB = w.blocks_per_row
+    bb = next(n for n in ((4, 2, 1) if kind == 0 else (2, 1)) if NB % n == 0)
+    y = torch.empty(w.N, w.K, dtype=dtype, device=w.device)
+    _dequant_kernel[(triton.cdiv(w.N, block_n), NB // bb)](
+        y, *_planes(w), w.N, NB, w.K, KIND=kind, QH=qh, BB=bb, BLOCK_N=block_n,
+        num_warps=max(1, min(8, block_n // 4)))
+    return y
+
+
 def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, block_n: int = 64,
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x[M, K] @ W^T for any M: bfloat16 tensor-core products of the activation and the weight
@@ -444,10 +525,20 @@ class TritonQuantLinear(torch.nn.Module):
     """A bias-free Linear whose weight [N, K] is GGUF blocks in planes: `quant_gemv` up to
     `gemv_max_rows` rows, `quant_gemm` above."""
 
-    def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8, bias: torch.Tensor | None = None):
+    # From this many rows on, Q8_0 / Q4_K / Q5_K / Q6_K weights are dequantized into a temporary
+    # (dequantize_weight, one pass over the blocks) and multiplied by cuBLAS: quant_gemm's
+    # in-register dequantization ran 2.6-5x behind cuBLAS at 512 rows (stop 18, H200), the
+    # temporary costs about a GEMV's time plus its bytes written. Not above DEQUANT_MAX_BYTES of
+    # temporary (a large LM head keeps quant_gemm). Operands are rounded to bf16 on both paths.
+    DEQUANT_MIN_ROWS = 128
+    DEQUANT_MAX_BYTES = 512 << 20
+
+    def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8, bias: torch.Tensor | None = None,
+                 dequant_min_rows: int | None = None):
         super().__init__()
         self.weight = weight
         self.gemv_max_rows = gemv_max_rows
+        self.dequant_min_rows = self.DEQUANT_MIN_ROWS if dequant_min_rows is None else dequant_min_rows
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -473,6 +564,14 @@ class TritonQuantLinear(torch.nn.Module):
             y = quant_gemv1(x2, self.weight)
         elif x2.shape[0] <= self.gemv_max_rows:
             y = quant_gemv(x2, self.weight)
+        elif (x2.shape[0] >= self.dequant_min_rows and self.weight.fmt in _GEMV1_FORMATS
+              and self.weight.N * self.weight.K * x2.element_size() <= self.DEQUANT_MAX_BYTES):
+            # bf16 operands as quant_gemm's (the same numbers whichever path a row count takes)
+            wd = dequantize_weight(self.weight, torch.bfloat16)
+            if x2.dtype == torch.bfloat16:
+                y = torch.matmul(x2, wd.T)
+            else:
+                y = torch.matmul(x2.to(torch.bfloat16).float(), wd.float().T).to(x2.dtype)
         else:
             y = quant_gemm(x2, self.weight)
         if self.bias is not None:
@@ -483,4 +582,4 @@ class TritonQuantLinear(torch.nn.Module):
         return f"{self.weight.fmt}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-__all__ = ["TritonQuantLinear", "quant_gemm", "quant_gemv", "quant_gemv1"]
+__all__ = ["TritonQuantLinear", "dequantize_weight", "quant_gemm", "quant_gemv", "quant_gemv1"]
