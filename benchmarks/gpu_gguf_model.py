@@ -2,15 +2,15 @@
 the device (no file: the device's 64 MiB carry limit rules one out), served by tallow's engine
 with its weights in their blocks (tallow/models/gguf_cuda.py), against the bf16 model.
 
-The model source `gguf-random:<dummy preset>[:<type>]` (registered by this script) builds the
+The model source `gguf_random:<dummy preset>[:<type>]` (registered by this script) builds the
 preset's architecture (tallow/models/dummy.py) with random blocks that have valid scales, sized
 so the activations stay O(1) (weights of standard deviation about 0.02): without <type> in
 llama.cpp's Q4_K_M mix (Q4_K everywhere; attn_v and ffn_down Q6_K on the layers llama.cpp's
 use_more_bits picks, the LM head Q6_K), else every projection in <type> (Q8_0, Q4_K, ...).
 
     python benchmarks/gpu_gguf_model.py kernels --out k.json        # the one-row GEMV per layer shape: GB/s, configs
-    python benchmarks/gpu_gguf_model.py decode --model gguf-random:llama-3-8b --batch 1 --prompt-len 512 --new-tokens 128
-    python benchmarks/gpu_gguf_model.py offline --model gguf-random:llama-3-8b --num-seqs 128
+    python benchmarks/gpu_gguf_model.py decode --model gguf_random:llama-3-8b --batch 1 --prompt-len 512 --new-tokens 128
+    python benchmarks/gpu_gguf_model.py offline --model gguf_random:llama-3-8b --num-seqs 128
 
 `decode` and `offline` are benchmarks/decode_latency.py and benchmarks/offline_throughput.py
 with the source registered (same arguments; run them with --model dummy:llama-3-8b for bf16);
@@ -113,7 +113,7 @@ class RandomTensors:
 
 
 def load_random_gguf(argument: str, *, dtype, device):
-    """The `gguf-random:` source: `<preset>[:<type>]` (module docstring)."""
+    """The `gguf_random:` source: `<preset>[:<type>]` (module docstring)."""
     import json
     import tempfile
 
@@ -137,13 +137,13 @@ def load_random_gguf(argument: str, *, dtype, device):
     Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1}, unk_token="<unk>")).save(f"{folder}/tokenizer.json")
     with open(f"{folder}/tokenizer_config.json", "w") as f:
         json.dump({"eos_token": "<eos>"}, f)
-    return LoadedModel(config, model, TokenizerSource("hf", folder), {}, f"gguf-random:{argument}")
+    return LoadedModel(config, model, TokenizerSource("hf", folder), {}, f"gguf_random:{argument}")
 
 
 def register() -> None:
     from tallow.models.loader import register_model_source
 
-    register_model_source("gguf-random", load_random_gguf, "random GGUF blocks (benchmarks/gpu_gguf_model.py)")
+    register_model_source("gguf_random", load_random_gguf, "random GGUF blocks (benchmarks/gpu_gguf_model.py)")
 
 
 # --- kernels: the one-row GEMV per Llama-3-8B layer shape -----------------------------------

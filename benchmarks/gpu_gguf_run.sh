@@ -14,7 +14,7 @@ if ls .whl/gguf-*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi -L
-MODEL=gguf-random:llama-3-8b
+MODEL=gguf_random:llama-3-8b
 if [ "$stage" = decode ]; then
   timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gguf_cuda.py tests/test_triton_quant.py 2>&1 \
     | tee "$OUT/gguf_gpu_tests.log" | tail -15
