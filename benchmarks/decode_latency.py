@@ -138,7 +138,8 @@ def main() -> None:
                      enforce_eager=args.enforce_eager,
                      async_scheduling={"on": True, "off": False}.get(args.async_scheduling, "auto"),
                      max_num_seqs=max(256, max(args.batch)),
-                     **({} if args.cuda_graph_max_batch is None else {"cuda_graph_max_batch": args.cuda_graph_max_batch}),
+                     **({} if args.cuda_graph_max_batch is None
+                        else {"cuda_graph_max_batch": args.cuda_graph_max_batch}),
                      tensor_parallel_size=args.tensor_parallel_size,
                      max_model_len=args.prompt_len + args.new_tokens + 16, enable_prefix_caching=False)
     if args.enforce_eager:

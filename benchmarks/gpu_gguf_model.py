@@ -9,7 +9,7 @@ llama.cpp's Q4_K_M mix (Q4_K everywhere; attn_v and ffn_down Q6_K on the layers 
 use_more_bits picks, the LM head Q6_K), else every projection in <type> (Q8_0, Q4_K, ...).
 
     python benchmarks/gpu_gguf_model.py kernels --out k.json        # the one-row GEMV per layer shape: GB/s, configs
-    python benchmarks/gpu_gguf_model.py decode --model gguf_random:llama-3-8b --batch 1 --prompt-len 512 --new-tokens 128
+    python benchmarks/gpu_gguf_model.py decode --model gguf_random:llama-3-8b --batch 1 --prompt-len 512
     python benchmarks/gpu_gguf_model.py offline --model gguf_random:llama-3-8b --num-seqs 128
 
 `decode` and `offline` are benchmarks/decode_latency.py and benchmarks/offline_throughput.py

@@ -272,10 +272,10 @@ def test_tensor_parallel_shards_hold_their_slices_of_the_blocks(kind, tmp_path):
                               qkv[q + kv + r * hk:q + kv + (r + 1) * hk]])
             assert torch.equal(g, want)
             half = inter // 2
-            assert torch.equal(_dense(parts[r].mlp.gate_up_proj),
-                               torch.cat([gate_up[r * half:(r + 1) * half], gate_up[inter + r * half:inter + (r + 1) * half]]))
-        assert torch.equal(torch.cat([_dense(p.self_attn.o_proj) for p in parts], dim=1), _dense(layer.self_attn.o_proj))
-        assert torch.equal(torch.cat([_dense(p.mlp.down_proj) for p in parts], dim=1), _dense(layer.mlp.down_proj))
+            own = torch.cat([gate_up[r * half:(r + 1) * half], gate_up[inter + r * half:inter + (r + 1) * half]])
+            assert torch.equal(_dense(parts[r].mlp.gate_up_proj), own)
+        for get in (lambda x: x.self_attn.o_proj, lambda x: x.mlp.down_proj):
+            assert torch.equal(torch.cat([_dense(get(p)) for p in parts], dim=1), _dense(get(layer)))
     heads = [_dense(m.lm_head) for m in shards]
     assert all(h.shape[0] == 81 for h in heads)
     assert torch.equal(torch.cat(heads)[:161], _dense(full.lm_head)) and not torch.cat(heads)[161:].any()

@@ -211,8 +211,9 @@ def test_triton_quant_linear_dispatches_by_rows(where):
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_dequantize_weight_and_the_cublas_path(where, fmt):
     """dequantize_weight writes the planes' exact weights (float32 output: equal to the torch
-    dequantize; bf16: its rounding on CUDA, within one bf16 step under the interpreter), and TritonQuantLinear takes it plus a matmul from
-    dequant_min_rows rows on, with bf16 operands as quant_gemm (GEMM tolerance)."""
+    dequantize; bf16: its rounding on CUDA, within one bf16 step under the interpreter), and
+    TritonQuantLinear takes it plus a matmul from dequant_min_rows rows on, with bf16 operands
+    as quant_gemm (GEMM tolerance)."""
     from tallow.ops.triton_quant import TritonQuantLinear, dequantize_weight
     from tallow.ops.triton_quant_layout import dequantize, random_blocks, repack
 
