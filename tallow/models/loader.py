@@ -248,12 +248,21 @@ def _cuda_blocks(path: str, device: torch.device, dtype: torch.dtype, parallel: 
                  ) -> tuple[LlamaForCausalLM, dict[str, Any]] | None:
     """(model, metadata) of a GGUF file with block-quantized weights kept in their blocks on
     CUDA (tallow/models/gguf_cuda.py; with parallel, this rank's shard), or None for a file
-    without block types, or a shard whose row-parallel inputs do not fall on block boundaries
-    (logged: the caller dequantizes)."""
+    without block types, one with types the kernels do not take, or a shard whose row-parallel
+    inputs do not fall on block boundaries (the last two logged: the caller dequantizes)."""
     from tallow.models import gguf, gguf_cuda
 
     reader = gguf.open_gguf(path)
-    if not any(t.tensor_type.name in gguf_cuda.BLOCK_TYPES for t in reader.tensors):
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    if not kinds & set(gguf_cuda.BLOCK_TYPES):
+        return None
+    if kinds - set(gguf_cuda.BLOCK_TYPES) - set(gguf_cuda.FLOAT_TYPES):  # e.g. IQ4_XS: gguf dequantizes those
+        import logging
+
+        logging.getLogger("tallow.models").warning(
+            "%s: tensor types %s have no CUDA kernel here: weights dequantized to %s", os.path.basename(path),
+            ", ".join(sorted(kinds - set(gguf_cuda.BLOCK_TYPES) - set(gguf_cuda.FLOAT_TYPES))),
+            str(dtype).removeprefix("torch."))
         return None
     if parallel is not None:
         from tallow.models.sharding import ShardLayout
