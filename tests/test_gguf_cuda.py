@@ -132,8 +132,10 @@ def test_block_model_logits_match_dequantized_float32(kind, where, tmp_path):
 @pytest.mark.parametrize("where", [CUDA])
 def test_cuda_block_logits_match_the_file_dequantized_to_bf16(kind, where, tmp_path):
     """The loader on CUDA keeps the blocks (no nn.Linear, the planes about the file's size) and
-    its bf16 logits match the same file dequantized to bf16 (relative error of the logits
-    below 3e-2, as the GPU engine tests hold bf16 against float32)."""
+    its bf16 logits match the same file dequantized to bf16: relative error of the logits below
+    4e-2 (the two round different things to bf16: the dense model its weights, the block model
+    the GEMM's operands; the same comparison on the CPU under the interpreter measured 1-2% on
+    these files, whose random weights are large; a wrong block or scale gives errors of order 1)."""
     from tallow.attention.triton_backend import TritonAttentionBackend
     from tallow.engine.runner import set_attention_backend
     from tallow.models.loader import load_model
@@ -158,7 +160,7 @@ def test_cuda_block_logits_match_the_file_dequantized_to_bf16(kind, where, tmp_p
     want = run_steps(dense, config, "cuda", torch.bfloat16, steps)
     for i, (x, y) in enumerate(zip(got, want)):
         err = ((x - y).norm() / y.norm()).item()
-        assert err < 3e-2, f"step {i}: relative error {err:.2e}"
+        assert err < 4e-2, f"step {i}: relative error {err:.2e}"
 
 
 @pytest.fixture(scope="module")
