@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--cuda-graph-max-batch", type=int, default=None,
+                    help="capture decode graphs up to this batch (default: the engine's, 256)")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                     help="launch step N+1 before step N's tokens are read (auto: on CUDA)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="one process per rank (NCCL on CUDA, gloo on CPU)")
@@ -181,6 +183,8 @@ def run_variant(args, quantization: str, kv_cache_dtype: str, kv_cache_scale: st
                      enforce_eager=args.enforce_eager,
                      async_scheduling={"on": True, "off": False}.get(args.async_scheduling, "auto"),
                      max_num_seqs=max(256, max(args.batch)),
+                     **({} if args.cuda_graph_max_batch is None
+                        else {"cuda_graph_max_batch": args.cuda_graph_max_batch}),
                      tensor_parallel_size=args.tensor_parallel_size,
                      max_model_len=args.prompt_len + args.new_tokens + 16, enable_prefix_caching=False)
     if args.enforce_eager:

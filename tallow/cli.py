@@ -16,7 +16,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="default | path/to/model.gguf | HF folder | dummy:<preset>")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default=d.quantization, help="CPU weight format: auto (int4) | int4 | int8 (tallow's kernels where they build) | int4-torch | int8-torch | bf16 | none; on CUDA (sm_89+): fp8 (e4m3 weights, per-channel scales)")
+    p.add_argument("--quantization", default=d.quantization, help="CPU weight format: auto (int4) | int4 | int8 (tallow's kernels where they build) | int4-torch | int8-torch | bf16 | none; on CUDA (sm_89+): fp8 (e4m3 weights, per-channel scales); on CUDA a GGUF file keeps its quantized blocks unless none (dequantized to --dtype)")
     p.add_argument("--fp8-large-batch", default=d.fp8_large_batch, choices=("weight_only", "w8a8", "scaled_mm"),
                    help="fp8 weights: batches of 64+ rows keep bf16 activations (weight_only: batch-invariant greedy "
                         "output) or quantize them per token for fp8 tensor cores (w8a8, scaled_mm)")

@@ -29,6 +29,8 @@ class EngineConfig:
     # head Q8; torch's int4/int8 kernels where those cannot build), "int8", "int4-torch",
     # "int8-torch", "bf16"; "none" keeps dense weights. "fp8" (CUDA, sm_89+): float weights
     # quantized per output channel to e4m3 at load (an fp8 checkpoint is fp8 whatever this says).
+    # On CUDA a GGUF file's block-quantized weights stay in their blocks (Triton kernels) unless
+    # this is "none" (dequantized to dtype).
     quantization: str = "auto"
     # FP8 weights (CUDA): the path of batches of 64 rows or more (prefill, big decode batches):
     # "weight_only" (bf16 activations: greedy output batch invariant), "w8a8" (activations

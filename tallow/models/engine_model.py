@@ -56,7 +56,8 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
         resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.quantization, 0)  # raises
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, device=device, cache_dir=config.cache_dir,
-                            seed=config.seed, parallel=parallel)
+                            seed=config.seed, parallel=parallel,
+                            gguf_blocks=not (device.type == "cuda" and config.quantization == "none"))
     mc = loaded.config
     if device.type == "cuda" and any(mc.layer_window(i) for i in range(mc.num_hidden_layers)):
         raise ModelLoadError(f"{loaded.name}: sliding-window attention ({mc.architecture}) runs on the CPU only "
