@@ -65,8 +65,11 @@ class ChatPrompt:
 def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: ServerConfig, *,
                 tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
                 reasoning_effort: str | None = None, template_kwargs: dict[str, Any] | None = None,
-                add_generation_prompt: bool = True) -> ChatPrompt:
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> ChatPrompt:
     """Render a chat request (OpenAI-shaped messages, tools and tool_choice).
+
+    continue_final_message (vLLM's): the prompt ends where the last message's content ends, so the
+    reply continues it (the template's end-of-turn markup after it is cut off, as vLLM does).
 
     Raises TallowError: 400 for a tool_choice that cannot be honoured or a template that fails,
     500 for a parser name in the server config that does not exist.
@@ -86,6 +89,8 @@ def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: 
         rendered = _render(template, hermes_fallback_messages(messages, tools), None, add_generation_prompt,
                            config, kwargs)
         implied = FALLBACK_TOOL_PARSER
+    if continue_final_message:
+        rendered = _cut_after_final_message(rendered, messages)
     mark_phase("template")
     tool_parser = _configured(config.tool_call_parser, TOOL_PARSERS, "tool-call") or implied
     reasoning_parser = (_configured(config.reasoning_parser, REASONING_PARSERS, "reasoning")
@@ -103,6 +108,18 @@ def _render(template: ChatTemplate, messages: list[dict[str, Any]], tools: list[
     return template.render_prompt(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                   timeout_s=config.template_timeout_s,
                                   literal_special_tokens=not config.allow_special_tokens_in_content, **kwargs)
+
+
+def _cut_after_final_message(rendered: RenderedPrompt, messages: list[dict[str, Any]]) -> RenderedPrompt:
+    """The prompt up to the end of the last message's content (its last occurrence, as vLLM)."""
+    content = messages[-1].get("content") if messages else None
+    at = rendered.text.rfind(content) if content else -1
+    if at < 0:
+        raise TallowError("continue_final_message needs a last message with text content that the chat "
+                          "template renders as given", param="continue_final_message")
+    end = at + len(content)
+    spans = tuple((start, min(stop, end)) for start, stop in rendered.literal_spans if start < end)
+    return RenderedPrompt(rendered.text[:end], spans)
 
 
 def check_tool_choice(tool_choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None = None) -> None:
