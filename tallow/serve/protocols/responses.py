@@ -292,7 +292,7 @@ class OpenAIResponses(StreamProtocol):
                 frames.append(self._event("response.custom_tool_call_input.delta", **at, delta=item["input"]))
             frames.append(self._event("response.custom_tool_call_input.done", **at, input=item["input"]))
         else:
-            item["status"] = "incomplete" if self._finish_reason == "length" else "completed"
+            item["status"] = "incomplete" if self._finish_reason in ("length", "abort") else "completed"
         if item["type"] == "function_call":
             frames.append(self._event("response.function_call_arguments.done", **at, name=item["name"],
                                       arguments=item["arguments"]))
@@ -336,7 +336,7 @@ class OpenAIResponses(StreamProtocol):
         for item in output:
             if item["type"] != "custom_tool_call":
                 item["status"] = "completed"
-        if output and choice.finish_reason == "length" and output[-1]["type"] != "custom_tool_call":
+        if output and choice.finish_reason in ("length", "abort") and output[-1]["type"] != "custom_tool_call":
             output[-1]["status"] = "incomplete"
         return self._answer(output, summary.usage, choice.finish_reason)
 
