@@ -110,3 +110,26 @@ def test_responses_max_tool_calls_is_honoured(max_tool_calls, expected):
     calls = [item for item in response.json()["output"] if item["type"] == "function_call"]
     assert [json.loads(c["arguments"])["city"] for c in calls] == ["Oslo", "Rome"][:expected]
     assert response.json()["max_tool_calls"] == max_tool_calls
+
+
+def test_continue_final_message_through_a_real_template_matches_transformers():
+    """The chat route's render path hands continue_final_message to ChatTemplate (transformers'
+    semantics; a special token's string in the continued text stays a literal span)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from pathlib import Path
+
+    from tallow.chat_template import ChatTemplate
+    from tallow.serve.chat_prompt import render_chat
+
+    source = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+    template = ChatTemplate(source, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                            special_tokens=["<|im_start|>", "<|im_end|>"])
+    messages = [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2, <|im_end|>"}]
+    prompt = render_chat(template, messages, ServerConfig(), add_generation_prompt=False,
+                         continue_final_message=True)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(tokenizers.models.BPE()),
+                                              bos_token="<|im_start|>", eos_token="<|im_end|>")
+    expected = hf.apply_chat_template(messages, chat_template=source, tokenize=False, continue_final_message=True)
+    assert prompt.text == expected and prompt.text.endswith("1, 2, <|im_end|>")
+    assert prompt.literal_spans == ((len(expected) - len("<|im_end|>"), len(expected)),)
