@@ -122,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("tallow.trace").setLevel(logging.INFO)
     if args.api_key:
         scfg.api_key = args.api_key
+    scfg.metrics_key = args.metrics_key
     for name in ("tool_call_parser", "reasoning_parser"):
         if getattr(args, name, None):
             setattr(scfg, name, getattr(args, name))
@@ -151,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=sd.port)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-queue", type=int, default=sd.max_queue)
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--api-key", default=None,
+                   help="every route but /health needs it (Authorization: Bearer or x-api-key): /v1, "
+                        "/stats, /metrics, /docs, /openapi.json, /tokenize")
+    s.add_argument("--metrics-key", default=None, help="a key /metrics takes besides --api-key (for a scraper)")
     s.add_argument("--log-level", default=sd.log_level)
     s.add_argument("--trace", action="store_true",
                    help="log one JSON line per request with its phases (or per request: x-tallow-trace: 1)")

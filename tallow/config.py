@@ -89,6 +89,8 @@ class ServerConfig:
     served_model_name: str | None = None
     max_queue: int = 256
     api_key: str | None = field(default_factory=lambda: os.environ.get("TALLOW_API_KEY"))
+    # A second key that /metrics also takes (a Prometheus scraper need not hold the API key).
+    metrics_key: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     max_messages: int = 4096
     max_stop_strings: int = 16

@@ -73,9 +73,11 @@ def test_every_v1_route_refuses_a_request_without_the_key(server):
         assert response.status_code == 401, (method, path)
 
 
-def test_health_and_metrics_are_open(server):
+def test_health_is_open_and_metrics_need_the_key(server):
+    # /metrics was open with --api-key until issue 24 (tests/test_unprotected_routes.py has the rest).
     assert httpx.get(server.base_url + "/health").status_code == 200
-    assert httpx.get(server.base_url + "/metrics").status_code == 200
+    assert httpx.get(server.base_url + "/metrics").status_code == 401
+    assert httpx.get(server.base_url + "/metrics", headers=bearer()).status_code == 200
 
 
 def test_key_matching():

@@ -9,12 +9,23 @@ and finish reasons; the plan's steps mark their phases in its trace (mark_phase)
 from __future__ import annotations
 
 import logging
+import re
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from tallow.serve.trace import RequestTrace
 
 access_log = logging.getLogger("tallow.access")
+
+# Characters that could forge or garble a log line: controls (newline, ESC of ANSI sequences,
+# C1 controls), spaces (fields are space separated), the backslash of the escapes themselves,
+# and Unicode line and paragraph separators.
+_UNSAFE = re.compile(r"[\x00-\x20\x7f-\xa0\\\u2028\u2029]")
+
+
+def escape_field(text: str) -> str:
+    """`text` as one log field: unsafe characters written as \\xNN / \\uNNNN escapes."""
+    return _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
 
 
 @dataclass
@@ -36,7 +47,8 @@ class RequestRecord:
         finish = ",".join(self.finish_reasons) or "-"
         if self.outcome:
             finish = f"{finish}({self.outcome})" if self.finish_reasons else self.outcome
-        return (f"{self.request_id} {self.method} {self.route} {self.status or '-'} "
+        return (f"{escape_field(self.request_id)} {escape_field(self.method)} {escape_field(self.route)} "
+                f"{self.status or '-'} "
                 f"prompt_tokens={self.prompt_tokens} completion_tokens={self.completion_tokens} "
                 f"ttft_ms={ttft} duration_ms={(end - self.start) * 1000:.1f} finish={finish}")
 

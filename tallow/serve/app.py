@@ -26,15 +26,20 @@ from tallow.serve.instrument import RequestStats
 from tallow.serve.metrics import ServerMetrics
 from tallow.serve.security import exposure_warning
 from tallow.serve.shutdown import ABORT_GRACE_S, DrainingServer
+from tallow.serve.openapi import declare_request_bodies
 from tallow.serve.plan import Rejection
 from tallow.serve.protocols.anthropic import AnthropicMessages, with_idle_pings
+from tallow.serve.protocols.anthropic_schemas import MessagesInput, MessagesRequest
 from tallow.serve.protocols.base import StreamProtocol
+from tallow.serve.protocols.openai_schemas import ChatCompletionRequest, CompletionRequest
+from tallow.serve.protocols.responses_schemas import ResponsesRequest
 from tallow.serve.protocols.openai_chat import OpenAIChat
 from tallow.serve.protocols.openai_completions import OpenAICompletions
 from tallow.serve.protocols.responses import OpenAIResponses
 from tallow.serve.reasoning_blob import ReasoningSealer
 from tallow.serve.responses_store import ResponsesStore
-from tallow.serve.tokenize import detokenize_request, tokenize_request, tokenizer_info
+from tallow.serve.tokenize import (DetokenizeRequest, TokenizeRequest, detokenize_request, tokenize_request,
+                                   tokenizer_info)
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +271,10 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         counters["completed"] += 1
         return JSONResponse(protocol.response(run.summary()), headers=plan.response_headers or None)
 
+    declare_request_bodies(app, {
+        "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+        "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": MessagesInput,
+        "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     return app
 
 

@@ -65,8 +65,11 @@ class ChatPrompt:
 def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: ServerConfig, *,
                 tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
                 reasoning_effort: str | None = None, template_kwargs: dict[str, Any] | None = None,
-                add_generation_prompt: bool = True) -> ChatPrompt:
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> ChatPrompt:
     """Render a chat request (OpenAI-shaped messages, tools and tool_choice).
+
+    continue_final_message (vLLM's): the prompt ends where the last message's content ends, so the
+    reply continues it (the template's end-of-turn markup after it is cut off, as vLLM does).
 
     Raises TallowError: 400 for a tool_choice that cannot be honoured or a template that fails,
     500 for a parser name in the server config that does not exist.
@@ -80,11 +83,11 @@ def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: 
     tools = tools if tools and tool_choice != "none" else None
     mark_phase("parse")
     if getattr(template, "supports_tools", False):
-        rendered = _render(template, messages, tools, add_generation_prompt, config, kwargs)
+        rendered = _render(template, messages, tools, add_generation_prompt, config, kwargs, continue_final_message)
         implied = tool_parser_for_template(source)
     else:
         rendered = _render(template, hermes_fallback_messages(messages, tools), None, add_generation_prompt,
-                           config, kwargs)
+                           config, kwargs, continue_final_message)
         implied = FALLBACK_TOOL_PARSER
     mark_phase("template")
     tool_parser = _configured(config.tool_call_parser, TOOL_PARSERS, "tool-call") or implied
@@ -95,14 +98,31 @@ def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: 
 
 
 def _render(template: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-            add_generation_prompt: bool, config: ServerConfig, kwargs: dict[str, Any]) -> RenderedPrompt:
+            add_generation_prompt: bool, config: ServerConfig, kwargs: dict[str, Any],
+            continue_final_message: bool = False) -> RenderedPrompt:
     """The template's prompt, client text kept literal unless the server allows special tokens in it."""
     if not hasattr(template, "render_prompt"):  # tests/serve_utils.py's ChatMLTemplate stand-in
-        return RenderedPrompt(template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                              timeout_s=config.template_timeout_s, **kwargs))
+        rendered = RenderedPrompt(template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                  timeout_s=config.template_timeout_s, **kwargs))
+        return _cut_after_final_message(rendered, messages) if continue_final_message else rendered
     return template.render_prompt(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message,
                                   timeout_s=config.template_timeout_s,
                                   literal_special_tokens=not config.allow_special_tokens_in_content, **kwargs)
+
+
+def _cut_after_final_message(rendered: RenderedPrompt, messages: list[dict[str, Any]]) -> RenderedPrompt:
+    """For a template object without render_prompt (a plain `render`): the prompt up to the end of
+    the last message's content (its last occurrence, as vLLM). ChatTemplate does it itself, as
+    transformers does."""
+    content = messages[-1].get("content") if messages else None
+    at = rendered.text.rfind(content) if content else -1
+    if at < 0:
+        raise TallowError("continue_final_message needs a last message with text content that the chat "
+                          "template renders as given", param="continue_final_message")
+    end = at + len(content)
+    spans = tuple((start, min(stop, end)) for start, stop in rendered.literal_spans if start < end)
+    return RenderedPrompt(rendered.text[:end], spans)
 
 
 def check_tool_choice(tool_choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None = None) -> None:

@@ -239,7 +239,8 @@ class CompletionRun:
                     stats.end("abort")
                 break
         if (engine_finish if plan.score_only else pipeline.engine_finish) == "error":
-            raise TallowError("the engine failed while generating", status=500, type="server_error")
+            raise TallowError(f"the engine failed while generating request {self.request_id}", status=500,
+                              type="server_error")
         if plan.score_only:
             reason = "abort" if engine_finish == "abort" else "length"
             self.results[index] = ChoiceResult(index, "", "", [], reason, [] if want_logprobs else None, None,

@@ -32,6 +32,9 @@ trace_log = logging.getLogger("tallow.trace")
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Routes polled by machines: their access lines go to DEBUG.
 _QUIET_ROUTES = frozenset({"/health", "/metrics"})
+# What answers without the API key: a load balancer's probe. Everything else (/v1, /stats,
+# /metrics, /docs, /openapi.json, /tokenize, ...) needs it when the server has one.
+_OPEN_ROUTES = frozenset({"/health"})
 
 
 @dataclass
@@ -92,11 +95,13 @@ class RequestGate:
 
         if self.state.draining and path == "/health":
             return await JSONResponse({"status": "draining"}, 503)(scope, receive, send)
-        if not is_api:
-            return await self.app(scope, receive, send)
-        if config.api_key is not None and not api_key_matches(headers, config.api_key):
+        if config.api_key is not None and path not in _OPEN_ROUTES and not api_key_matches(headers, config.api_key) \
+                and not (path == "/metrics" and config.metrics_key is not None
+                         and api_key_matches(headers, config.metrics_key)):
             return await refuse(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>' "
                                      "or 'x-api-key: <key>'")
+        if not is_api:
+            return await self.app(scope, receive, send)
         if self.state.draining:
             return await refuse(503, "the server is shutting down", headers={"Retry-After": "1"})
         if scope["method"] == "POST":

@@ -113,11 +113,45 @@ def parse_request(raw: bytes, schema: type[Model]) -> Model | Rejection:
     except ValidationError as e:
         error = e.errors(include_url=False)[0]
         if error["type"] == "json_invalid":
+            if "hex escape" in error["msg"]:
+                surrogate = _lone_surrogate(raw)
+                if surrogate is not None:
+                    return surrogate
             return Rejection.invalid(f"The request body is not valid JSON: {error['msg']}")
         param = _field_path(error["loc"])
         if not param:
             return Rejection.invalid(f"The request body is invalid: {error['msg']}")
         return Rejection.invalid(f"{param}: {error['msg']}", param)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(raw: bytes) -> Rejection | None:
+    """The 400 of a string holding a lone UTF-16 surrogate escape (\\ud800 without its pair):
+    not text, so no field takes it; the message names the field instead of the parser's
+    "end of hex escape"."""
+    try:
+        body = json.loads(raw)  # Python's parser keeps lone surrogates
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found is not None:
+                where = f"{path}: " if path else ""
+                return Rejection.invalid(f"{where}the string holds a lone UTF-16 surrogate "
+                                         f"(\\u{ord(found[0]):04x}); text must be valid Unicode (a \\ud800-\\udbff "
+                                         "escape must be followed by a \\udc00-\\udfff one)", path or None)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, path))
+                stack.append((v, f"{path}.{k}" if path else k))
+        elif isinstance(value, list):
+            stack += [(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return None
 
 
 class _NonFinite(str):
@@ -178,6 +212,11 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
     the prompt's logprobs that /v1/completions' echo shows."""
     if req.n > config.max_n:
         return Rejection.invalid(f"n must be at most {config.max_n}, got {req.n}", "n")
+    if req.best_of is not None and req.best_of != req.n:
+        if req.best_of < req.n:
+            return Rejection.invalid(f"best_of ({req.best_of}) must be at least n ({req.n})", "best_of")
+        return Rejection.invalid(f"best_of greater than n is not supported (got best_of = {req.best_of}, "
+                                 f"n = {req.n}): ask for n choices and pick among them", "best_of")
     if logprobs is not None and logprobs > config.max_top_logprobs:
         param = "top_logprobs" if prompt_param == "messages" else "logprobs"
         return Rejection.invalid(f"{param} must be at most {config.max_top_logprobs}, got {logprobs}", param)

@@ -49,6 +49,14 @@ class DrainingServer(uvicorn.Server):
             for sig in signals:
                 loop.remove_signal_handler(sig)
 
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:
+            # uvicorn skips the lifespan's shutdown on a forced exit (a second Ctrl+C): its task
+            # would then be cancelled with the loop, and Starlette logs that CancelledError as a
+            # traceback. The app has no shutdown handlers, so this is immediate.
+            await self.lifespan.shutdown()
+
     def _on_signal(self, sig: int) -> None:
         if self._drain is not None:  # the second signal: stop now
             log.warning("%s again: exiting without waiting", signal.Signals(sig).name)

@@ -59,15 +59,17 @@ def tokenize_request(raw: bytes, engine, config: ServerConfig) -> dict | Rejecti
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = tokenize(tokenizer, req.prompt, add_special_tokens=add_special)
     else:
-        if req.continue_final_message:
-            return Rejection.invalid("continue_final_message is not supported", "continue_final_message")
+        if req.continue_final_message and req.add_generation_prompt:
+            return Rejection.invalid("continue_final_message and add_generation_prompt cannot both be true "
+                                     "(set add_generation_prompt to false)", "continue_final_message")
         if len(req.messages) > config.max_messages:
             return Rejection.invalid(f"messages holds at most {config.max_messages} entries", "messages")
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         try:
             prompt = render_chat(engine.chat_template, [m.to_template() for m in req.messages], config,
                                  tools=tools, template_kwargs=req.chat_template_kwargs,
-                                 add_generation_prompt=req.add_generation_prompt)
+                                 add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message)
         except TallowError as e:
             return Rejection.from_error(e)
         ids = tokenize(tokenizer, prompt.text, add_special_tokens=bool(req.add_special_tokens),

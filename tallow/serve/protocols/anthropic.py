@@ -45,6 +45,10 @@ from tallow.serve.protocols.openai_schemas import SamplingFields
 # A stream silent this long (a queued request, a long prefill) gets a ping event.
 PING_INTERVAL_S = 1.0
 _STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+# A reply cut off by the server (finish_reason "abort": the shutdown timeout). Anthropic's
+# stop_reason has no value for it, so the stream ends with an error event after stop_reason null,
+# and a body is a 503 (overloaded_error) rather than a message that looks finished.
+ABORTED_MESSAGE = "the server stopped this reply before it finished (shutting down)"
 
 
 def event(name: str, payload: dict) -> str:
@@ -288,10 +292,12 @@ class AnthropicMessages(StreamProtocol):
 
     def finish(self, usage: Usage) -> list[str]:
         stop_reason, stop_sequence = self._stop
-        return self._message_start(usage) + [event("message_delta", {"type": "message_delta",
-                                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                        "usage": _usage(usage)}),
-                event("message_stop", {"type": "message_stop"})]
+        frames = self._message_start(usage) + [event("message_delta", {"type": "message_delta",
+                                                 "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                                 "usage": _usage(usage)})]
+        if stop_reason is None:  # aborted: no message_stop, an error instead
+            return frames + [event("error", error_body(ANTHROPIC, 503, ABORTED_MESSAGE))]
+        return frames + [event("message_stop", {"type": "message_stop"})]
 
     def _delta(self, block: str, delta: dict) -> list[str]:
         frames = []
@@ -319,6 +325,8 @@ class AnthropicMessages(StreamProtocol):
     # ---- one body ---------------------------------------------------------------------
     def response(self, summary: CompletionSummary) -> dict:
         choice = summary.choices[0]
+        if choice.finish_reason == "abort":
+            raise TallowError(ABORTED_MESSAGE, status=503, type="service_unavailable")
         content: list[dict[str, Any]] = []
         if choice.reasoning:
             content.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
@@ -336,7 +344,9 @@ class AnthropicMessages(StreamProtocol):
                 "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
     @staticmethod
-    def _stop_reason(finish_reason: str, stop_string: str | None) -> tuple[str, str | None]:
+    def _stop_reason(finish_reason: str, stop_string: str | None) -> tuple[str | None, str | None]:
+        if finish_reason == "abort":
+            return None, None
         if stop_string is not None and finish_reason == "stop":
             return "stop_sequence", stop_string
         return _STOP_REASONS.get(finish_reason, "end_turn"), None

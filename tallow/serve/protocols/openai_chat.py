@@ -15,6 +15,24 @@ from tallow.output.events import ContentEvent, Event, ReasoningEvent, ToolCall, 
 from tallow.serve.protocols.openai_schemas import ChatCompletionRequest
 
 
+def unsupported_chat_fields(req: ChatCompletionRequest) -> Rejection | None:
+    """A 400 for a field that would change the reply and that this server does not implement."""
+    if req.chat_template is not None:
+        return Rejection.invalid("chat_template: a request's own chat template is not accepted (the server's "
+                                 "template is used; vLLM refuses it too unless --trust-request-chat-template)",
+                                 "chat_template")
+    if req.functions is not None:
+        return Rejection.invalid("functions is deprecated and not supported: send tools "
+                                 '([{"type": "function", "function": {...}}]) instead', "functions")
+    if req.function_call is not None:
+        return Rejection.invalid("function_call is deprecated and not supported: send tool_choice instead",
+                                 "function_call")
+    if req.continue_final_message and req.add_generation_prompt:
+        return Rejection.invalid("continue_final_message and add_generation_prompt cannot both be true "
+                                 "(set add_generation_prompt to false)", "continue_final_message")
+    return None
+
+
 class OpenAIChat(OpenAIChunks, StreamProtocol):
     id_prefix = "chatcmpl-"
 
@@ -27,13 +45,17 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
             return Rejection.invalid(f"messages holds at most {config.max_messages} entries", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             return Rejection.invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        refused = unsupported_chat_fields(req)
+        if refused is not None:
+            return refused
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
         try:
             prompt = render_chat(engine.chat_template, [m.to_template() for m in req.messages], config,
                                  tools=tools, tool_choice=tool_choice, reasoning_effort=req.reasoning_effort,
                                  template_kwargs=req.chat_template_kwargs,
-                                 add_generation_prompt=req.add_generation_prompt)
+                                 add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message)
         except TallowError as e:
             return Rejection.from_error(e)
         grammar = chat_grammar(req, prompt, engine.tokenizer, tool_choice)

@@ -62,6 +62,9 @@ class SamplingFields(WireModel):
     skip_special_tokens: bool = True
     # vLLM's: each prompt token's logprob (and the top k there), in the response's prompt_logprobs.
     prompt_logprobs: Count | None = Field(default=None, ge=0)
+    # Not implemented: null or equal to n (the same as no best_of); more candidates than n is a 400
+    # (plan_completion), never silently fewer.
+    best_of: Count | None = Field(default=None, ge=1)
 
 
 class JsonSchemaSpec(WireModel):
@@ -107,11 +110,26 @@ class TextPart(WireModel):
     text: str
 
 
+class ToolCallFunction(WireModel):
+    name: str
+    # A JSON string (OpenAI's shape); an object is taken too and passed to the template as given.
+    arguments: str | dict[str, Any] = "{}"
+
+
+class AssistantToolCall(WireModel):
+    """One entry of an assistant message's tool_calls: {"function": null} or a call without a
+    name is a 400 naming the field, not a template that fails on it."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(WireModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
@@ -156,7 +174,16 @@ class ChatCompletionRequest(StructuredFields, SamplingFields):
     # Only "none" has an effect: thinking off where the template supports it (see chat_prompt.py).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the prompt ends inside the last (assistant) message, which the reply continues.
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Fields that would change the reply's meaning and are not implemented: set, they are a 400
+    # (openai_chat.py), never ignored. A request's own chat_template: vLLM refuses it too unless
+    # started with --trust-request-chat-template. functions / function_call: the deprecated
+    # forms of tools / tool_choice.
+    chat_template: str | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(StructuredFields, SamplingFields):

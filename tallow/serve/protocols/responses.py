@@ -108,6 +108,20 @@ def _text(output: list[dict[str, Any]], item_type: str) -> str:
     return "".join(part["text"] for item in output if item["type"] == item_type for part in item["content"])
 
 
+def _unsupported_fields(req: ResponsesRequest) -> Rejection | None:
+    """A 400 for a field whose value would change the reply in a way this server does not do."""
+    if req.background:
+        return Rejection.invalid("background responses are not supported by this server: send background "
+                                 "false (or leave it out) and wait for the reply or stream it", "background")
+    if req.truncation == "auto":
+        return Rejection.invalid('truncation "auto" is not supported: this server never drops input items '
+                                 '(use "disabled"; an input that does not fit the context is a 400)', "truncation")
+    if req.top_logprobs:
+        return Rejection.invalid("top_logprobs is not supported on /v1/responses (use /v1/chat/completions "
+                                 "with logprobs)", "top_logprobs")
+    return None
+
+
 class OpenAIResponses(StreamProtocol):
     id_prefix = "resp_"
     store: ResponsesStore
@@ -145,6 +159,9 @@ class OpenAIResponses(StreamProtocol):
             if value not in INCLUDE_HONOURED and value not in INCLUDE_HOSTED:
                 return Rejection.invalid(f"include: {value!r} is not supported by this server; supported: "
                                          f"{', '.join(sorted(INCLUDE_HONOURED | INCLUDE_HOSTED))}", "include")
+        refused = _unsupported_fields(req)
+        if refused is not None:
+            return refused
         if not isinstance(req.input, str):
             for k, item in enumerate(req.input):
                 if isinstance(item, ReasoningItem) and item.encrypted_content is not None:
@@ -184,7 +201,8 @@ class OpenAIResponses(StreamProtocol):
             config=config, max_tokens=req.max_output_tokens, logprobs=None,
             prompt_param="input", prompt_text=prompt.text, split_reasoning=True,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
-            max_tool_calls=1 if req.parallel_tool_calls is False else None, grammar=grammar)
+            max_tool_calls=min((k for k in (1 if req.parallel_tool_calls is False else None, req.max_tool_calls)
+                                if k is not None), default=None), grammar=grammar)
         if isinstance(plan, Rejection):
             return plan
         if tool_set.dropped:
@@ -274,7 +292,7 @@ class OpenAIResponses(StreamProtocol):
                 frames.append(self._event("response.custom_tool_call_input.delta", **at, delta=item["input"]))
             frames.append(self._event("response.custom_tool_call_input.done", **at, input=item["input"]))
         else:
-            item["status"] = "incomplete" if self._finish_reason == "length" else "completed"
+            item["status"] = "incomplete" if self._finish_reason in ("length", "abort") else "completed"
         if item["type"] == "function_call":
             frames.append(self._event("response.function_call_arguments.done", **at, name=item["name"],
                                       arguments=item["arguments"]))
@@ -318,24 +336,28 @@ class OpenAIResponses(StreamProtocol):
         for item in output:
             if item["type"] != "custom_tool_call":
                 item["status"] = "completed"
-        if output and choice.finish_reason == "length" and output[-1]["type"] != "custom_tool_call":
+        if output and choice.finish_reason in ("length", "abort") and output[-1]["type"] != "custom_tool_call":
             output[-1]["status"] = "incomplete"
         return self._answer(output, summary.usage, choice.finish_reason)
 
     def _answer(self, output: list[dict[str, Any]], usage: Usage, finish_reason: str | None) -> dict:
         """The finished response; stored when the request asked for it."""
-        status = "incomplete" if finish_reason == "length" else "completed"
-        response = self._response(status, output, usage)
+        status = "incomplete" if finish_reason in ("length", "abort") else "completed"
+        response = self._response(status, output, usage, "aborted" if finish_reason == "abort" else None)
         if self.req.store:
             self.store.put(self.request_id, response, self.plan.conversation + [_assistant_turn(output, self._tools)])
         return response
 
-    def _response(self, status: str, output: list[dict[str, Any]], usage: Usage | None) -> dict:
+    def _response(self, status: str, output: list[dict[str, Any]], usage: Usage | None,
+                  incomplete_reason: str | None = None) -> dict:
+        """incomplete_reason: "max_output_tokens" (the default of an incomplete response) or
+        "aborted" (cut off by the server: its shutdown timeout; OpenAI's enum has no value for it)."""
         req = self.req
         return {
             "id": self.request_id, "object": "response", "created_at": self.created, "status": status,
             "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "incomplete_details": ({"reason": incomplete_reason or "max_output_tokens"} if status == "incomplete"
+                                   else None),
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": self.model_name, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
@@ -345,7 +367,8 @@ class OpenAIResponses(StreamProtocol):
             "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": _text_format(req)}, "tool_choice": req.tool_choice or "auto",
             "tools": [_echo_tool(t) for t in req.tools or []],
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",
+            "max_tool_calls": req.max_tool_calls, "background": False,
             "metadata": req.metadata or {},
         } | ({} if usage is None else {"usage": self._usage(usage, _text(output, "reasoning"))})
 

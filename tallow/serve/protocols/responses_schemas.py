@@ -128,7 +128,18 @@ class ResponsesRequest(WireModel):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    # OpenAI's bounds: at most 16 pairs, keys up to 64 characters, values up to 512.
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    # Honoured: at most this many tool calls, then the reply ends (as parallel_tool_calls false does
+    # for one).
+    max_tool_calls: Count | None = Field(default=None, ge=1)
+    # Not implemented, so a 400 when they would change the reply (responses.py): background true
+    # (no background runs), truncation "auto" (the input is never cut: a prompt that does not fit
+    # is a 400 either way), top_logprobs above 0 (no logprobs on output_text).
+    background: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: Count | None = Field(default=None, ge=0, le=20)
     include: list[str] | None = None
     # Accepted: the prefix cache finds shared prefixes by itself; client_metadata is the client's own.
     prompt_cache_key: str | None = None

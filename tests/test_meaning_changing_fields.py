@@ -1,0 +1,135 @@
+"""Fields that change what a reply means were accepted and ignored (issue 24). Each is now
+honoured or a 400 naming it, as vLLM / OpenAI do where they do: through the HTTP app (httpx
+ASGITransport) over the fake engine."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from serve_utils import FakeEngine
+from tallow.config import ServerConfig
+from tallow.serve.app import build_app
+
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+RESPONSES = "/v1/responses"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def post(app, path: str, body: dict) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def engine():
+    return FakeEngine(max_model_len=256)
+
+
+@pytest.fixture
+def app(engine):
+    return build_app(engine, ServerConfig())
+
+
+REFUSED = [
+    (CHAT, {"messages": USER, "chat_template": "{{ messages[0].content }}"}, "chat_template"),
+    (CHAT, {"messages": USER, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    (CHAT, {"messages": USER, "function_call": "auto"}, "function_call"),
+    (CHAT, {"messages": USER, "function_call": {"name": "f"}}, "function_call"),
+    (CHAT, {"messages": USER, "best_of": 3}, "best_of"),
+    (CHAT, {"messages": USER, "n": 2, "best_of": 1}, "best_of"),
+    (TEXT, {"prompt": "Once", "best_of": 2}, "best_of"),
+    (CHAT, {"messages": USER + [{"role": "assistant", "content": "The answer"}], "continue_final_message": True},
+     "continue_final_message"),  # add_generation_prompt is true by default: vLLM refuses both
+    (CHAT, {"messages": USER + [{"role": "assistant", "content": ""}], "continue_final_message": True,
+            "add_generation_prompt": False}, "continue_final_message"),
+    (RESPONSES, {"input": "hi", "background": True}, "background"),
+    (RESPONSES, {"input": "hi", "truncation": "auto"}, "truncation"),
+    (RESPONSES, {"input": "hi", "truncation": "middle"}, "truncation"),
+    (RESPONSES, {"input": "hi", "top_logprobs": 3}, "top_logprobs"),
+    (RESPONSES, {"input": "hi", "max_tool_calls": 0}, "max_tool_calls"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", REFUSED)
+def test_unimplemented_meaning_is_a_400_naming_the_field(app, path, body, param):
+    response = post(app, path, {"max_tokens": 4, **body} if path != RESPONSES else body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+ACCEPTED = [
+    (CHAT, {"messages": USER, "best_of": 1}),
+    (CHAT, {"messages": USER, "n": 2, "best_of": 2}),
+    (TEXT, {"prompt": "Once", "best_of": 1}),
+    (RESPONSES, {"input": "hi", "background": False}),
+    (RESPONSES, {"input": "hi", "truncation": "disabled"}),
+    (RESPONSES, {"input": "hi", "top_logprobs": 0}),
+]
+
+
+@pytest.mark.parametrize("path,body", ACCEPTED)
+def test_values_that_change_nothing_are_accepted(app, path, body):
+    response = post(app, path, {"max_tokens": 4, **body} if path != RESPONSES else {"max_output_tokens": 4, **body})
+    assert response.status_code == 200, response.text
+
+
+def test_continue_final_message_continues_the_assistant_text(app, engine):
+    messages = USER + [{"role": "assistant", "content": "The answer is"}]
+    response = post(app, CHAT, {"messages": messages, "max_tokens": 4, "continue_final_message": True,
+                                "add_generation_prompt": False})
+    assert response.status_code == 200, response.text
+    prompt = engine.tokenizer.decode(engine.submitted[-1][0], skip_special_tokens=False)
+    # The template's end of turn after the last message is cut off, and no new turn is opened.
+    assert prompt.endswith("<|im_start|>assistant\nThe answer is"), prompt
+
+    post(app, CHAT, {"messages": messages, "max_tokens": 4, "add_generation_prompt": False})
+    plain = engine.tokenizer.decode(engine.submitted[-1][0], skip_special_tokens=False)
+    assert plain.endswith("The answer is<|im_end|>\n")
+
+
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+WEATHER = {"type": "function", "name": "get_weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize("max_tool_calls,expected", [(None, 2), (1, 1), (2, 2)])
+def test_responses_max_tool_calls_is_honoured(max_tool_calls, expected):
+    app = build_app(FakeEngine(max_model_len=1024, reply=TWO_CALLS), ServerConfig())
+    body = {"input": "weather in Oslo and Rome?", "tools": [WEATHER], "max_output_tokens": 200}
+    if max_tool_calls is not None:
+        body["max_tool_calls"] = max_tool_calls
+    response = post(app, RESPONSES, body)
+    assert response.status_code == 200, response.text
+    calls = [item for item in response.json()["output"] if item["type"] == "function_call"]
+    assert [json.loads(c["arguments"])["city"] for c in calls] == ["Oslo", "Rome"][:expected]
+    assert response.json()["max_tool_calls"] == max_tool_calls
+
+
+def test_continue_final_message_through_a_real_template_matches_transformers():
+    """The chat route's render path hands continue_final_message to ChatTemplate (transformers'
+    semantics; a special token's string in the continued text stays a literal span)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from pathlib import Path
+
+    from tallow.chat_template import ChatTemplate
+    from tallow.serve.chat_prompt import render_chat
+
+    source = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+    template = ChatTemplate(source, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                            special_tokens=["<|im_start|>", "<|im_end|>"])
+    messages = [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2, <|im_end|>"}]
+    prompt = render_chat(template, messages, ServerConfig(), add_generation_prompt=False,
+                         continue_final_message=True)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(tokenizers.models.BPE()),
+                                              bos_token="<|im_start|>", eos_token="<|im_end|>")
+    expected = hf.apply_chat_template(messages, chat_template=source, tokenize=False, continue_final_message=True)
+    assert prompt.text == expected and prompt.text.endswith("1, 2, <|im_end|>")
+    assert prompt.literal_spans == ((len(expected) - len("<|im_end|>"), len(expected)),)
