@@ -60,6 +60,15 @@ class EngineConfig:
     # True forces it (tests run it on the CPU), False turns it off.
     async_scheduling: bool | str = "auto"
 
+    # Speculative decoding inside the continuous batch (tallow/engine/speculative/): None (off)
+    # or "ngram" (prompt lookup: the longest recent suffix of ngram_max down to ngram_min tokens
+    # found earlier in the prompt or output proposes the tokens that followed it). A speculating
+    # sequence verifies up to num_speculative_tokens proposed tokens per step.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 2
+
     # Where converted weights are cached (GGUF dequantization is slow on first load).
     cache_dir: str = field(default_factory=_default_cache_dir)
 

@@ -35,6 +35,9 @@ class TokenOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     stop_token_id: int | None = None
+    # A speculating sequence's (draft tokens proposed, accepted) over the steps of this output;
+    # None for a sequence that does not speculate.
+    speculation: tuple[int, int] | None = None
 
 
 def final_output(seq: Sequence) -> TokenOutput:
@@ -110,6 +113,14 @@ class EngineCore:
             self.workers.wait_ready(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.speculator = None
+        if config.speculative_method:
+            from tallow.engine.speculative import Speculator
+
+            if self.workers is not None:
+                raise TallowError("speculative decoding does not work with tensor parallelism yet",
+                                  param="speculative_method")
+            self.speculator = self.scheduler.speculator = Speculator(config)
         self.async_scheduling = self._async_scheduling()
         # Asynchronous scheduling: the launched step whose tokens have not been read yet.
         self._inflight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
@@ -305,15 +316,37 @@ class EngineCore:
         if self.prefill_log:
             self._log_prefill_chunks(out)
         try:
-            res = self.runner.run(out)
+            res = self._verify(out) if out.speculative else self.runner.run(out)
         except Exception:
             return self._fail_step(out)
         self.num_steps += 1
         self._fail_invalid_rows(out, res)
-        self.scheduler.update(out, res.token_ids)
+        if out.speculative:
+            self.scheduler.update(out, res.token_ids, res.runs)
+            self._record_speculation(out, res)
+        else:
+            self.scheduler.update(out, res.token_ids)
         if not self.scheduler.running:  # nothing runs on: the sampler's cached batch plan is stale
             self.runner.sampler.release()
         return self._outputs(out, res)
+
+    def _verify(self, out: SchedulerOutput):
+        """A step with speculating rows: the forward's logits of every draft position, verified
+        (tallow/engine/speculative/verify.py). Always synchronous."""
+        from tallow.engine.speculative import verify_step
+
+        with torch.inference_mode():
+            logits = self.runner.logits(out)
+        return verify_step(self.runner.sampler, logits, out)
+
+    def _record_speculation(self, out: SchedulerOutput, res) -> None:
+        i = 0
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            if s.seq.spec is not None and res.runs[i]:
+                self.speculator.record(s.seq, res.proposed[i], res.accepted[i])
+            i += 1
 
     def _outputs(self, out: SchedulerOutput, res: StepResult,
                  live: list[bool] | None = None) -> list[tuple[Sequence, TokenOutput]]:
@@ -321,6 +354,9 @@ class EngineCore:
         outputs = []
         i = 0
         token_ids, logprobs, top = res.token_ids, res.logprobs, res.top
+        runs = getattr(res, "runs", None)
+        if runs is not None:
+            return self._speculative_outputs(out, res)
         invalid = set(res.invalid_rows)
         finished = SequenceStatus.FINISHED
         for r, s in enumerate(out.scheduled):
@@ -351,6 +387,37 @@ class EngineCore:
         self.num_generated_tokens += len(outputs)
         return outputs
 
+    def _speculative_outputs(self, out: SchedulerOutput, res) -> list[tuple[Sequence, TokenOutput]]:
+        """_outputs of a verified step: each sampling row's run as kept by the scheduler."""
+        outputs = []
+        i = 0
+        invalid = set(res.invalid_rows)
+        finished = SequenceStatus.FINISHED
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            seq, run = s.seq, res.runs[i]
+            if i in invalid or not run:  # failed alone, or aborted while the step ran
+                if i in invalid:
+                    outputs.append((seq, final_output(seq)))
+                i += 1
+                continue
+            lp = tp = None
+            k = seq.params.logprobs
+            if k is not None and res.run_logprobs is not None:
+                lp = res.run_logprobs[i][:len(run)]
+                if k > 0 and res.run_top is not None:
+                    tp = [t[:k] for t in res.run_top[i][:len(run)]]
+            spec = None if seq.spec is None else (res.proposed[i], res.accepted[i])
+            done = seq.status is finished
+            outputs.append((seq, TokenOutput(list(run), lp, tp, seq.finish_reason if done else None,
+                                             seq.num_prompt_tokens, seq.num_cached_tokens,
+                                             seq.stop_token_id if done else None, spec)))
+            self.num_generated_tokens += len(run) - 1
+            i += 1
+        self.num_generated_tokens += len(outputs)
+        return outputs
+
     def _log_prefill_chunks(self, out) -> None:
         now = time.monotonic()
         for s in out.scheduled:
@@ -375,4 +442,5 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions_total,
             "num_steps": self.num_steps,
             "generation_tokens": self.num_generated_tokens,
+            **({"speculative": self.speculator.stats()} if self.speculator is not None else {}),
         }

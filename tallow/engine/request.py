@@ -67,6 +67,9 @@ class Sequence:
         # length limit), so it is not scheduled again.
         self.pending_row = -1
         self.stopping = False
+        # Speculation (tallow/engine/speculative/state.py): the SpecState of a sequence that
+        # speculates, set when it is queued; None otherwise.
+        self.spec = None
 
     # ---- derived -------------------------------------------------------------------
     @property

@@ -233,6 +233,18 @@ class ModelRunner:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
             table = seq.block_table
+            draft = s.draft
+            if draft:  # speculation: the row's tokens, then its draft's; every one of them samples
+                ids.extend(seq.token_ids[start:end])
+                ids.extend(draft)
+                end += len(draft)
+                n += len(draft)
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                qsl.append(qsl[-1] + n)
+                seq_lens.append(end)
+                logits_idx.extend(range(qsl[-1] - len(draft) - 1, qsl[-1]))
+                continue
             if n == 1:
                 token = seq.token_ids[start]
                 if token < 0 and pending is not None:

@@ -47,6 +47,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # False: never speculate for this request (the `speculative: false` extra), whatever the server does.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

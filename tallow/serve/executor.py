@@ -32,15 +32,27 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Speculative decoding: {"proposed": draft tokens verified, "accepted": of those, accepted}
+    # over the request's sequences; None when none of them speculated.
+    speculation: dict[str, int] | None = None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    def add_speculation(self, proposed: int, accepted: int) -> None:
+        if self.speculation is None:
+            self.speculation = {"proposed": 0, "accepted": 0}
+        self.speculation["proposed"] += proposed
+        self.speculation["accepted"] += accepted
+
     def to_openai(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.total_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.speculation is not None:
+            usage["speculation"] = dict(self.speculation)
+        return usage
 
 
 @dataclass(frozen=True)
@@ -200,6 +212,8 @@ class CompletionRun:
             if first and counts_cached:
                 usage.cached_tokens += out.num_cached_tokens
             first = False
+            if out.speculation is not None:
+                usage.add_speculation(*out.speculation)
             events = pipeline.feed(out)
             taken = pipeline.taken
             usage.completion_tokens += taken

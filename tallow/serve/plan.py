@@ -201,7 +201,7 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
             logit_bias=logit_bias, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens, speculative=req.speculative)
     except TallowError as e:
         return Rejection.from_error(e)
     options = req.stream_options

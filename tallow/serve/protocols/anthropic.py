@@ -157,7 +157,7 @@ class AnthropicMessages(StreamProtocol):
         if isinstance(prompt, Rejection):
             return prompt
         sampling = SamplingFields(stream=req.stream, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, stop=req.stop_sequences)
+                                  top_k=req.top_k, stop=req.stop_sequences, speculative=req.speculative)
         return plan_completion(
             sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
@@ -262,5 +262,8 @@ class AnthropicMessages(StreamProtocol):
 
 
 def _usage(usage: Usage) -> dict:
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": usage.cached_tokens, "output_tokens": usage.completion_tokens}
+    out = {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "cache_creation_input_tokens": 0,
+           "cache_read_input_tokens": usage.cached_tokens, "output_tokens": usage.completion_tokens}
+    if usage.speculation is not None:
+        out["speculation"] = dict(usage.speculation)
+    return out

@@ -60,6 +60,8 @@ class SamplingFields(WireModel):
     stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # tallow extra: false keeps this request from speculating (when the server speculates)
+    speculative: bool = True
 
 
 class TextPart(WireModel):

@@ -124,7 +124,8 @@ class OpenAIResponses(StreamProtocol):
                                  reasoning_effort=req.reasoning.effort if req.reasoning else None)
         except TallowError as e:
             return Rejection.from_error(e)
-        sampling = SamplingFields(stream=req.stream, temperature=req.temperature, top_p=req.top_p)
+        sampling = SamplingFields(stream=req.stream, temperature=req.temperature, top_p=req.top_p,
+                                  speculative=req.speculative)
         plan = plan_completion(
             sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
@@ -270,4 +271,5 @@ class OpenAIResponses(StreamProtocol):
                 "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": usage.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                "total_tokens": usage.total_tokens}
+                "total_tokens": usage.total_tokens,
+                **({"speculation": dict(usage.speculation)} if usage.speculation is not None else {})}

@@ -106,6 +106,7 @@ class ResponsesRequest(WireModel):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    speculative: bool = True  # tallow extra: false keeps this request from speculating
 
     def input_messages(self) -> list[dict[str, Any]]:
         """The input items as chat-template messages (instructions not included)."""
