@@ -156,6 +156,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
+    ap.add_argument("--row-cost", type=float, default=None,
+                    help="--speculative-row-cost (default: the engine's, 0.7 on the CPU)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row (the best is kept)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -163,7 +165,7 @@ def main() -> None:
     from benchmarks.offline_throughput import make_core
 
     core = make_core(model=args.model, speculative_method="ngram", num_speculative_tokens=args.k,
-                     ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+                     ngram_max=args.ngram_max, ngram_min=args.ngram_min, speculative_row_cost=args.row_cost)
     spec = core.speculator
     rows = []
     for workload in args.workloads:
@@ -200,6 +202,7 @@ def main() -> None:
             "acceptance", "mean_accepted_len", "accept_per_pos"]
     print(table(rows, cols))
     write_json(args.json, {"k": args.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,
+                           "row_cost": spec.row_cost,
                            "max_tokens": args.max_tokens, "rows": rows})
 
 

@@ -30,7 +30,10 @@ from tallow.models.dummy import PRESETS, init_random_
 from tallow.models.llama import LlamaForCausalLM
 from tallow.models.loader import LoadedModel, TokenizerSource
 
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_max=4, ngram_min=2)
+# Row cost 0: every sequence drafts whenever the proposer finds something (the adaptive
+# off-switch is tested on its own), so the verifier sees as many drafts as there can be.
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_max=4, ngram_min=2,
+            speculative_row_cost=0.0)
 
 CODE = '''def add(a, b):
     return a + b
@@ -101,21 +104,32 @@ def test_ngram_proposes_what_followed_the_longest_recent_suffix():
         assert p.propose(grown, seq, 4) == p.propose(p.new_index(), seq, 4)
 
 
-def test_adaptive_off_switch_pauses_and_resumes():
-    state = SpecState(None)
-    for _ in range(4):
-        state.record(4, 0)
-    assert state.paused > 0
+def test_adaptive_draft_length_pauses_and_resumes():
+    state = SpecState(None, k_max=4, row_cost=0.5)
+    assert state.draft_length() == 4  # a fresh sequence tries its full draft
+    # Drafts whose first two tokens stand and the rest fail: positions 3 and 4 do not pay.
+    for _ in range(6):
+        state.record(4, 2)
+    assert state.draft_length() == 2
+    # Drafts that all fail: it pauses, for its own steps without a draft, then tries again.
+    n = 0
+    while not state.paused:
+        state.record(state.draft_length(), 0)
+        n += 1
+    assert n <= 4
     first_pause = state.paused
-    # A pause that ends on bad drafts again is longer.
-    state.paused = 0
-    for _ in range(4):
-        state.record(4, 0)
+    for _ in range(first_pause):
+        assert state.draft_length() == 0
+        state.step_without_draft()
+    assert state.draft_length() == 4
+    # A pause that ends on drafts still not worth it is longer.
+    while not state.paused:
+        state.record(state.draft_length(), 0)
     assert state.paused == 2 * first_pause
-    good = SpecState(None)
-    for _ in range(8):
+    good = SpecState(None, k_max=4, row_cost=0.5)
+    for _ in range(20):
         good.record(4, 3)
-    assert good.paused == 0
+    assert good.paused == 0 and good.draft_length() == 3
 
 
 # ---- greedy: token for token plain decoding -------------------------------------------------
@@ -180,6 +194,23 @@ def test_greedy_with_preemption_and_prefix_cache(default_model, prompts, greedy_
     assert small.kv.num_free_blocks == small.kv.num_blocks
     assert [s.output_ids for s in run_all(small, prompts[:4], GREEDY)] == greedy_reference[:4]
     assert small.kv.prefix_hits > 0
+
+
+def test_off_switch_stops_bad_drafts_and_keeps_outputs(default_model, prompts, greedy_reference):
+    """With the CPU's row cost, a proposer whose drafts are always wrong is soon not asked:
+    each sequence drafts a few times, then pauses (longer each time); the tokens stay plain
+    decoding's."""
+    adaptive = make_core(default_model, **dict(SPEC, speculative_row_cost=None))
+    assert adaptive.speculator.row_cost == 0.7
+    bad = adaptive.model_config.vocab_size - 1  # never a greedy pick here
+    assert all(bad not in out for out in greedy_reference)
+    adaptive.speculator.proposer.propose = lambda index, token_ids, k: [bad] * k
+    assert [s.output_ids for s in run_all(adaptive, prompts[8:], GREEDY)] == greedy_reference[8:]
+    stats = adaptive.stats()["speculative"]
+    assert stats["num_accepted_tokens"] == 0
+    # Always on, every one of the 8 x 32 sampling rows but the last would draft.
+    assert 8 <= stats["num_drafts"] <= 8 * 4, stats
+    assert adaptive.kv.num_free_blocks == adaptive.kv.num_blocks
 
 
 def test_logprobs_equal_plain(plain_core, spec_core, prompts):

@@ -120,7 +120,7 @@ class EngineCore:
             if self.workers is not None:
                 raise TallowError("speculative decoding does not work with tensor parallelism yet",
                                   param="speculative_method")
-            self.speculator = self.scheduler.speculator = Speculator(config)
+            self.speculator = self.scheduler.speculator = Speculator(config, self.device.type)
         self.async_scheduling = self._async_scheduling()
         # Asynchronous scheduling: the launched step whose tokens have not been read yet.
         self._inflight: tuple[SchedulerOutput, LaunchedStep | None] | None = None

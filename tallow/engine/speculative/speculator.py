@@ -14,7 +14,7 @@ from tallow.errors import TallowError
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, device_type: str = "cpu"):
         k = config.num_speculative_tokens
         if not 1 <= k <= 64:
             raise TallowError(f"num_speculative_tokens must be in [1, 64], got {k}", param="num_speculative_tokens")
@@ -23,6 +23,12 @@ class Speculator:
                               f"row of num_speculative_tokens + 1 = {k + 1} tokens", param="num_speculative_tokens")
         self.method = config.speculative_method
         self.k = k
+        self.row_cost = config.speculative_row_cost
+        if self.row_cost is None:
+            self.row_cost = 0.1 if device_type == "cuda" else 0.7
+        if not 0.0 <= self.row_cost < 1.0:
+            raise TallowError(f"speculative_row_cost must be in [0, 1), got {self.row_cost}",
+                              param="speculative_row_cost")
         self.proposer = make_proposer(config.speculative_method, ngram_max=config.ngram_max,
                                       ngram_min=config.ngram_min)
         self.num_drafts = 0  # verified drafts (rows with at least one proposed token)
@@ -41,7 +47,7 @@ class Speculator:
             if first:
                 self.refused[reason] += 1
             return
-        seq.spec = SpecState(self.proposer.new_index())
+        seq.spec = SpecState(self.proposer.new_index(), self.k, self.row_cost)
         if first:
             self.num_requests += 1
 
@@ -49,9 +55,8 @@ class Speculator:
         """The draft of seq's next sampling row: at most k tokens, fewer where its output limit
         or the pool would end it first (never fewer because of the batch)."""
         spec = seq.spec
-        if spec.paused:
-            return []
-        k = min(self.k, seq.max_output_tokens - seq.num_output_tokens - 1, pool_tokens - len(seq.token_ids))
+        k = min(spec.draft_length(), seq.max_output_tokens - seq.num_output_tokens - 1,
+                pool_tokens - len(seq.token_ids))
         if k <= 0:
             return []
         return self.proposer.propose(spec.index, seq.token_ids, k)
@@ -60,8 +65,7 @@ class Speculator:
         """One verified sampling row of a speculating sequence (proposed 0: no draft)."""
         spec = seq.spec
         if proposed == 0:
-            if spec.paused:
-                spec.paused -= 1
+            spec.step_without_draft()
             return
         spec.record(proposed, accepted)
         self.num_drafts += 1
@@ -75,6 +79,7 @@ class Speculator:
         return {
             "method": self.method,
             "num_speculative_tokens": self.k,
+            "row_cost": self.row_cost,
             "requests": self.num_requests,
             "requests_not_speculating": dict(self.refused),
             "num_drafts": self.num_drafts,

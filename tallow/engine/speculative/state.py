@@ -1,17 +1,24 @@
-"""SpecState: one speculating sequence's proposer index, counters and adaptive off-switch;
-speculation_refusal: why a request does not speculate."""
+"""SpecState: one speculating sequence's proposer index, counters and adaptive draft length;
+speculation_refusal: why a request does not speculate.
+
+The adaptive off-switch. Verifying a draft of k tokens adds k query rows to the step, each
+costing `row_cost` of a plain decode step (EngineConfig.speculative_row_cost); the draft's
+i-th token pays for itself when drafts reach position i (all of its first i tokens accepted)
+more often than that. Each sequence keeps, per position, a decaying count of its recent drafts
+that proposed a token there and of those that reached it (an optimistic prior, so a fresh
+sequence tries its full draft), and proposes only the leading positions whose reach rate is
+above the row cost. When not even the first is, it pauses (PAUSE of its own steps, doubling
+on every pause that ends on drafts still not worth it, up to MAX_PAUSE), then tries again
+from the prior. Everything here depends only on the sequence's own drafts: a seeded request's
+text does not depend on the batch.
+"""
 
 from __future__ import annotations
 
-from collections import deque
-
 from tallow.engine.sampling import SamplingParams
 
-# The adaptive off-switch: over a sequence's last WINDOW drafts, an acceptance rate (accepted /
-# proposed tokens) below MIN_RATE pauses its proposals for a number of its steps that starts at
-# PAUSE and doubles (up to MAX_PAUSE) each time the pause ends on a window that is still bad.
-WINDOW = 4
-MIN_RATE = 0.3
+DECAY = 0.7  # weight of the older drafts at each new one (about the last 3 drafts count)
+PRIOR = 1.0  # pseudo-drafts that reached every position, at the start and after a pause
 PAUSE = 8
 MAX_PAUSE = 128
 
@@ -34,23 +41,34 @@ def speculation_refusal(params: SamplingParams) -> str | None:
 
 
 class SpecState:
-    __slots__ = ("index", "proposed", "accepted", "num_drafts", "recent", "paused", "pause")
+    __slots__ = ("index", "proposed", "accepted", "num_drafts", "tried", "reached", "paused", "pause",
+                 "k_max", "row_cost")
 
-    def __init__(self, index: object):
+    def __init__(self, index: object, k_max: int = 4, row_cost: float = 0.7):
         self.index = index  # the proposer's per-sequence state
         self.proposed = 0  # draft tokens verified
         self.accepted = 0  # of those, accepted
         self.num_drafts = 0
-        self.recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)  # (proposed, accepted) per draft
-        self.paused = 0  # steps left without proposals
+        self.k_max = k_max
+        self.row_cost = row_cost
+        self.tried = [PRIOR] * k_max  # decaying count of drafts with a token at position i
+        self.reached = [PRIOR] * k_max  # of those, drafts whose first i + 1 tokens were accepted
+        self.paused = 0  # own steps left without proposals
         self.pause = PAUSE
 
-    def may_propose(self) -> bool:
-        """Whether this step proposes (counts one paused step down otherwise)."""
-        if self.paused > 0:
+    def draft_length(self) -> int:
+        """How many tokens this step's draft may have (0: none)."""
+        if self.paused:
+            return 0
+        k = 0
+        while k < self.k_max and self.reached[k] > self.row_cost * self.tried[k]:
+            k += 1
+        return k
+
+    def step_without_draft(self) -> None:
+        """One of its sampling rows went without a draft: a paused step is used up."""
+        if self.paused:
             self.paused -= 1
-            return False
-        return True
 
     def record(self, proposed: int, accepted: int) -> None:
         """A verified draft of `proposed` tokens of which the first `accepted` stood."""
@@ -59,13 +77,17 @@ class SpecState:
         self.proposed += proposed
         self.accepted += accepted
         self.num_drafts += 1
-        self.recent.append((proposed, accepted))
-        if len(self.recent) == WINDOW:
-            total = sum(p for p, _ in self.recent)
-            rate = sum(a for _, a in self.recent) / total
-            if rate < MIN_RATE:
-                self.paused = self.pause
-                self.pause = min(self.pause * 2, MAX_PAUSE)
-                self.recent.clear()
-            elif rate >= 2 * MIN_RATE:
-                self.pause = PAUSE
+        tried, reached = self.tried, self.reached
+        for i in range(self.k_max):
+            tried[i] *= DECAY
+            reached[i] *= DECAY
+            if i < proposed:
+                tried[i] += 1.0
+                reached[i] += 1.0 if i < accepted else 0.0
+        if self.draft_length() == 0:
+            self.paused = self.pause
+            self.pause = min(self.pause * 2, MAX_PAUSE)
+            self.tried = [PRIOR] * self.k_max
+            self.reached = [PRIOR] * self.k_max
+        elif accepted == proposed:
+            self.pause = PAUSE
