@@ -95,6 +95,9 @@ def test_ngram_proposes_what_followed_the_longest_recent_suffix():
     tokens = [2, 6, 7, 1, 5, 6, 7, 3, 2, 6, 7]
     assert p.propose(p.new_index(), tokens, 2) == [1, 5]
     assert p.propose(p.new_index(), [1, 2, 3, 4], 4) == []  # no suffix repeats
+    # A match that runs into the end: the loop goes on for the whole draft.
+    assert p.propose(p.new_index(), [5, 7, 7, 7], 4) == [7, 7, 7, 7]
+    assert p.propose(p.new_index(), [5, 1, 2, 1, 2, 1], 5) == [2, 1, 2, 1, 2]
     assert p.propose(p.new_index(), [1, 2, 1, 2], 0) == []
     # The index grows with the tokens: the same answers as a fresh index.
     grown = p.new_index()

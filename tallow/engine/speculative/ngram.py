@@ -3,7 +3,8 @@ the tokens that followed it.
 
 Per sequence an index maps each n-gram (ngram_min <= n <= ngram_max) to the position after
 its latest occurrence; it grows with the tokens (each new token adds one n-gram per n), so
-a step's lookup is a few dict reads, not a scan of the context."""
+a step's lookup is a few dict reads, not a scan of the context. A match close to the end
+(a loop of a few tokens) proposes the loop continued for the whole draft."""
 
 from __future__ import annotations
 
@@ -44,5 +45,11 @@ class NgramProposer:
                 continue
             pos = tables[n].get(tuple(token_ids[end - n:]))
             if pos is not None:
-                return token_ids[pos:pos + k]
+                # What followed the match; where that runs into the end of the sequence, the
+                # match says the text repeats with period end - pos: the draft goes on with it.
+                draft = token_ids[pos:pos + k]
+                period = end - pos
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - period])
+                return draft
         return []
