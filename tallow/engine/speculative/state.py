@@ -27,16 +27,13 @@ def speculation_refusal(params: SamplingParams) -> str | None:
     """Why a request with these params does not speculate (None: it may).
 
     - "request": it asked not to (`speculative: false`)
-    - "penalties": repetition / presence / frequency penalties count tokens per position;
-      the verifier does not apply them per draft position yet
-    - "grammar": a grammar's masks would need a matcher advanced over the draft
+    - "grammar": a grammar's masks would need a matcher advanced over the draft (not done
+      yet; `params.grammar` comes with the structured-output work)
     """
     if not params.speculative:
         return "request"
     if getattr(params, "grammar", None) is not None:
         return "grammar"
-    if params.needs_penalties:
-        return "penalties"
     return None
 
 

@@ -119,12 +119,15 @@ def _verify_groups(sampler, logits, groups, runs, run_lp, run_top, proposed, acc
     vocab = logits.shape[1]
     index: list[int] = []
     row_seq = []  # per processed row: (seq, output position offset)
+    drafts = []  # per processed row: its sequence's draft
     for _, seq, r0, draft in groups:
         for j in range(len(draft) + 1):
             index.append(r0 + j)
             row_seq.append((seq, j))
+            drafts.append(draft)
     x = logits[index].clone()
     _apply_bias_and_min_tokens(x, row_seq, vocab)
+    _apply_penalties(x, row_seq, drafts, vocab)
     highest, greedy = x.max(dim=-1)
     finite = highest.isfinite().tolist()
     greedy = greedy.tolist()
@@ -178,6 +181,43 @@ def _verify_groups(sampler, logits, groups, runs, run_lp, run_top, proposed, acc
             if top_ids is not None:
                 run_top[at] = [list(zip(top_ids[base + j], top_vals[base + j])) for j in range(len(run))]
         base += k + 1
+
+
+def _apply_penalties(x: Tensor, row_seq: list, drafts: list, vocab: int) -> None:
+    """Repetition, frequency and presence penalties on the rows of sequences that have them,
+    with each row's output counted as of its position (the output so far and the draft tokens
+    before the row): the Sampler's arithmetic (Sampler._apply_penalties), row by row the same."""
+    rows = [n for n, (seq, _) in enumerate(row_seq) if seq.params.needs_penalties]
+    if not rows:
+        return
+    count_rows, count_cols, prompt_rows, prompt_cols = [], [], [], []
+    for m, n in enumerate(rows):
+        seq, j = row_seq[n]
+        output = seq.token_ids[seq.num_prompt_tokens:] + list(drafts[n][:j])
+        count_rows += [m] * len(output)
+        count_cols += output
+        prompt_rows += [m] * seq.num_prompt_tokens
+        prompt_cols += seq.token_ids[:seq.num_prompt_tokens]
+    counts = torch.zeros((len(rows), vocab), dtype=torch.int32, device=x.device)
+    prompt_mask = torch.zeros((len(rows), vocab), dtype=torch.bool, device=x.device)
+    if count_rows:
+        counts.index_put_((torch.tensor(count_rows), torch.tensor(count_cols)),
+                          torch.ones((), dtype=torch.int32), accumulate=True)
+    prompt_mask.index_put_((torch.tensor(prompt_rows), torch.tensor(prompt_cols)), torch.ones((), dtype=torch.bool))
+    params = [row_seq[n][0].params for n in rows]
+    index = torch.tensor(rows, dtype=torch.int64, device=x.device)
+    y = x.index_select(0, index)
+    in_output = counts > 0
+    # Each stage as the Sampler runs it when any row of its batch needs it (r = 1 and f = p = 0
+    # leave a row's values as they are).
+    if any(p.repetition_penalty != 1.0 for p in params):
+        r = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype).unsqueeze(1)
+        y = torch.where(prompt_mask | in_output, torch.where(y > 0, y / r, y * r), y)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        f = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype).unsqueeze(1)
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype).unsqueeze(1)
+        y = y - f * counts - pres * in_output
+    x.index_copy_(0, index, y.clamp(max=torch.finfo(y.dtype).max))
 
 
 def _apply_bias_and_min_tokens(x: Tensor, row_seq: list, vocab: int) -> None:
