@@ -356,6 +356,32 @@ def test_abort_and_n_siblings_free_blocks(spec_core, prompts):
     assert spec_core.kv.num_free_blocks == spec_core.kv.num_blocks
 
 
+def test_mixed_batch_and_async_scheduling(default_model, prompts, greedy_reference):
+    """Speculating and plain sequences (speculative=False, sampled ones) share steps; with
+    asynchronous scheduling forced on, steps with speculating sequences run synchronously."""
+    core = make_core(default_model, async_scheduling=True, **SPEC)
+    plain = dataclasses.replace(GREEDY, speculative=False)
+    sampled = SamplingParams(temperature=0.7, max_tokens=32, seed=5, ignore_eos=True)
+    seqs = []
+    for i, ids in enumerate(prompts):
+        params = (GREEDY, plain, sampled)[i % 3]
+        seq = core.make_sequences(ids, params)[0]
+        core.add(seq)
+        seqs.append(seq)
+    while core.has_work():
+        core.step()
+    for i, seq in enumerate(seqs):
+        assert len(seq.output_ids) == 32
+        if i % 3 != 2:
+            assert seq.output_ids == greedy_reference[i], i
+    assert core.stats()["speculative"]["num_accepted_tokens"] > 0
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+    # The sampled ones again, alone: the same text (their seeds, their own drafts).
+    for i in (2, 5):
+        again = run_all(core, [prompts[i]], sampled)[0]
+        assert again.output_ids == seqs[i].output_ids
+
+
 def test_seeded_sampling_repeats_alone_and_in_a_batch(spec_core, prompts):
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=1234, ignore_eos=True)
     alone = run_all(spec_core, [prompts[0]], params)[0].output_ids

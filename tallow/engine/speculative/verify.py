@@ -125,7 +125,7 @@ def _verify_groups(sampler, logits, groups, runs, run_lp, run_top, proposed, acc
             index.append(r0 + j)
             row_seq.append((seq, j))
             drafts.append(draft)
-    x = logits[index].clone()
+    x = logits.index_select(0, _long(index, logits.device))
     _apply_bias_and_min_tokens(x, row_seq, vocab)
     _apply_penalties(x, row_seq, drafts, vocab)
     highest, greedy = x.max(dim=-1)
@@ -200,10 +200,12 @@ def _apply_penalties(x: Tensor, row_seq: list, drafts: list, vocab: int) -> None
         prompt_cols += seq.token_ids[:seq.num_prompt_tokens]
     counts = torch.zeros((len(rows), vocab), dtype=torch.int32, device=x.device)
     prompt_mask = torch.zeros((len(rows), vocab), dtype=torch.bool, device=x.device)
+    dev = x.device
     if count_rows:
-        counts.index_put_((torch.tensor(count_rows), torch.tensor(count_cols)),
-                          torch.ones((), dtype=torch.int32), accumulate=True)
-    prompt_mask.index_put_((torch.tensor(prompt_rows), torch.tensor(prompt_cols)), torch.ones((), dtype=torch.bool))
+        counts.index_put_((_long(count_rows, dev), _long(count_cols, dev)),
+                          torch.ones((), dtype=torch.int32, device=dev), accumulate=True)
+    prompt_mask.index_put_((_long(prompt_rows, dev), _long(prompt_cols, dev)),
+                           torch.ones((), dtype=torch.bool, device=dev))
     params = [row_seq[n][0].params for n in rows]
     index = torch.tensor(rows, dtype=torch.int64, device=x.device)
     y = x.index_select(0, index)
@@ -211,11 +213,11 @@ def _apply_penalties(x: Tensor, row_seq: list, drafts: list, vocab: int) -> None
     # Each stage as the Sampler runs it when any row of its batch needs it (r = 1 and f = p = 0
     # leave a row's values as they are).
     if any(p.repetition_penalty != 1.0 for p in params):
-        r = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype).unsqueeze(1)
+        r = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=dev).unsqueeze(1)
         y = torch.where(prompt_mask | in_output, torch.where(y > 0, y / r, y * r), y)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        f = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype).unsqueeze(1)
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype).unsqueeze(1)
+        f = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev).unsqueeze(1)
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev).unsqueeze(1)
         y = y - f * counts - pres * in_output
     x.index_copy_(0, index, y.clamp(max=torch.finfo(y.dtype).max))
 
@@ -237,8 +239,13 @@ def _apply_bias_and_min_tokens(x: Tensor, row_seq: list, vocab: int) -> None:
                 if 0 <= token < vocab:
                     min_rows.append(n)
                     min_cols.append(token)
+    dev = x.device
     if rows:
-        x.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values, dtype=x.dtype),
+        x.index_put_((_long(rows, dev), _long(cols, dev)), torch.tensor(values, dtype=x.dtype, device=dev),
                      accumulate=True)
     if min_rows:
-        x.index_put_((torch.tensor(min_rows), torch.tensor(min_cols)), torch.tensor(-math.inf, dtype=x.dtype))
+        x.index_put_((_long(min_rows, dev), _long(min_cols, dev)), torch.tensor(-math.inf, dtype=x.dtype, device=dev))
+
+
+def _long(values: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
