@@ -156,6 +156,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
+    ap.add_argument("--speculative-model", default=None,
+                    help="draft with this model (--speculative-method draft) instead of ngram")
     ap.add_argument("--row-cost", type=float, default=None,
                     help="--speculative-row-cost (default: the engine's, 0.7 on the CPU)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row (the best is kept)")
@@ -164,7 +166,8 @@ def main() -> None:
 
     from benchmarks.offline_throughput import make_core
 
-    core = make_core(model=args.model, speculative_method="ngram", num_speculative_tokens=args.k,
+    core = make_core(model=args.model, speculative_method="draft" if args.speculative_model else "ngram",
+                     speculative_model=args.speculative_model, num_speculative_tokens=args.k,
                      ngram_max=args.ngram_max, ngram_min=args.ngram_min, speculative_row_cost=args.row_cost)
     spec = core.speculator
     rows = []

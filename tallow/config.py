@@ -65,6 +65,8 @@ class EngineConfig:
     # found earlier in the prompt or output proposes the tokens that followed it). A speculating
     # sequence verifies up to num_speculative_tokens proposed tokens per step.
     speculative_method: str | None = None
+    # "draft": the draft model's source (same vocabulary as the model), loaded as the model is.
+    speculative_model: str | None = None
     num_speculative_tokens: int = 4
     ngram_max: int = 4
     ngram_min: int = 2

@@ -499,3 +499,41 @@ def test_the_chi_square_rejects_a_verifier_without_the_residual(tiny, sampling_s
     spec = tiny_core(tiny, **SPEC)
     got = first_two(spec, params, seed0=0)
     assert chi_square_p(got, reference) < 1e-6
+
+
+# ---- a draft model ---------------------------------------------------------------------------
+
+def draft_core(default_model, draft, **overrides) -> EngineCore:
+    cfg = dataclasses.replace(EngineConfig(model="default", device="cpu", quantization="none"),
+                              **dict(SPEC, speculative_method="draft"), **overrides)
+    return EngineCore(cfg, loaded=default_model, draft_loaded=draft)
+
+
+def random_draft(vocab: int) -> LoadedModel:
+    """A 2-layer random llama of the default model's vocabulary: a bad draft."""
+    config = ModelConfig.from_hf_dict(dict(PRESETS["smollm2-135m"], num_hidden_layers=2, hidden_size=64,
+                                           intermediate_size=96, num_attention_heads=1, num_key_value_heads=1,
+                                           vocab_size=vocab, max_position_embeddings=8192))
+    model = LlamaForCausalLM.empty(config, device=torch.device("cpu"), dtype=torch.float32)
+    init_random_(model, 3)
+    return LoadedModel(model.config, model.eval().requires_grad_(False), None, {}, "random-draft")
+
+
+@pytest.mark.parametrize("which", ["self", "random"])
+def test_draft_model_greedy_equals_plain(default_model, prompts, greedy_reference, which):
+    """The default model drafting for itself (nearly every draft token accepted) and a random
+    model of its vocabulary (nearly none): plain greedy decoding's tokens either way, with a
+    pool small enough to preempt; both pools' blocks come back."""
+    draft = default_model if which == "self" else random_draft(default_model.config.vocab_size)
+    core = draft_core(default_model, draft, num_kv_blocks=48, block_size=4)
+    got = [s.output_ids for s in run_all(core, prompts, dataclasses.replace(GREEDY, max_tokens=16))]
+    assert got == [r[:16] for r in greedy_reference]
+    stats = core.stats()["speculative"]
+    assert core.scheduler.num_preemptions_total > 0
+    if which == "self":
+        assert stats["num_accepted_tokens"] > 0.9 * stats["num_draft_tokens"] > 100, stats
+    else:
+        assert stats["num_accepted_tokens"] < 0.2 * stats["num_draft_tokens"], stats
+    proposer = core.speculator.proposer
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
+    assert core.kv.num_free_blocks == core.kv.num_blocks

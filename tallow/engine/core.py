@@ -6,6 +6,7 @@ offline API and the CLI step it themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -51,13 +52,14 @@ class EngineCore:
     With config.tensor_parallel_size > 1 it also starts the worker processes of the other
     ranks and holds rank 0's shard of the model; call shutdown() to stop them."""
 
-    def __init__(self, config: EngineConfig, loaded=None):
+    def __init__(self, config: EngineConfig, loaded=None, draft_loaded=None):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         t0 = time.monotonic()
         self.workers = self._start_workers(loaded) if config.tensor_parallel_size != 1 else None
+        self._draft_loaded = draft_loaded
         try:
             self._build(loaded)
         except BaseException:
@@ -104,7 +106,10 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_id)
         self.kv_dtype = built.kv_dtype
-        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
+        draft = self._load_draft_model() if config.speculative_method == "draft" else None
+        draft_per_block = 0 if draft is None else kv_bytes_per_block(draft.loaded.config, config.block_size,
+                                                                     draft.kv_dtype)
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(draft_per_block)
         self.runner = ModelRunner.for_engine(built, config, num_blocks, max_model_len=self.max_model_len,
                                              parallel=parallel)
         # One block of every layer's K and V in this process (rank 0's heads with tensor parallelism).
@@ -120,7 +125,15 @@ class EngineCore:
             if self.workers is not None:
                 raise TallowError("speculative decoding does not work with tensor parallelism yet",
                                   param="speculative_method")
-            self.speculator = self.scheduler.speculator = Speculator(config, self.device.type)
+            proposer = None
+            if draft is not None:
+                from tallow.engine.speculative.draft import DraftModelProposer
+
+                # Its own KV cache of num_blocks blocks of its shape (the budget held both).
+                runner = ModelRunner.for_engine(draft, dataclasses.replace(config, enforce_eager=True), num_blocks,
+                                                max_model_len=self.max_model_len)
+                proposer = DraftModelProposer(runner, config.block_size)
+            self.speculator = self.scheduler.speculator = Speculator(config, self.device.type, proposer)
         self.async_scheduling = self._async_scheduling()
         # Asynchronous scheduling: the launched step whose tokens have not been read yet.
         self._inflight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
@@ -149,9 +162,24 @@ class EngineCore:
             self.workers.shutdown(graceful)
             self.workers = None
 
-    def _num_blocks_from_budget(self) -> int:
+    def _load_draft_model(self):
+        """The draft model of speculative_method "draft": loaded as the model is, on its device."""
+        c = self.config
+        if self._draft_loaded is None and not c.speculative_model:
+            raise TallowError("speculative_method 'draft' needs a speculative_model", param="speculative_model")
+        if self.workers is not None:
+            raise TallowError("speculative decoding does not work with tensor parallelism yet",
+                              param="speculative_method")
+        draft = load_engine_model(dataclasses.replace(c, model=c.speculative_model or c.model), self.device,
+                                  loaded=self._draft_loaded)
+        if draft.loaded.config.vocab_size != self.model_config.vocab_size:
+            raise TallowError(f"the draft model's vocabulary ({draft.loaded.config.vocab_size} tokens) is not the "
+                              f"model's ({self.model_config.vocab_size})", param="speculative_model")
+        return draft
+
+    def _num_blocks_from_budget(self, extra_per_block: int = 0) -> int:
         cfg, c = self.model_config, self.config
-        per_block = kv_bytes_per_block(cfg, c.block_size, self.kv_dtype)
+        per_block = kv_bytes_per_block(cfg, c.block_size, self.kv_dtype) + extra_per_block
         if self.workers is not None:
             # Each rank caches its own KV heads (some replicated when there are fewer than
             # ranks); on the CPU every rank's cache is in the same host memory.
@@ -310,6 +338,8 @@ class EngineCore:
         self.scheduler.fail_sequences(failed)
 
     def _step_sync(self) -> list[tuple[Sequence, TokenOutput]]:
+        if self.speculator is not None:
+            self.speculator.prepare(self.scheduler.running, self.scheduler.pool_tokens)
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []

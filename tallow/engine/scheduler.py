@@ -419,6 +419,8 @@ class Scheduler:
         self.kv.free(seq)
         if seq.params.needs_penalties or seq.spec is not None:
             self.num_host_token_seqs -= 1
+        if seq.spec is not None and self.speculator is not None:
+            self.speculator.release(seq)
 
 
 def _prompt_computed(seq: Sequence) -> bool:

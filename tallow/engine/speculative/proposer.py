@@ -25,6 +25,6 @@ def make_proposer(method: str, *, ngram_max: int, ngram_min: int) -> Proposer:
 
         return NgramProposer(ngram_max, ngram_min)
     if method == "draft":
-        raise TallowError("speculative_method 'draft' (a draft model) is not implemented yet; use 'ngram'",
+        raise TallowError("speculative_method 'draft': the engine builds its proposer (a draft model)",
                           param="speculative_method")
-    raise TallowError(f"speculative_method must be 'ngram', got {method!r}", param="speculative_method")
+    raise TallowError(f"speculative_method must be 'ngram' or 'draft', got {method!r}", param="speculative_method")

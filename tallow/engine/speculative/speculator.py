@@ -14,7 +14,7 @@ from tallow.errors import TallowError
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, device_type: str = "cpu"):
+    def __init__(self, config: EngineConfig, device_type: str = "cpu", proposer=None):
         k = config.num_speculative_tokens
         if not 1 <= k <= 64:
             raise TallowError(f"num_speculative_tokens must be in [1, 64], got {k}", param="num_speculative_tokens")
@@ -29,8 +29,8 @@ class Speculator:
         if not 0.0 <= self.row_cost < 1.0:
             raise TallowError(f"speculative_row_cost must be in [0, 1), got {self.row_cost}",
                               param="speculative_row_cost")
-        self.proposer = make_proposer(config.speculative_method, ngram_max=config.ngram_max,
-                                      ngram_min=config.ngram_min)
+        self.proposer = proposer or make_proposer(config.speculative_method, ngram_max=config.ngram_max,
+                                                  ngram_min=config.ngram_min)
         self.num_drafts = 0  # verified drafts (rows with at least one proposed token)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -50,6 +50,32 @@ class Speculator:
         seq.spec = SpecState(self.proposer.new_index(), self.k, self.row_cost)
         if first:
             self.num_requests += 1
+
+    def draft_length(self, seq: Sequence, pool_tokens: int) -> int:
+        spec = seq.spec
+        return max(0, min(spec.draft_length(), seq.max_output_tokens - seq.num_output_tokens - 1,
+                          pool_tokens - len(seq.token_ids)))
+
+    def prepare(self, running: list[Sequence], pool_tokens: int) -> None:
+        """Before the scheduler runs: a proposer that drafts for the whole batch at once (a
+        draft model) drafts for the running sequences about to decode."""
+        prepare = getattr(self.proposer, "prepare", None)
+        if prepare is None:
+            return
+        wanted = []
+        for seq in running:
+            if seq.spec is None or seq.stopping or seq.num_computed_tokens != len(seq.token_ids) - 1:
+                continue
+            k = self.draft_length(seq, pool_tokens)
+            if k > 0:
+                wanted.append((seq, k))
+        prepare(wanted)
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished: what the proposer holds for it (a draft model's KV blocks) goes."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(seq.spec.index)
 
     def propose(self, seq: Sequence, pool_tokens: int) -> list[int]:
         """The draft of seq's next sampling row: at most k tokens, fewer where its output limit
