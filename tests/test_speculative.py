@@ -178,6 +178,7 @@ def test_greedy_equals_plain_alone(spec_core, prompts, greedy_reference):
         assert run_all(spec_core, [prompts[i]], GREEDY)[0].output_ids == greedy_reference[i]
 
 
+@pytest.mark.slow
 def test_greedy_with_preemption_and_no_prefix_cache(default_model, prompts, greedy_reference):
     small = make_core(default_model, num_kv_blocks=48, block_size=4, enable_prefix_caching=False, **SPEC)
     free0 = small.kv.num_free_blocks
@@ -320,9 +321,10 @@ def test_min_tokens_logit_bias_and_refusals(plain_core, spec_core, prompts):
     assert after.get("request", 0) - before.get("request", 0) == 2
 
 
-@pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.3),
-                                       dict(presence_penalty=0.8, frequency_penalty=0.6),
-                                       dict(repetition_penalty=0.9, frequency_penalty=-0.5)])
+@pytest.mark.parametrize("penalties", [
+    dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+    pytest.param(dict(presence_penalty=0.8, frequency_penalty=0.6), marks=pytest.mark.slow),
+    pytest.param(dict(repetition_penalty=0.9, frequency_penalty=-0.5), marks=pytest.mark.slow)])
 def test_penalties_per_draft_position_equal_plain(plain_core, spec_core, prompts, penalties):
     """Penalties count the output as of each draft position: the tokens of plain decoding
     (which, with penalties, break the loops that drafts feed on less often than not)."""
@@ -363,7 +365,7 @@ def test_mixed_batch_and_async_scheduling(default_model, prompts, greedy_referen
     plain = dataclasses.replace(GREEDY, speculative=False)
     sampled = SamplingParams(temperature=0.7, max_tokens=32, seed=5, ignore_eos=True)
     seqs = []
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(prompts[:9]):
         params = (GREEDY, plain, sampled)[i % 3]
         seq = core.make_sequences(ids, params)[0]
         core.add(seq)
