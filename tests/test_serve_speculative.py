@@ -4,11 +4,13 @@
 forces a scripted reply that repeats itself, so n-gram drafts are accepted."""
 
 import json
+import logging
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deadlines import wait_until
 from serve_utils import LiveServer, replay_engine
 import tallow.testing  # noqa: F401  (registers the replay: model source)
 
@@ -66,6 +68,17 @@ def test_usage_speculation_on_every_protocol_and_the_metrics(server):
     assert moved("vllm:spec_decode_num_accepted_tokens_total") == sum(u["speculation"]["accepted"] for u in usages)
     assert moved("vllm:spec_decode_num_drafts_total") > 0
     assert moved("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0") > 0
+
+
+def test_trace_shows_the_accepted_runs(server, caplog):
+    with caplog.at_level(logging.INFO, logger="tallow.trace"):
+        r = httpx.post(server.base_url + "/v1/chat/completions", headers={"x-tallow-trace": "1"}, json={
+            "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 60})
+        wait_until(lambda: any(rec.name == "tallow.trace" for rec in caplog.records), timeout=10)
+    [trace] = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "tallow.trace"]
+    drafts = trace["sequences"][0]["drafts"]
+    spec = r.json()["usage"]["speculation"]
+    assert sum(p for _, p, _ in drafts) == spec["proposed"] and sum(a for _, _, a in drafts) == spec["accepted"]
 
 
 def test_speculative_false_does_not_speculate(server):
