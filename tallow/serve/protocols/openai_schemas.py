@@ -62,6 +62,8 @@ class SamplingFields(WireModel):
     skip_special_tokens: bool = True
     # vLLM's: each prompt token's logprob (and the top k there), in the response's prompt_logprobs.
     prompt_logprobs: Count | None = Field(default=None, ge=0)
+    # tallow extra: false keeps this request from speculating (when the server speculates)
+    speculative: bool = True
 
 
 class JsonSchemaSpec(WireModel):
