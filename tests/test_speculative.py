@@ -336,12 +336,112 @@ def test_penalties_per_draft_position_equal_plain(plain_core, spec_core, prompts
     assert spec_core.stats()["speculative"]["num_accepted_tokens"] > drafts
 
 
-def test_grammar_requests_do_not_speculate(spec_core, prompts):
-    params = dataclasses.replace(GREEDY, max_tokens=2)
-    params.grammar = object()  # the grammar-engine branch's attribute
-    seq = run_all(spec_core, prompts[:1], params)[0]
-    assert seq.spec is None
-    assert spec_core.stats()["speculative"]["requests_not_speculating"].get("grammar", 0) >= 1
+def staged(core: EngineCore, first, late, steps_before_late: int = 3):
+    """first: (prompt ids, params) pairs added at once; late: the same, added after
+    steps_before_late steps, so their prefill rows follow the drafted rows of the first ones in
+    a step. Each sequence's outputs by seq_id."""
+    outs: dict[int, list] = {}
+    seqs = [s for ids, p in first for s in core.make_sequences(ids, p)]
+    for s in seqs:
+        core.add(s)
+    for step in range(10_000):
+        if step == steps_before_late:
+            late_seqs = [s for ids, p in late for s in core.make_sequences(ids, p)]
+            for s in late_seqs:
+                core.add(s)
+            seqs += late_seqs
+        if step > steps_before_late and not core.has_work():
+            break
+        for seq, out in core.step():
+            outs.setdefault(seq.seq_id, []).append(out)
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+    return seqs, outs
+
+
+def speculating_batch(prompts):
+    """Input-grounded prompts that draft and get accepted runs with ngram."""
+    return [(ids, dataclasses.replace(GREEDY, max_tokens=24)) for ids in prompts[:4]]
+
+
+def spec_counts(core) -> tuple[int, Counter]:
+    s = core.stats()["speculative"]
+    return s["num_accepted_tokens"], Counter(s["requests_not_speculating"])
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user", "guest"]}},
+    "required": ["name", "age", "role"], "additionalProperties": False}
+
+
+def test_grammar_request_in_a_speculating_batch_is_plain_and_valid(plain_core, spec_core, prompts):
+    """A grammar request decodes plainly beside speculating sequences (its masks, the grammar's
+    end and jump-forward fill as without speculation) and its reply is valid for the schema."""
+    from tallow.engine.grammar import GrammarSpec
+
+    jsonschema = pytest.importorskip("jsonschema")
+    tok = plain_core.tokenizer
+    grammar = GrammarSpec("json_schema", json.dumps(PERSON, separators=(",", ":")))
+    person = (tok.encode("Describe a user as JSON:"), SamplingParams(temperature=0.0, max_tokens=64, grammar=grammar))
+    accepted0, refused0 = spec_counts(spec_core)
+    results = []
+    for core in (plain_core, spec_core):
+        seqs, outs = staged(core, speculating_batch(prompts) + [person], [person])
+        # The speculating sequences' outputs come in runs: their tokens are compared; the
+        # grammar ones' outputs one by one (forced tokens and fill where they were).
+        results.append([s.output_ids for s in seqs[:4]] + [
+            (s.output_ids, s.finish_reason, [(o.token_ids, o.fill) for o in outs[s.seq_id]]) for s in seqs[4:]])
+        for s in (seqs[4], seqs[5]):
+            assert s.spec is None and s.finish_reason == "stop" and outs[s.seq_id][-1].fill > 0
+            jsonschema.validate(json.loads(tok.decode(s.output_ids)), PERSON)
+    assert results[1] == results[0]
+    accepted, refused = spec_counts(spec_core)
+    assert accepted > accepted0
+    assert refused["grammar"] - refused0["grammar"] == 2
+
+
+def test_reasoning_budget_request_in_a_speculating_batch_is_plain(plain_core, spec_core, prompts):
+    """A reasoning-budget request's forced end-of-reasoning tokens come where they come without
+    speculation; its prompt repeats itself, so it would draft if it speculated."""
+    end = tuple(plain_core.tokenizer.encode("</think>"))
+    budget = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, reasoning_budget=6,
+                            reasoning_end_ids=end, reasoning_open=True)
+    accepted0, refused0 = spec_counts(spec_core)
+    results = []
+    for core in (plain_core, spec_core):
+        seqs, outs = staged(core, speculating_batch(prompts), [(prompts[0], budget)])
+        results.append([s.output_ids for s in seqs] + [[o.token_ids for o in outs[seqs[-1].seq_id]]])
+        late = seqs[-1]
+        assert late.spec is None
+        assert tuple(late.output_ids[6:6 + len(end)]) == end
+    assert results[1] == results[0]
+    accepted, refused = spec_counts(spec_core)
+    assert accepted > accepted0
+    assert refused["reasoning_budget"] - refused0["reasoning_budget"] == 1
+
+
+def test_prompt_logprobs_unchanged_beside_drafted_rows(plain_core, spec_core, prompts):
+    """A prompt-logprob request whose prefill follows drafted rows in a step (the rows scoring its
+    prompt sit after the drafts in the flat batch) gets plain decoding's prompt logprobs and
+    tokens; it drafts only once they are out."""
+    params = dataclasses.replace(GREEDY, max_tokens=16, prompt_logprobs=2)
+    late = [(prompts[1], params)]
+    got = []
+    for core in (plain_core, spec_core):
+        seqs, outs = staged(core, speculating_batch(prompts), late)
+        s = seqs[-1]
+        first = outs[s.seq_id][0]
+        assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(prompts[1]) - 1
+        assert all(o.prompt_logprobs is None for o in outs[s.seq_id][1:])
+        got.append((s, first.prompt_logprobs, outs[s.seq_id]))
+    (ps, pl, _), (ss, sl, souts) = got
+    assert ss.output_ids == ps.output_ids
+    assert [(e.token_id, e.rank, [t for t, _ in e.top]) for e in sl] == \
+        [(e.token_id, e.rank, [t for t, _ in e.top]) for e in pl]
+    assert [e.logprob for e in sl] == pytest.approx([e.logprob for e in pl], abs=1e-4)
+    assert souts[0].speculation is None or souts[0].speculation == (0, 0)  # no draft before they went out
+    assert sum(o.speculation[1] for o in souts if o.speculation) > 0  # then it speculates
 
 
 def test_abort_and_n_siblings_free_blocks(spec_core, prompts):
