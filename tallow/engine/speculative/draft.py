@@ -23,6 +23,10 @@ _ids = iter(range(1 << 62))
 class DraftShadow:
     __slots__ = ("seq_id", "token_ids", "block_table", "num_computed_tokens", "synced", "draft", "for_length",
                  "pending_row")
+    # What the target's runner reads of a sequence beyond the above: a shadow never asks for
+    # prompt logprobs (plan_prompt_rows) and has no grammar.
+    prompt_logprobs = None
+    grammar = None
 
     def __init__(self):
         self.seq_id = -1 - next(_ids)  # never a real sequence's id
