@@ -15,6 +15,11 @@ chat >= 0.95x, grounded b8 >= 1.3x.
 
     python benchmarks/speculative.py                         # default model, batch 1 and 8
     python benchmarks/speculative.py --max-tokens 16 --batch 1 --workloads chat   # a quick check
+    python benchmarks/speculative.py --device cuda --model dummy:llama-3-8b       # the CUDA path
+
+A `dummy:` model has random weights: its replies do not copy the prompt, so acceptance is
+that of whatever loops it falls into; it measures the cost of drafting and verifying on
+that shape (and the adaptive off-switch), not the gain on input-grounded text.
 """
 
 from __future__ import annotations
@@ -149,6 +154,9 @@ def run(core, prompts, max_tokens: int, speculative: bool) -> tuple[float, list[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="auto", help="cpu, cuda or auto (the engine's choice)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat", "random"],
                     choices=["grounded", "chat", "random"])
@@ -166,7 +174,8 @@ def main() -> None:
 
     from benchmarks.offline_throughput import make_core
 
-    core = make_core(model=args.model, speculative_method="draft" if args.speculative_model else "ngram",
+    core = make_core(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                     speculative_method="draft" if args.speculative_model else "ngram",
                      speculative_model=args.speculative_model, num_speculative_tokens=args.k,
                      ngram_max=args.ngram_max, ngram_min=args.ngram_min, speculative_row_cost=args.row_cost)
     spec = core.speculator
@@ -204,7 +213,7 @@ def main() -> None:
     cols = ["workload", "batch", "out_tokens", "plain_tok_s", "spec_tok_s", "speedup", "same", "drafts",
             "acceptance", "mean_accepted_len", "accept_per_pos"]
     print(table(rows, cols))
-    write_json(args.json, {"k": args.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,
+    write_json(args.json, {"model": args.model, "device": str(core.device), "k": args.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,
                            "row_cost": spec.row_cost,
                            "max_tokens": args.max_tokens, "rows": rows})
 
