@@ -37,6 +37,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="shard the model over N processes (one per GPU on CUDA, NCCL; gloo on the CPU)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding in the batch: ngram (prompt lookup) or draft (--speculative-model); "
+                        "off by default")
+    p.add_argument("--speculative-model", default=None,
+                   help="the draft model's source (the model's vocabulary) for --speculative-method draft")
+    p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                   help="tokens proposed per speculating step")
+    p.add_argument("--ngram-max", type=int, default=d.ngram_max, help="longest suffix the ngram proposer looks up")
+    p.add_argument("--ngram-min", type=int, default=d.ngram_min, help="shortest suffix the ngram proposer looks up")
+    p.add_argument("--speculative-row-cost", type=float, default=None,
+                   help="cost of one more query row relative to a decode step, in [0, 1): a sequence drafts a "
+                        "position only while its drafts reach it more often (default 0.7 on the CPU, 0.1 on CUDA)")
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
@@ -50,6 +62,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
         async_scheduling={"on": True, "off": False}.get(args.async_scheduling, "auto"),
+        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=args.speculative_model,
+        ngram_max=args.ngram_max, ngram_min=args.ngram_min, speculative_row_cost=args.speculative_row_cost,
     )
 
 

@@ -72,6 +72,23 @@ class EngineConfig:
 
     # Structured output: append the tokens a grammar forces without sampling them ("fill").
     grammar_jump_forward: bool = True
+    # Speculative decoding inside the continuous batch (tallow/engine/speculative/): None (off)
+    # or "ngram" (prompt lookup: the longest recent suffix of ngram_max down to ngram_min tokens
+    # found earlier in the prompt or output proposes the tokens that followed it). A speculating
+    # sequence verifies up to num_speculative_tokens proposed tokens per step.
+    speculative_method: str | None = None
+    # "draft": the draft model's source (same vocabulary as the model), loaded as the model is.
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 2
+    # What one more query row of a step costs, relative to a plain decode step of one sequence:
+    # a sequence proposes a draft position only while its recent drafts reached that position
+    # more often than this (the adaptive off-switch). None: 0.7 on the CPU (tallow's int4
+    # kernels on AVX2 run each of 2-3 rows on its own, ~0.7 of a one-row step per extra row
+    # for the default model), 0.1 on CUDA. A constant, not a timing: a seeded request's text
+    # must not depend on how fast the machine was.
+    speculative_row_cost: float | None = None
 
     # Where converted weights are cached (GGUF dequantization is slow on first load).
     cache_dir: str = field(default_factory=_default_cache_dir)

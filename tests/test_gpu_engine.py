@@ -246,6 +246,33 @@ def test_graph_batch_sizes_between_rungs(tiny):
     assert generate(graphs, prompts, params)[0] == generate(eager, prompts, params)[0]
 
 
+def test_speculation_on_cuda_equals_plain_greedy(tiny):
+    """ngram speculation on the CUDA path: a step with a draft is not decode-only, so it runs
+    eagerly (no graph), and asynchronous scheduling steps synchronously while a speculating
+    sequence is queued. Greedy tokens equal plain decoding's (CUDA graphs, asynchronous) up to
+    near-ties: a drafted row's K+1 query rows run the multi-row attention path, not bitwise the
+    one-row decode kernel. The pool's blocks all come back."""
+    spec = make_core(tiny.model, tiny.tokenizer_dir, speculative_method="ngram", num_speculative_tokens=4,
+                     speculative_row_cost=0.0)
+    assert spec.async_scheduling and spec.runner.graphs is not None
+    g = torch.Generator().manual_seed(12)
+    vocab = spec.model_config.vocab_size
+    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() * 4 for n in (6, 11, 17, 9, 3)]
+    want, want_top = generate(tiny.graphs, prompts, PARAMS)
+    overlapped = spec.num_overlapped_steps
+    got, _ = generate(spec, prompts, PARAMS)
+    stats = spec.stats()["speculative"]
+    assert stats["num_draft_tokens"] > 0 and stats["requests"] == len(prompts)
+    assert spec.num_overlapped_steps == overlapped
+    for w, o, tops in zip(want, got, want_top):
+        assert len(o) == len(w) == PARAMS.max_tokens
+        d = first_divergence(w, o)
+        if d is not None:
+            top = dict(tops[d])
+            assert o[d] in top and top[w[d]] - top[o[d]] < NEAR_TIE, (d, w, o)
+    assert spec.kv.num_free_blocks == spec.kv.num_blocks
+
+
 def test_preemption_and_recompute_under_graphs(tiny):
     """A KV pool too small for the batch: sequences are preempted and recomputed (their
     block tables change) between graph replays; the tokens stay those of the eager engine."""

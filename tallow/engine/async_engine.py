@@ -34,10 +34,12 @@ def merge_outputs(first: TokenOutput, then: TokenOutput) -> TokenOutput:
     def joined(a: list | None, b: list | None) -> list | None:
         return None if a is None and b is None else (a or []) + (b or [])
 
+    spec = first.speculation if then.speculation is None else then.speculation if first.speculation is None else (
+        first.speculation[0] + then.speculation[0], first.speculation[1] + then.speculation[1])
     return TokenOutput(first.token_ids + then.token_ids, joined(first.logprobs, then.logprobs),
                        joined(first.top_logprobs, then.top_logprobs), then.finish_reason, then.num_prompt_tokens,
                        first.num_cached_tokens, then.stop_token_id, then.fill,
-                       first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
+                       first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs, spec)
 
 
 class RequestStream:

@@ -6,6 +6,7 @@ offline API and the CLI step it themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED
@@ -44,6 +45,9 @@ class TokenOutput:
     # With the first token of a sequence that asked for them: the PromptLogprobs of prompt tokens
     # 1 .. P-1 (tallow/engine/prompt_logprobs.py); the first prompt token has none.
     prompt_logprobs: list | None = None
+    # A speculating sequence's (draft tokens proposed, accepted) over the steps of this output;
+    # None for a sequence that does not speculate.
+    speculation: tuple[int, int] | None = None
 
 
 def final_output(seq: Sequence) -> TokenOutput:
@@ -62,13 +66,14 @@ class EngineCore:
     With config.tensor_parallel_size > 1 it also starts the worker processes of the other
     ranks and holds rank 0's shard of the model; call shutdown() to stop them."""
 
-    def __init__(self, config: EngineConfig, loaded=None):
+    def __init__(self, config: EngineConfig, loaded=None, draft_loaded=None):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         t0 = time.monotonic()
         self.workers = self._start_workers(loaded) if config.tensor_parallel_size != 1 else None
+        self._draft_loaded = draft_loaded
         try:
             self._build(loaded)
         except BaseException:
@@ -115,7 +120,10 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_id)
         self.kv_dtype = built.kv_dtype
-        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
+        draft = self._load_draft_model() if config.speculative_method == "draft" else None
+        draft_per_block = 0 if draft is None else kv_bytes_per_block(draft.loaded.config, config.block_size,
+                                                                     draft.kv_dtype)
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(draft_per_block)
         self.runner = ModelRunner.for_engine(built, config, num_blocks, max_model_len=self.max_model_len,
                                              parallel=parallel)
         # One block of every layer's K and V in this process (rank 0's heads with tensor parallelism).
@@ -129,6 +137,22 @@ class EngineCore:
         register_vocab_width(self.tokenizer, self.model_config.vocab_size)
         self._compiling: list[Sequence] = []
         self.jump_forward = config.grammar_jump_forward
+        self.speculator = None
+        if config.speculative_method:
+            from tallow.engine.speculative import Speculator
+
+            if self.workers is not None:
+                raise TallowError("speculative decoding does not work with tensor parallelism yet",
+                                  param="speculative_method")
+            proposer = None
+            if draft is not None:
+                from tallow.engine.speculative.draft import DraftModelProposer
+
+                # Its own KV cache of num_blocks blocks of its shape (the budget held both).
+                runner = ModelRunner.for_engine(draft, dataclasses.replace(config, enforce_eager=True), num_blocks,
+                                                max_model_len=self.max_model_len)
+                proposer = DraftModelProposer(runner, config.block_size)
+            self.speculator = self.scheduler.speculator = Speculator(config, self.device.type, proposer)
         self.async_scheduling = self._async_scheduling()
         # Asynchronous scheduling: the launched step whose tokens have not been read yet.
         self._inflight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
@@ -157,9 +181,24 @@ class EngineCore:
             self.workers.shutdown(graceful)
             self.workers = None
 
-    def _num_blocks_from_budget(self) -> int:
+    def _load_draft_model(self):
+        """The draft model of speculative_method "draft": loaded as the model is, on its device."""
+        c = self.config
+        if self._draft_loaded is None and not c.speculative_model:
+            raise TallowError("speculative_method 'draft' needs a speculative_model", param="speculative_model")
+        if self.workers is not None:
+            raise TallowError("speculative decoding does not work with tensor parallelism yet",
+                              param="speculative_method")
+        draft = load_engine_model(dataclasses.replace(c, model=c.speculative_model or c.model), self.device,
+                                  loaded=self._draft_loaded)
+        if draft.loaded.config.vocab_size != self.model_config.vocab_size:
+            raise TallowError(f"the draft model's vocabulary ({draft.loaded.config.vocab_size} tokens) is not the "
+                              f"model's ({self.model_config.vocab_size})", param="speculative_model")
+        return draft
+
+    def _num_blocks_from_budget(self, extra_per_block: int = 0) -> int:
         cfg, c = self.model_config, self.config
-        per_block = kv_bytes_per_block(cfg, c.block_size, self.kv_dtype)
+        per_block = kv_bytes_per_block(cfg, c.block_size, self.kv_dtype) + extra_per_block
         if self.workers is not None:
             # Each rank caches its own KV heads (some replicated when there are fewer than
             # ranks); on the CPU every rank's cache is in the same host memory.
@@ -366,20 +405,27 @@ class EngineCore:
         self.scheduler.fail_sequences(failed)
 
     def _step_sync(self) -> list[tuple[Sequence, TokenOutput]]:
+        if self.speculator is not None:
+            self.speculator.prepare(self.scheduler.running, self.scheduler.pool_tokens)
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
         if self.prefill_log:
             self._log_prefill_chunks(out)
         try:
-            res = self.runner.run(out)
+            res = self._verify(out) if out.speculative else self.runner.run(out)
         except Exception:
             return self._fail_step(out)
         self.num_steps += 1
         self._fail_invalid_rows(out, res)
         self._gather_prompt_logprobs(res)
-        self.scheduler.update(out, res.token_ids)
-        # Steps with grammar rows are synchronous (the scheduler counts them as reading host tokens).
+        if out.speculative:
+            self.scheduler.update(out, res.token_ids, res.runs)
+            self._record_speculation(out, res)
+        else:
+            self.scheduler.update(out, res.token_ids)
+        # After either update: steps with grammar rows are synchronous (the scheduler counts them
+        # as reading host tokens), and a grammar row never speculates (one token per row).
         forced = self._advance_grammars(out) if self.scheduler.num_host_token_seqs else None
         if not self.scheduler.running:  # nothing runs on: the sampler's cached batch plan is stale
             self.runner.sampler.release()
@@ -421,13 +467,37 @@ class EngineCore:
             self.scheduler.fail_sequences(seqs, reason)
         return forced
 
+    def _verify(self, out: SchedulerOutput):
+        """A step with speculating rows: the forward's logits of every draft position, verified
+        (tallow/engine/speculative/verify.py), and the prompt logprobs of its prefill rows as a
+        plain step has them. Always synchronous."""
+        from tallow.engine.speculative import verify_step
+
+        with torch.inference_mode():
+            logits = self.runner.logits(out)
+            res = verify_step(self.runner.sampler, logits, out)
+        res.prompt_logprobs = self.runner.take_prompt_logprobs()
+        return res
+
+    def _record_speculation(self, out: SchedulerOutput, res) -> None:
+        i = 0
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            if s.seq.spec is not None and res.runs[i]:
+                self.speculator.record(s.seq, res.proposed[i], res.accepted[i])
+            i += 1
+
     def _outputs(self, out: SchedulerOutput, res: StepResult, live: list[bool] | None = None,
                  forced: dict[int, list[int]] | None = None) -> list[tuple[Sequence, TokenOutput]]:
         """A TokenOutput per sampling row (per row where live is true, when given), with the
-        tokens its grammar forced after the sampled one (logprob 0: the only choice)."""
+        tokens its grammar forced after the sampled one (logprob 0: the only choice). A verified
+        speculative step (res.runs) gives each row its run as the scheduler kept it, and the
+        row's (proposed, accepted) when its sequence speculates."""
         outputs = []
         i = 0
         token_ids, logprobs, top = res.token_ids, res.logprobs, res.top
+        runs = getattr(res, "runs", None)
         invalid = set(res.invalid_rows)
         finished = SequenceStatus.FINISHED
         for r, s in enumerate(out.scheduled):
@@ -442,13 +512,27 @@ class EngineCore:
                 i += 1
                 continue
             lp = tp = None
-            if logprobs is not None:
-                k = seq.params.logprobs
-                if k is not None:
+            spec = None
+            k = seq.params.logprobs
+            if runs is not None:
+                run = runs[i]
+                if not run:  # aborted while the step ran
+                    i += 1
+                    continue
+                ids = list(run)
+                if k is not None and res.run_logprobs is not None:
+                    lp = res.run_logprobs[i][:len(run)]
+                    if k > 0 and res.run_top is not None:
+                        tp = [t[:k] for t in res.run_top[i][:len(run)]]
+                if seq.spec is not None:
+                    spec = (res.proposed[i], res.accepted[i])
+                self.num_generated_tokens += len(run) - 1
+            else:
+                ids = [token_ids[i]]
+                if logprobs is not None and k is not None:
                     lp = [logprobs[i]]
                     if k > 0 and top is not None:
                         tp = [top[i][:k]]
-            ids = [token_ids[i]]
             if seq.grammar is not None:
                 # Forced before this first sampled token (g.unsent) and after it (jump-forward).
                 g = seq.grammar
@@ -463,9 +547,10 @@ class EngineCore:
                     self.num_generated_tokens += len(head) + len(tail)
             if seq.status is finished:
                 output = TokenOutput(ids, lp, tp, seq.finish_reason, seq.num_prompt_tokens,
-                                     seq.num_cached_tokens, seq.stop_token_id, _fill(seq))
+                                     seq.num_cached_tokens, seq.stop_token_id, _fill(seq), speculation=spec)
             else:
-                output = TokenOutput(ids, lp, tp, None, seq.num_prompt_tokens, seq.num_cached_tokens, fill=_fill(seq))
+                output = TokenOutput(ids, lp, tp, None, seq.num_prompt_tokens, seq.num_cached_tokens, fill=_fill(seq),
+                                     speculation=spec)
             if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
                 output.prompt_logprobs = seq.prompt_logprobs
                 seq.prompt_logprobs_sent = True
@@ -498,4 +583,5 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions_total,
             "num_steps": self.num_steps,
             "generation_tokens": self.num_generated_tokens,
+            **({"speculative": self.speculator.stats()} if self.speculator is not None else {}),
         }

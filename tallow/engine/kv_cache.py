@@ -225,6 +225,14 @@ class KVCacheManager:
             hashes.append(h)
             self.pool.register(seq.block_table[i], h)
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past those that hold seq's computed tokens (a speculative step's
+        rejected slots), last first. They hold no full computed block, so no cached hash."""
+        keep = self.num_blocks_for(seq.num_computed_tokens)
+        table = seq.block_table
+        while len(table) > keep:
+            self.pool.release(table.pop())
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks, last first, so the tail of a prefix is evicted before its head."""
         for block in reversed(seq.block_table):

@@ -72,7 +72,7 @@ def plan_prompt_rows(scheduled: list[ScheduledSeq]) -> PromptRows | None:
                 segments.append((seq, end - first, k))
                 top_k = max(top_k, k)
                 seq.prompt_logprobs_next = end
-        offset += s.num_new_tokens
+        offset += s.num_new_tokens + len(s.draft)  # a speculating row's draft follows its tokens
     if not rows:
         return None
     return PromptRows(rows, targets, top_k, segments)

@@ -76,6 +76,9 @@ class Sequence:
         self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_next = 0
         self.prompt_logprobs_sent = False
+        # Speculation (tallow/engine/speculative/state.py): the SpecState of a sequence that
+        # speculates, set when it is queued; None otherwise.
+        self.spec = None
 
     # ---- derived -------------------------------------------------------------------
     @property

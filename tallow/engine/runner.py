@@ -250,6 +250,18 @@ class ModelRunner:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
             table = seq.block_table
+            draft = s.draft
+            if draft:  # speculation: the row's tokens, then its draft's; every one of them samples
+                ids.extend(seq.token_ids[start:end])
+                ids.extend(draft)
+                end += len(draft)
+                n += len(draft)
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                qsl.append(qsl[-1] + n)
+                seq_lens.append(end)
+                logits_idx.extend(range(qsl[-1] - len(draft) - 1, qsl[-1]))
+                continue
             if n == 1:
                 token = seq.token_ids[start]
                 if token < 0 and pending is not None:
@@ -365,6 +377,15 @@ class ModelRunner:
         if launched.prompt_host is not None:
             result.prompt_logprobs = prompt_logprobs.to_entries(launched.prompt_rows, launched.prompt_host)
         return result
+
+    def take_prompt_logprobs(self) -> list[tuple[object, list]]:
+        """After logits(): the prompt logprobs its prefill rows scored, as StepResult holds them
+        (a step whose logits are not sampled by launch(): a verified speculative step)."""
+        rows, out = self._prompt_rows, self._prompt_out
+        self._prompt_rows = self._prompt_out = None
+        if out is None:
+            return []
+        return prompt_logprobs.to_entries(rows, [x.cpu() for x in out])
 
     def logits(self, out: SchedulerOutput, prev_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The float32 logits [rows, vocab] of the step's sampling rows (scheduler order), after

@@ -61,6 +61,8 @@ class SamplingParams:
     reasoning_start_ids: tuple[int, ...] = ()
     reasoning_end_ids: tuple[int, ...] = ()
     reasoning_open: bool = False
+    # False: never speculate for this request (the `speculative: false` extra), whatever the server does.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -29,6 +29,9 @@ class ScheduledSeq:
     # Whether this row's chunk reaches the end of the sequence, so one token is sampled for it.
     # Fixed when scheduled: it stays true after update() has appended the sampled token.
     samples: bool = field(init=False)
+    # Speculation: tokens proposed after the row's last one, computed in the same step (their
+    # query rows follow the row's own; the verifier keeps the logits of all of them).
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_new_tokens == len(self.seq.token_ids)
@@ -41,13 +44,16 @@ class SchedulerOutput:
     num_batched_tokens: int
     # The leading rows that are decode rows (one token that samples); None: not counted.
     num_decodes: int | None = None
+    # Some sampling row belongs to a speculating sequence: the engine verifies the step
+    # (tallow/engine/speculative/verify.py) instead of sampling it plainly.
+    speculative: bool = False
 
     @property
     def is_decode_only(self) -> bool:
         """Every row is one token that samples (a step that CUDA graphs can replay)."""
         if self.num_decodes is not None:
             return 0 < self.num_decodes == len(self.scheduled)
-        return bool(self.scheduled) and all(s.num_new_tokens == 1 and s.samples for s in self.scheduled)
+        return bool(self.scheduled) and all(s.num_new_tokens == 1 and s.samples and not s.draft for s in self.scheduled)
 
 
 class Scheduler:
@@ -65,6 +71,10 @@ class Scheduler:
         # (penalties, a reasoning budget, a grammar): asynchronous scheduling waits for every
         # step's tokens while any is here.
         self.num_host_token_seqs = 0
+        # tallow/engine/speculative: set by the engine when the server speculates. Its sequences
+        # (seq.spec) get drafts on their sampling rows; their proposals read token ids on the
+        # host, so they count in num_host_token_seqs (their steps are synchronous).
+        self.speculator = None
 
     @property
     def num_running(self) -> int:
@@ -91,6 +101,8 @@ class Scheduler:
                               param="prompt", code="context_length_exceeded")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        if self.speculator is not None:
+            self.speculator.attach(seq)
         if _reads_host_tokens(seq):
             self.num_host_token_seqs += 1
 
@@ -127,10 +139,17 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             n = min(len(seq.token_ids) - computed, budget, self.max_chunk)
+            draft = ()
+            if seq.spec is not None and computed + n == len(seq.token_ids):
+                drafted = self._draft(seq, n, budget)
+                if drafted is None:  # a decode row whose draft does not fit this step: the next one
+                    i += 1
+                    continue
+                draft, n = drafted
             # A decode token whose slot is in a block the sequence holds needs no allocation
             # (allocate_slots would find nothing to do); anything else asks the KV cache.
-            if n != 1 or computed >= len(seq.block_table) * bs:
-                while not self.kv.allocate_slots(seq, n):
+            if n != 1 or draft or computed >= len(seq.block_table) * bs:
+                while not self.kv.allocate_slots(seq, n + len(draft)):
                     victim = running.pop()
                     self._preempt(victim)
                     preempted.append(victim)
@@ -139,8 +158,12 @@ class Scheduler:
                 if preempted and preempted[-1] is seq:
                     continue
             row = ScheduledSeq(seq, seq.num_computed_tokens, n)
-            (decodes if n == 1 and row.samples else prefills).append(row)
-            budget -= n
+            if draft:
+                row.draft = draft
+                prefills.append(row)
+            else:
+                (decodes if n == 1 and row.samples else prefills).append(row)
+            budget -= n + len(draft)
             i += 1
 
         # Waiting sequences in FIFO order, until one does not fit; none after a preemption
@@ -159,7 +182,13 @@ class Scheduler:
             # Prompt logprobs need every prompt row's logits: no cached prefix until they are complete.
             blocks, num_cached = ([], 0) if seq.needs_prompt_logprobs else self.kv.get_computed_prefix(seq)
             n = min(seq.num_tokens - num_cached, budget, self.max_chunk)
-            if not self.kv.allocate_slots(seq, n, blocks):
+            draft = ()
+            if seq.spec is not None and num_cached + n == seq.num_tokens:
+                drafted = self._draft(seq, n, budget)
+                if drafted is None:
+                    break
+                draft, n = drafted
+            if not self.kv.allocate_slots(seq, n + len(draft), blocks):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -169,19 +198,39 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
             self.running.append(seq)
             row = ScheduledSeq(seq, seq.num_computed_tokens, n)
-            (decodes if n == 1 and row.samples else prefills).append(row)
-            budget -= n
+            if draft:
+                row.draft = draft
+                prefills.append(row)
+            else:
+                (decodes if n == 1 and row.samples else prefills).append(row)
+            budget -= n + len(draft)
         self.waiting.extendleft(reversed(held_back))
 
         num_decodes = len(decodes)
         decodes.extend(prefills)
-        return SchedulerOutput(decodes, preempted, self.max_num_batched_tokens - budget, num_decodes)
+        speculative = self.speculator is not None and any(s.samples and s.seq.spec is not None for s in decodes)
+        return SchedulerOutput(decodes, preempted, self.max_num_batched_tokens - budget, num_decodes, speculative)
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+    def _draft(self, seq: Sequence, n: int, budget: int) -> tuple[list[int], int] | None:
+        """The draft of a speculating sequence's row of n tokens that reaches its end, and the
+        row's tokens. The draft is never cut to the step's budget (a seeded sequence's text
+        would depend on the batch): a row it does not fit gets no draft and stops one token
+        short of the end, so it does not sample (a prefill chunk), or waits for the next step
+        (None: a decode row)."""
+        draft = self.speculator.propose(seq, self.pool_tokens)
+        if n + len(draft) <= budget:
+            return draft, n
+        return None if n == 1 else ([], n - 1)
+
+    def update(self, out: SchedulerOutput, sampled: list[int], runs: list[list[int]] | None = None) -> list[Sequence]:
         """Apply one step's results; sampled holds one token per sampling row, in order.
+        A verified speculative step gives runs instead (tokens per sampling row, see
+        _update_speculative); each run is cut to the tokens the sequence kept.
 
         Returns the sequences that finished in this step.
         """
+        if runs is not None:
+            return self._update_speculative(out, runs)
         finished: list[Sequence] = []
         k = 0
         now = time.monotonic()
@@ -212,6 +261,58 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
+        if finished:
+            self.running = [seq for seq in self.running if not seq.is_finished]
+        return finished
+
+    def _update_speculative(self, out: SchedulerOutput, runs: list[list[int]]) -> list[Sequence]:
+        """update() of a step with drafts. A row whose draft had k tokens, of which the first
+        a were accepted, emits a + 1 tokens (runs[i]); its computed K/V are its own tokens and
+        the accepted ones, the slots of the rejected ones are dropped and blocks that held only
+        those go back to the pool. Tokens are appended one at a time with the stop checks, so a
+        run that stops (a stop id, eos, the length) is cut there."""
+        finished: list[Sequence] = []
+        k = 0
+        now = time.monotonic()
+        kv = self.kv
+        caching = kv.enable_prefix_caching
+        FINISHED = SequenceStatus.FINISHED
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is FINISHED:  # aborted (or failed) while the step ran
+                if s.samples:
+                    runs[k] = []
+                    k += 1
+                continue
+            if not s.samples:
+                seq.num_computed_tokens += s.num_new_tokens
+                if caching:
+                    kv.cache_full_blocks(seq)
+                continue
+            run = runs[k]
+            reason = None
+            taken = 0
+            for token in run:
+                seq.append_token(token)
+                taken += 1
+                reason = seq.check_stop()
+                if reason is None and len(seq.token_ids) > self.pool_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
+            del run[taken:]
+            k += 1
+            # The row's own tokens and the accepted draft tokens among those kept.
+            seq.num_computed_tokens += s.num_new_tokens + taken - 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if caching:
+                kv.cache_full_blocks(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+            elif s.draft:
+                kv.trim(seq)
         if finished:
             self.running = [seq for seq in self.running if not seq.is_finished]
         return finished
@@ -325,12 +426,16 @@ class Scheduler:
             self.num_host_token_seqs -= 1
         if seq.grammar is not None:
             seq.grammar.release()
+        if seq.spec is not None and self.speculator is not None:
+            self.speculator.release(seq)
 
 
 def _reads_host_tokens(seq: Sequence) -> bool:
     """The sampler reads the sequence's token ids on the host before its next token: penalties
-    count them, a reasoning budget watches them, and a grammar's mask follows them."""
-    return seq.params.needs_host_tokens or seq.grammar is not None
+    count them, a reasoning budget watches them, and a grammar's mask follows them. A speculating
+    sequence's proposals read them there too, and its verified rows emit a variable number of
+    tokens: its steps are synchronous."""
+    return seq.params.needs_host_tokens or seq.grammar is not None or seq.spec is not None
 
 
 def _prompt_computed(seq: Sequence) -> bool:

@@ -35,10 +35,19 @@ class Usage:
     # Output tokens a grammar forced and the engine appended without sampling them (jump-forward,
     # the seed's usage.fill); reported only when not 0. Counted in completion_tokens too.
     fill: int = 0
+    # Speculative decoding: {"proposed": draft tokens verified, "accepted": of those, accepted}
+    # over the request's sequences; None when none of them speculated.
+    speculation: dict[str, int] | None = None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    def add_speculation(self, proposed: int, accepted: int) -> None:
+        if self.speculation is None:
+            self.speculation = {"proposed": 0, "accepted": 0}
+        self.speculation["proposed"] += proposed
+        self.speculation["accepted"] += accepted
 
     def to_openai(self) -> dict:
         body = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -46,6 +55,8 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         if self.fill:
             body["fill"] = self.fill
+        if self.speculation is not None:
+            body["speculation"] = dict(self.speculation)
         return body
 
 
@@ -216,6 +227,8 @@ class CompletionRun:
             if out.fill != filled:
                 usage.fill += out.fill - filled
                 filled = out.fill
+            if out.speculation is not None:
+                usage.add_speculation(*out.speculation)
             if out.prompt_logprobs is not None:
                 prompt_logprobs = unsent_prompt_logprobs = out.prompt_logprobs
             if plan.score_only:  # the one token computed for it is dropped: no text, no usage

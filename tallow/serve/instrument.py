@@ -91,6 +91,9 @@ class SequenceStats:
                 self._record.completion_tokens += n
             if self._trace is not None:
                 self._trace.tokens += n
+                spec = getattr(out, "speculation", None)
+                if spec is not None and spec[0]:
+                    self._trace.drafts.append((now, spec[0], spec[1]))
         if out.finish_reason is not None:
             self.end(out.finish_reason, now)
 

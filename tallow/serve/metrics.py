@@ -102,3 +102,16 @@ class EngineCollector(Collector):
                       stats.get("prefix_cache_hits", 0))
         yield counter("vllm:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
                       stats.get("num_preemptions", 0))
+        spec = stats.get("speculative")
+        if spec is not None:
+            yield counter("vllm:spec_decode_num_drafts", "Speculative drafts verified.", spec["num_drafts"])
+            yield counter("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens verified.",
+                          spec["num_draft_tokens"])
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+                          spec["num_accepted_tokens"])
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Drafts whose token at this position was accepted.",
+                                          labels=["model_name", "position"])
+            for pos, count in enumerate(spec["accepted_per_position"]):
+                per_pos.add_metric(labels + [str(pos)], count)
+            yield per_pos

@@ -266,7 +266,7 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
             prompt_logprobs=engine_prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, grammar=grammar)
+            skip_special_tokens=req.skip_special_tokens, grammar=grammar, speculative=req.speculative)
     except TallowError as e:
         return Rejection.from_error(e)
     options = req.stream_options

@@ -9,12 +9,13 @@ are monotonic milliseconds since the request arrived:
      "sequences": [{"engine_id": "chatcmpl-...", "submitted": 2.6, "scheduled": 3.0,
                     "queue_wait": 0.4, "prefill_chunks": [[3.0, 0, 512], [41.7, 512, 88]],
                     "first_token": 55.0, "tokens": 64, "decode": 757.1, "finish": 812.1,
-                    "engine_finish": "length"}],
+                    "engine_finish": "length", "drafts": [[60.2, 4, 3], ...]}],
      "finish_reasons": ["length"]}
 
 A phase's mark is when it ended: parse ends when the template starts (chat) or the prompt is
 tokenized (completions); plan ends when the request is validated. The engine fills
-`prefill_chunks` (time, first position, tokens) when it supports it.
+`prefill_chunks` (time, first position, tokens) when it supports it; `drafts` (time, draft
+tokens proposed, accepted) is there for a sequence that speculated.
 """
 
 from __future__ import annotations
@@ -42,15 +43,21 @@ class SequenceTrace:
     # The engine's end: stop / length / error, or abort when the server ended it (a stop
     # string, a client gone); the request's finish_reasons are the protocol's.
     engine_finish: str | None = None
+    # Speculative decoding: (time, draft tokens proposed, accepted) per engine output with a
+    # verified draft: the decode phase's accepted runs. Listed only when there are any.
+    drafts: list[tuple[float, int, int]] = field(default_factory=list)
 
     def to_dict(self, start: float) -> dict:
         wait = None if self.scheduled is None else _ms(self.submitted, self.scheduled)
         decode = None if self.first_token is None or self.finish is None else _ms(self.first_token, self.finish)
-        return {"engine_id": self.engine_id, "submitted": _ms(start, self.submitted),
-                "scheduled": _ms(start, self.scheduled), "queue_wait": wait,
-                "prefill_chunks": [[_ms(start, t), pos, n] for t, pos, n in self.prefill_chunks],
-                "first_token": _ms(start, self.first_token), "tokens": self.tokens, "decode": decode,
-                "finish": _ms(start, self.finish), "engine_finish": self.engine_finish}
+        out = {"engine_id": self.engine_id, "submitted": _ms(start, self.submitted),
+               "scheduled": _ms(start, self.scheduled), "queue_wait": wait,
+               "prefill_chunks": [[_ms(start, t), pos, n] for t, pos, n in self.prefill_chunks],
+               "first_token": _ms(start, self.first_token), "tokens": self.tokens, "decode": decode,
+               "finish": _ms(start, self.finish), "engine_finish": self.engine_finish}
+        if self.drafts:
+            out["drafts"] = [[_ms(start, t), proposed, accepted] for t, proposed, accepted in self.drafts]
+        return out
 
 
 class RequestTrace:

@@ -59,8 +59,9 @@ class ScriptedReply:
 
 class ReplayModel(nn.Module):
     """Same interface as LlamaForCausalLM: forward() -> one "hidden" row per token (here the
-    id of the token that follows it, for the last token of each sequence), compute_logits()
-    -> a one-hot row per id."""
+    row's index in the step: the contexts stay with the model), compute_logits() -> for each
+    row it is given, a one-hot row of the token that follows that row's context (so every row
+    of a query can be sampled, as speculative decoding's drafted rows are)."""
 
     def __init__(self, config: ModelConfig, tokenizer: Tokenizer, replies: list[ScriptedReply],
                  step_delay_s: float = 0.0):
@@ -83,20 +84,25 @@ class ReplayModel(nn.Module):
         digits = (input_ids[written, None] >> shifts) & 255
         cache[meta.slot_mapping[written]] = digits.to(cache.dtype)
 
-        next_ids = torch.full((input_ids.shape[0], 1), self.eos_token_id, dtype=torch.long)
         offsets = torch.arange(block_size, device=input_ids.device)
-        last_rows = meta.query_start_loc[1:].tolist()
+        starts = meta.query_start_loc.tolist()
+        # Flat row -> (its sequence's context, the context's length up to and with that row).
+        self._rows = rows = []
         for b, seq_len in enumerate(meta.seq_lens_cpu):
             blocks = meta.block_tables[b, : (seq_len + block_size - 1) // block_size].long()
             slots = (blocks[:, None] * block_size + offsets).flatten()[:seq_len]
-            context = (cache[slots].long() << shifts).sum(dim=1)
-            next_ids[last_rows[b] - 1, 0] = self._next_token(context.tolist())
-        return next_ids.to(input_ids.device)
+            context = (cache[slots].long() << shifts).sum(dim=1).tolist()
+            q = starts[b + 1] - starts[b]
+            rows += [(context, seq_len - q + 1 + r) for r in range(q)]
+        return torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        next_ids = [self._next_token(context[:length]) for context, length in
+                    (self._rows[r] for r in hidden[:, 0].tolist())]
         logits = torch.full((hidden.shape[0], self.config.vocab_size), _OTHER_LOGIT,
                             dtype=torch.float32, device=hidden.device)
-        return logits.scatter_(1, hidden, 0.0)
+        index = torch.tensor(next_ids, dtype=torch.long, device=hidden.device).unsqueeze(1)
+        return logits.scatter_(1, index, 0.0)
 
     def _next_token(self, context: list[int]) -> int:
         """The token after context: the next one of the reply that the prompt selects."""

@@ -225,7 +225,7 @@ class AnthropicMessages(StreamProtocol):
         if isinstance(grammar, Rejection):
             return grammar
         sampling = SamplingFields(model=req.model, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, stop=req.stop_sequences)
+                                  top_k=req.top_k, stop=req.stop_sequences, speculative=req.speculative)
         plan = plan_completion(
             sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
@@ -357,4 +357,6 @@ def _usage(usage: Usage) -> dict:
             "cache_read_input_tokens": usage.cached_tokens, "output_tokens": usage.completion_tokens}
     if usage.fill:
         body["fill"] = usage.fill  # jump-forward tokens of a grammar (tallow's extension)
+    if usage.speculation is not None:
+        body["speculation"] = dict(usage.speculation)
     return body

@@ -205,6 +205,7 @@ class MessagesRequest(MessagesInput):
     stop_sequences: list[str] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    speculative: bool = True  # tallow extra: false keeps this request from speculating
 
 
 def _join(blocks) -> str:

@@ -30,6 +30,9 @@ def usage_json(usage: Usage) -> str:
     """to_json(usage.to_openai()), written directly: a streamed chunk carries it with every token
     under continuous_usage_stats."""
     fill = f',"fill":{usage.fill}' if usage.fill else ""
+    spec = usage.speculation
+    if spec is not None:
+        fill += f',"speculation":{{"proposed":{spec["proposed"]},"accepted":{spec["accepted"]}}}'
     return (f'{{"prompt_tokens":{usage.prompt_tokens},"completion_tokens":{usage.completion_tokens},'
             f'"total_tokens":{usage.total_tokens},"prompt_tokens_details":{{"cached_tokens":{usage.cached_tokens}}}'
             f'{fill}}}')

@@ -65,6 +65,8 @@ class SamplingFields(WireModel):
     # Not implemented: null or equal to n (the same as no best_of); more candidates than n is a 400
     # (plan_completion), never silently fewer.
     best_of: Count | None = Field(default=None, ge=1)
+    # tallow extra: false keeps this request from speculating (when the server speculates)
+    speculative: bool = True
 
 
 class JsonSchemaSpec(WireModel):

@@ -194,7 +194,8 @@ class OpenAIResponses(StreamProtocol):
         grammar = responses_grammar(req, prompt, engine.tokenizer)
         if isinstance(grammar, Rejection):
             return grammar
-        sampling = SamplingFields(model=req.model, stream=req.stream, temperature=req.temperature, top_p=req.top_p)
+        sampling = SamplingFields(model=req.model, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
+                                  speculative=req.speculative)
         plan = plan_completion(
             sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
@@ -380,7 +381,8 @@ class OpenAIResponses(StreamProtocol):
                 "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": usage.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                "total_tokens": usage.total_tokens, **({"fill": usage.fill} if usage.fill else {})}
+                "total_tokens": usage.total_tokens, **({"fill": usage.fill} if usage.fill else {}),
+                **({"speculation": dict(usage.speculation)} if usage.speculation is not None else {})}
 
 
 def responses_grammar(req: ResponsesRequest, prompt, tokenizer):

@@ -144,6 +144,7 @@ class ResponsesRequest(WireModel):
     # Accepted: the prefix cache finds shared prefixes by itself; client_metadata is the client's own.
     prompt_cache_key: str | None = None
     client_metadata: dict[str, Any] | None = None
+    speculative: bool = True  # tallow extra: false keeps this request from speculating
 
     def input_messages(self, flat_name=lambda name, namespace: name) -> list[dict[str, Any]]:
         """The input items as chat-template messages (instructions not included); flat_name gives

@@ -1,0 +1,124 @@
+"""Speculator: the engine's side of speculation. It decides which sequences speculate,
+proposes their drafts when the scheduler schedules their sampling rows, and keeps the
+counters that /stats and /metrics report (vLLM's spec_decode names)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tallow.config import EngineConfig
+from tallow.engine.request import Sequence
+from tallow.engine.speculative.proposer import make_proposer
+from tallow.engine.speculative.state import SpecState, speculation_refusal
+from tallow.errors import TallowError
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, device_type: str = "cpu", proposer=None):
+        k = config.num_speculative_tokens
+        if not 1 <= k <= 64:
+            raise TallowError(f"num_speculative_tokens must be in [1, 64], got {k}", param="num_speculative_tokens")
+        if config.max_num_batched_tokens < k + 1:
+            raise TallowError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must hold a speculating "
+                              f"row of num_speculative_tokens + 1 = {k + 1} tokens", param="num_speculative_tokens")
+        self.method = config.speculative_method
+        self.k = k
+        self.row_cost = config.speculative_row_cost
+        if self.row_cost is None:
+            self.row_cost = 0.1 if device_type == "cuda" else 0.7
+        if not 0.0 <= self.row_cost < 1.0:
+            raise TallowError(f"speculative_row_cost must be in [0, 1), got {self.row_cost}",
+                              param="speculative_row_cost")
+        self.proposer = proposer or make_proposer(config.speculative_method, ngram_max=config.ngram_max,
+                                                  ngram_min=config.ngram_min)
+        self.num_drafts = 0  # verified drafts (rows with at least one proposed token)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * k  # drafts whose i-th token was accepted
+        self.num_requests = 0  # requests that speculate
+        self.refused: Counter[str] = Counter()  # requests that do not, by reason
+
+    def attach(self, seq: Sequence) -> None:
+        """Decide whether seq speculates (seq.spec: its SpecState, or None)."""
+        reason = speculation_refusal(seq.params)
+        first = seq.prefill_after is None  # a request's other choices are counted with it
+        if reason is not None:
+            seq.spec = None
+            if first:
+                self.refused[reason] += 1
+            return
+        seq.spec = SpecState(self.proposer.new_index(), self.k, self.row_cost)
+        if first:
+            self.num_requests += 1
+
+    def draft_length(self, seq: Sequence, pool_tokens: int) -> int:
+        if _prompt_logprobs_pending(seq):
+            return 0
+        spec = seq.spec
+        return max(0, min(spec.draft_length(), seq.max_output_tokens - seq.num_output_tokens - 1,
+                          pool_tokens - len(seq.token_ids)))
+
+    def prepare(self, running: list[Sequence], pool_tokens: int) -> None:
+        """Before the scheduler runs: a proposer that drafts for the whole batch at once (a
+        draft model) drafts for the running sequences about to decode."""
+        prepare = getattr(self.proposer, "prepare", None)
+        if prepare is None:
+            return
+        wanted = []
+        for seq in running:
+            if seq.spec is None or seq.stopping or seq.num_computed_tokens != len(seq.token_ids) - 1:
+                continue
+            k = self.draft_length(seq, pool_tokens)
+            if k > 0:
+                wanted.append((seq, k))
+        prepare(wanted)
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished: what the proposer holds for it (a draft model's KV blocks) goes."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(seq.spec.index)
+
+    def propose(self, seq: Sequence, pool_tokens: int) -> list[int]:
+        """The draft of seq's next sampling row: at most k tokens, fewer where its output limit
+        or the pool would end it first (never fewer because of the batch)."""
+        k = self.draft_length(seq, pool_tokens)
+        if k <= 0:
+            return []
+        return self.proposer.propose(seq.spec.index, seq.token_ids, k)
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """One verified sampling row of a speculating sequence (proposed 0: no draft)."""
+        spec = seq.spec
+        if proposed == 0:
+            spec.step_without_draft()
+            return
+        spec.record(proposed, accepted)
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def stats(self) -> dict:
+        d = self.num_draft_tokens
+        return {
+            "method": self.method,
+            "num_speculative_tokens": self.k,
+            "row_cost": self.row_cost,
+            "requests": self.num_requests,
+            "requests_not_speculating": dict(self.refused),
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": d,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.num_accepted_tokens / d if d else 0.0,
+            # Tokens emitted per verified draft: the accepted ones and the target's own.
+            "mean_accepted_length": (1 + self.num_accepted_tokens / self.num_drafts) if self.num_drafts else 0.0,
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
+def _prompt_logprobs_pending(seq: Sequence) -> bool:
+    """The sequence asked for prompt logprobs and its first output has not carried them yet:
+    no draft until then (its prefill rows score the prompt; a draft would only follow them)."""
+    return seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent
