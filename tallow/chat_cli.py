@@ -9,6 +9,7 @@ input: end a line with a backslash to go on, or enclose the text in lines of thr
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -35,6 +36,9 @@ class LocalChat:
         self.template = ChatTemplate.for_tokenizer(self.core.tokenizer)
         self.reasoning_parser = reasoning_parser_for_template(getattr(self.template, "source", None))
         self.name = engine_config.model
+        # Ctrl+C sets this (run_chat's handler) rather than raising inside an engine step: the
+        # loop below sees it between steps and aborts the sequence.
+        self.stop_requested = False
 
     def stream(self, messages: list[dict], options: dict) -> Iterator[tuple[str, str]]:
         from tallow.engine.sampling import SamplingParams
@@ -58,9 +62,12 @@ class LocalChat:
                 elif isinstance(e, ContentEvent):
                     yield "content", e.text
 
+        self.stop_requested = False
         try:
             for _, _, events in run.outputs():
                 yield from kinds(events)
+                if self.stop_requested:
+                    raise KeyboardInterrupt
             result, _ = pipeline.finish()
             yield from kinds(result.events)
         finally:
@@ -133,6 +140,17 @@ def read_message(prompt: str = ">>> ", more: str = "... ") -> str | None:
     return "\n".join(lines)
 
 
+def _stop_handler(backend):
+    """SIGINT during a reply: the in-process backend stops between engine steps; a server's
+    stream is left at once (KeyboardInterrupt out of the socket read closes the response)."""
+    def handler(signum, frame):
+        if hasattr(backend, "stop_requested"):
+            backend.stop_requested = True
+        else:
+            raise KeyboardInterrupt
+    return handler
+
+
 def run_chat(backend, options: dict, system: str | None = None, out=sys.stdout) -> int:
     try:
         import readline  # noqa: F401  (line editing and history for input())
@@ -182,6 +200,7 @@ def run_chat(backend, options: dict, system: str | None = None, out=sys.stdout) 
         history.append({"role": "user", "content": text})
         messages = ([{"role": "system", "content": system}] if system else []) + history
         reply, in_reasoning = [], False
+        previous = signal.signal(signal.SIGINT, _stop_handler(backend))
         try:
             for kind, piece in backend.stream(messages, options):
                 if kind == "reasoning":
@@ -203,6 +222,8 @@ def run_chat(backend, options: dict, system: str | None = None, out=sys.stdout) 
             history.pop()
             out.write("\n")
             continue
+        finally:
+            signal.signal(signal.SIGINT, previous)
         if in_reasoning and color:
             out.write(RESET)
         out.write("\n")

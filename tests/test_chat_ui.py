@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 
 import httpx
 import pytest
@@ -70,6 +71,8 @@ def page(browser):
     pg = context.new_page()
     pg.dialogs = []
     pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))
+    pg.chat_bodies = []
+    pg.on("request", lambda r: r.url.endswith("/v1/chat/completions") and pg.chat_bodies.append(r.post_data_json))
     pg.set_default_timeout(60_000)
     yield pg
     context.close()
@@ -82,12 +85,22 @@ def ui_replay_server():
     engine = replay_engine(ui_script())
     with LiveServer(engine) as live:
         yield live
-    asyncio.run(engine.shutdown())
+    # Playwright's sync API keeps an event loop running in this thread: shut down from another
+    closer = threading.Thread(target=asyncio.run, args=(engine.shutdown(),))
+    closer.start()
+    closer.join(30)
 
 
 def open_page(page, url: str) -> None:
     page.goto(url + "/")
-    page.wait_for_function("document.getElementById('model-name').textContent !== 'tallow'")
+    until(page, "document.getElementById('model-name').textContent !== 'tallow'")
+
+
+def until(page, js: str, timeout: float = 60.0) -> None:
+    """Wait (under a deadline) until the JavaScript expression js is true in the page. Evaluated
+    through the debugger protocol: wait_for_function's string predicates need eval, which the
+    page's Content-Security-Policy refuses."""
+    wait_until(lambda: page.evaluate(js), timeout=timeout, interval=0.05)
 
 
 def set_settings(page, **fields) -> None:
@@ -117,21 +130,22 @@ def test_reply_streams_in_and_matches_the_api(page, real_server):
     set_settings(page, temperature=0, max_tokens=40)
     send(page, "What is the capital of France?")
     # text shows while the request is still open (the stop button is up): streamed, not at the end
-    page.wait_for_function("document.querySelector('.msg.assistant .content')?.textContent.length > 0 "
+    until(page, "document.querySelector('.msg.assistant .content')?.textContent.length > 0 "
                            "&& !document.getElementById('stop').hidden")
-    page.wait_for_function("document.getElementById('stop').hidden")
+    until(page, "document.getElementById('stop').hidden")
     msgs = stored_messages(page)
     assert [m["role"] for m in msgs] == ["user", "assistant"]
-    expected = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "temperature": 0, "max_tokens": 40}).json()
+    body = page.chat_bodies[-1]
+    assert body["messages"] == [{"role": "user", "content": "What is the capital of France?"}], body
+    assert body["temperature"] == 0 and body["max_tokens"] == 40 and body["stream"] is True, body
+    expected = httpx.post(url + "/v1/chat/completions", timeout=120, json={**body, "stream": False}).json()
     assert msgs[1]["content"] == expected["choices"][0]["message"]["content"]
     meta = page.text_content(".msg.assistant .meta")
     usage = expected["usage"]
     assert f"prompt {usage['prompt_tokens']}" in meta and f"completion {usage['completion_tokens']}" in meta
     assert "TTFT" in meta and "tok/s" in meta
     # live server state from /stats
-    page.wait_for_function("document.getElementById('stat-running').textContent === '0'")
+    until(page, "document.getElementById('stat-running').textContent === '0'")
     assert page.dialogs == []
 
 
@@ -141,16 +155,16 @@ def test_stop_aborts_the_request(page, real_server):
     open_page(page, url)
     set_settings(page, temperature=0, max_tokens=3000)
     send(page, "Count from 1 to 1000, one number per line.")
-    page.wait_for_function("document.querySelector('.msg.assistant .content')?.textContent.length > 0")
+    until(page, "document.querySelector('.msg.assistant .content')?.textContent.length > 0")
     wait_until(lambda: running(url) == 1, timeout=30)
     page.click("#stop")
     wait_until(lambda: running(url) == 0, timeout=15)
-    page.wait_for_function("document.querySelector('.msg.assistant .meta').textContent.includes('stopped')")
+    until(page, "document.querySelector('.msg.assistant .meta').textContent.includes('stopped')")
     assert page.is_visible("#send") and not page.is_visible("#stop")
     # the conversation goes on after a stop: regenerate sends again
     set_settings(page, max_tokens=4)
     page.click("text=Regenerate")
-    page.wait_for_function("document.querySelector('.msg.assistant .meta').textContent.includes('length')")
+    until(page, "document.querySelector('.msg.assistant .meta').textContent.includes('length')")
 
 
 @pytest.mark.browser
@@ -159,7 +173,7 @@ def test_reasoning_and_tool_call_rendered(page, ui_replay_server):
     open_page(page, url)
     send(page, "Here is a riddle for you")
     page.wait_for_selector(".msg.assistant details.reasoning")
-    page.wait_for_function("document.getElementById('stop').hidden")
+    until(page, "document.getElementById('stop').hidden")
     assert "an echo" in page.text_content(".msg.assistant .reasoning-text")
     assert page.text_content(".msg.assistant .content").strip() == "An echo."
     assert page.get_attribute(".msg.assistant details.reasoning", "open") is None  # collapsed once done
@@ -168,7 +182,7 @@ def test_reasoning_and_tool_call_rendered(page, ui_replay_server):
     set_settings(page, tools=json.dumps(WEATHER_TOOL))
     send(page, "What is the weather in Paris?")
     page.wait_for_selector(".msg.assistant .tool-call")
-    page.wait_for_function("document.getElementById('stop').hidden")
+    until(page, "document.getElementById('stop').hidden")
     assert page.text_content(".tool-call .tool-name").endswith("get_weather")
     args = json.loads(page.text_content(".tool-call pre"))
     assert args == {"city": "Paris", "unit": "celsius", "days": [1, 2]}
@@ -185,7 +199,7 @@ def test_hostile_markup_is_inert(page, ui_replay_server):
     open_page(page, url)
     hostile_user = "hostile <img src=x onerror=alert(1)> [x](javascript:alert(1))"
     send(page, hostile_user)
-    page.wait_for_function("document.getElementById('stop').hidden && document.querySelectorAll('.msg.assistant').length")
+    until(page, "document.getElementById('stop').hidden && document.querySelectorAll('.msg.assistant').length")
     assert stored_messages(page)[1]["content"] == XSS_REPLY
     assert page.locator("#messages img").count() == 0
     assert page.locator("#messages [onerror]").count() == 0
@@ -216,9 +230,9 @@ def test_api_key_prompt(page):
             page.wait_for_selector("#key-dialog[open]")  # refused: asked again
             page.fill("#key-input", key)
             page.press("#key-input", "Enter")
-            page.wait_for_function("document.getElementById('model-name').textContent !== 'tallow'")
+            until(page, "document.getElementById('model-name').textContent !== 'tallow'")
             send(page, "Here is a riddle for you")
-            page.wait_for_function("document.querySelector('.msg.assistant .content')?.textContent.includes('An echo')")
+            until(page, "document.querySelector('.msg.assistant .content')?.textContent.includes('An echo')")
             assert page.evaluate("sessionStorage.getItem('tallow.apiKey')") == key
             local = page.evaluate("JSON.stringify(Object.assign({}, localStorage))")
             assert key not in local

@@ -190,7 +190,9 @@ function requestBody() {
   const s = settings();
   const messages = [];
   if (s.system.trim()) messages.push({ role: "system", content: s.system });
-  for (const m of current.messages) messages.push({ role: m.role, content: m.content || "" });
+  for (const m of current.messages) {
+    if (!m.streaming) messages.push({ role: m.role, content: m.content || "" });  // not the reply being made
+  }
   const body = { model: modelName || "default", messages, stream: true, stream_options: { include_usage: true } };
   for (const k of ["temperature", "top_p", "max_tokens", "seed"]) {
     if (s[k] !== "") body[k] = Number(s[k]);
