@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 MODEL ?= default
 
-.PHONY: venv install serve test test-triton test-slow test-evals test-all wheel bench clean
+.PHONY: venv install serve test test-triton test-slow test-evals test-browser test-all wheel bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,15 @@ test-slow: install
 test-evals: install
 	$(BIN)/python -c "import lm_eval" 2>/dev/null || $(BIN)/python -m pip install -q "lm-eval[api]==0.4.13"
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -m evals --durations=10 tests
+
+# The chat page in headless Chromium (tests marked browser). Playwright from PyPI (the `browser`
+# extra), the browser from the system's packages: Debian's chromium (Playwright cannot download
+# its own build here). Without either the tests skip.
+test-browser: install
+	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[browser]"
+	command -v chromium >/dev/null || { apt-get update -q && apt-get install -y -q chromium; } \
+		|| echo "could not install chromium: the browser tests will skip"
+	$(BIN)/python -m pytest -q -m browser --durations=10 tests
 
 test-all: install
 	$(BIN)/python -m pytest -q -m "" tests

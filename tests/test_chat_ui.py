@@ -127,7 +127,9 @@ def running(url: str) -> int:
 def test_reply_streams_in_and_matches_the_api(page, real_server):
     url = real_server.base_url
     open_page(page, url)
+    assert not page.is_visible("#settings")
     set_settings(page, temperature=0, max_tokens=40)
+    assert not page.is_visible("#settings")
     send(page, "What is the capital of France?")
     # text shows while the request is still open (the stop button is up): streamed, not at the end
     until(page, "document.querySelector('.msg.assistant .content')?.textContent.length > 0 "

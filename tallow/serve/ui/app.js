@@ -108,7 +108,7 @@ function drawMessage(m, index) {
     sum.textContent = m.streaming && !m.content ? "Thinking…" : "Reasoning";
     const body = document.createElement("div");
     body.className = "reasoning-text";
-    body.textContent = m.reasoning;
+    body.textContent = m.reasoning.trim();
     det.append(sum, body);
     div.append(det);
   }
