@@ -52,7 +52,7 @@ test-evals: install
 # extra), the browser from the system's packages: Debian's chromium (Playwright cannot download
 # its own build here). Without either the tests skip.
 test-browser: install
-	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[browser]"
+	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q "playwright>=1.40"  # the `browser` extra
 	command -v chromium >/dev/null || { apt-get update -q && apt-get install -y -q chromium; } \
 		|| echo "could not install chromium: the browser tests will skip"
 	$(BIN)/python -m pytest -q -m browser --durations=10 tests

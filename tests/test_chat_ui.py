@@ -156,7 +156,7 @@ def test_stop_aborts_the_request(page, real_server):
     url = real_server.base_url
     open_page(page, url)
     set_settings(page, temperature=0, max_tokens=3000)
-    send(page, "Count from 1 to 1000, one number per line.")
+    send(page, "Write a long essay about the history of France.")  # greedy: hundreds of tokens
     until(page, "document.querySelector('.msg.assistant .content')?.textContent.length > 0")
     wait_until(lambda: running(url) == 1, timeout=30)
     page.click("#stop")

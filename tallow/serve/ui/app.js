@@ -39,7 +39,12 @@ async function loadModel() {
     const card = (await r.json()).data[0];
     modelName = card.id;
     $("model-name").textContent = card.id;
-    $("model-defaults").textContent = `context ${card.max_model_len} tokens; temperature, top-p and max tokens from the model's generation config`;
+    // the server's defaults for a field left out (serve/plan.py), shown in the empty fields
+    $("set-temperature").placeholder = "1";
+    $("set-top-p").placeholder = "1";
+    $("set-max-tokens").placeholder = `up to ${card.max_model_len}`;
+    $("set-seed").placeholder = "random";
+    $("model-defaults").textContent = `temperature 1, top-p 1, max tokens: what the ${card.max_model_len}-token context leaves, seed random`;
     return;
   }
 }
