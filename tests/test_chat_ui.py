@@ -179,6 +179,11 @@ def test_reasoning_and_tool_call_rendered(page, ui_replay_server):
     assert "an echo" in page.text_content(".msg.assistant .reasoning-text")
     assert page.text_content(".msg.assistant .content").strip() == "An echo."
     assert page.get_attribute(".msg.assistant details.reasoning", "open") is None  # collapsed once done
+    # the conversation is kept in the browser: still there after a reload
+    page.reload()
+    until(page, "document.querySelectorAll('.msg').length === 2")
+    assert page.text_content("#conversations li.active").startswith("Here is a riddle")
+    assert "an echo" in page.text_content(".msg.assistant .reasoning-text")
     # a tool call as a card
     page.click("#new-chat")
     set_settings(page, tools=json.dumps(WEATHER_TOOL))
