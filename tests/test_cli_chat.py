@@ -98,3 +98,24 @@ def test_chat_with_a_server(real_server, tmp_path):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+def test_reasoning_is_dimmed(tmp_path):
+    from chat_ui_utils import ui_script
+
+    script = tmp_path / "replay.json"
+    script.write_text(json.dumps(ui_script()))
+    child = spawn("--model", f"replay:{script}")
+    try:
+        child.sendline("Here is a riddle for you")
+        child.expect_exact("\x1b[2m")  # dim on
+        child.expect_exact("an echo.")
+        child.expect_exact("\x1b[0m")  # dim off before the answer
+        child.expect_exact("An echo.")
+        child.expect_exact(PROMPT)
+        # only the answer is kept in the history, as the server's message content
+        assert saved(child, tmp_path / "a.json")[1] == {"role": "assistant", "content": "An echo."}
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
