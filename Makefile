@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 MODEL ?= default
 
-.PHONY: venv install serve test test-triton test-slow test-evals test-browser test-all wheel bench clean
+.PHONY: venv install serve test test-triton test-slow test-evals test-clients test-browser test-all wheel bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,18 @@ test-evals: install
 	$(BIN)/python -c "import lm_eval" 2>/dev/null || $(BIN)/python -m pip install -q "lm-eval[api]==0.4.13"
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -m evals --durations=10 tests
 
+# instructor, pydantic-ai, the OpenAI Agents SDK and LangChain against a live server on the
+# default model (client_tests/). They run in their own venv: they pin openai and pydantic
+# versions of their own, which must not move tallow's; the server runs from $(VENV).
+CLIENT_VENV ?= .venv-clients
+$(CLIENT_VENV)/.installed: client_tests/requirements.txt
+	$(PY) -m venv $(CLIENT_VENV)
+	$(CLIENT_VENV)/bin/python -m pip install -q -r client_tests/requirements.txt
+	touch $@
+
+test-clients: install $(CLIENT_VENV)/.installed
+	TALLOW_PYTHON=$(abspath $(BIN))/python $(CLIENT_VENV)/bin/python -m pytest -q --durations=5 client_tests
+
 # The chat page in headless Chromium (tests marked browser). Playwright from PyPI (the `browser`
 # extra), the browser from the system's packages: Debian's chromium (Playwright cannot download
 # its own build here). Without either the tests skip.
@@ -65,4 +77,4 @@ wheel: $(BIN)/python
 	$(BIN)/python -m pip wheel . --no-deps -w dist
 
 clean:
-	rm -rf $(VENV) .pytest_cache build dist
+	rm -rf $(VENV) $(CLIENT_VENV) .pytest_cache build dist

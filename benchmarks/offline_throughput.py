@@ -77,12 +77,23 @@ class TimedGraph:
 
 def weight_bytes_and_params(model) -> tuple[int, int]:
     """(bytes a decode step reads, parameters that do 2 FLOPs per token): every weight once,
-    except an untied embedding table, of which a step reads only its tokens' rows."""
+    except an untied embedding table, of which a step reads only its tokens' rows. Block-
+    quantized layers (TritonQuantLinear: a QuantWeight, GGUF on CUDA) count their planes' bytes;
+    a block-quantized embedding (no `weight` parameter) is left out like an untied one."""
+    import torch
+
     params = {id(p): p for p in model.parameters()}
-    if model.lm_head.weight is not model.model.embed_tokens.weight:
-        del params[id(model.model.embed_tokens.weight)]
-    return (sum(p.numel() * p.element_size() for p in params.values()),
-            sum(p.numel() for p in params.values()))
+    embed = getattr(model.model.embed_tokens, "weight", None)
+    if isinstance(embed, torch.nn.Parameter) and getattr(model.lm_head, "weight", None) is not embed:
+        del params[id(embed)]
+    nbytes = sum(p.numel() * p.element_size() for p in params.values())
+    nparams = sum(p.numel() for p in params.values())
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if w is not None and hasattr(w, "planes"):
+            nbytes += w.nbytes()
+            nparams += w.N * w.K
+    return nbytes, nparams
 
 
 def decode_roofline_s(model, cfg, batch: int, context_tokens: int, kv_dtype_bytes: int,

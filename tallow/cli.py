@@ -16,13 +16,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="default | path/to/model.gguf | HF folder | dummy:<preset>")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default=d.quantization, help="CPU weight format: auto (int4) | int4 | int8 (tallow's kernels where they build) | int4-torch | int8-torch | bf16 | none")
+    p.add_argument("--quantization", default=d.quantization, help="CPU weight format: auto (int4) | int4 | int8 (tallow's kernels where they build) | int4-torch | int8-torch | bf16 | none; on CUDA (sm_89+): fp8 (e4m3 weights, per-channel scales); on CUDA a GGUF file keeps its quantized blocks unless none (dequantized to --dtype)")
+    p.add_argument("--fp8-large-batch", default=d.fp8_large_batch, choices=("weight_only", "w8a8", "scaled_mm"),
+                   help="fp8 weights: batches of 64+ rows keep bf16 activations (weight_only: batch-invariant greedy "
+                        "output) or quantize them per token for fp8 tensor cores (w8a8, scaled_mm)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                   help="auto (float16 on the CPU with int4/int8 weights, else the model's dtype) | float16 | float32 | bfloat16")
+                   help="auto (float16 on the CPU with int4/int8 weights, else the model's dtype) | float16 | float32 | bfloat16 | fp8 (CUDA: e4m3 with per-layer scales)")
+    p.add_argument("--kv-cache-scale", default=d.kv_cache_scale,
+                   help="an fp8 KV cache's K/V scale: a number (1.0 as vLLM) | calibrate (from the first prefill)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -39,6 +44,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_scale=args.kv_cache_scale, fp8_large_batch=args.fp8_large_batch,
         kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3) if args.kv_cache_memory else None,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,

@@ -27,8 +27,15 @@ class EngineConfig:
     device: str = "auto"
     # Weight format for Linear layers on the CPU: "auto" is int4 (tallow's Q4 kernels, the LM
     # head Q8; torch's int4/int8 kernels where those cannot build), "int8", "int4-torch",
-    # "int8-torch", "bf16"; "none" keeps dense weights.
+    # "int8-torch", "bf16"; "none" keeps dense weights. "fp8" (CUDA, sm_89+): float weights
+    # quantized per output channel to e4m3 at load (an fp8 checkpoint is fp8 whatever this says).
+    # On CUDA a GGUF file's block-quantized weights stay in their blocks (Triton kernels) unless
+    # this is "none" (dequantized to dtype).
     quantization: str = "auto"
+    # FP8 weights (CUDA): the path of batches of 64 rows or more (prefill, big decode batches):
+    # "weight_only" (bf16 activations: greedy output batch invariant), "w8a8" (activations
+    # quantized per token, fp8 tensor cores: tallow's kernel) or "scaled_mm" (torch._scaled_mm).
+    fp8_large_batch: str = "weight_only"
     seed: int = 0
 
     # KV cache
@@ -36,6 +43,9 @@ class EngineConfig:
     # "auto": float16 on the CPU where tallow's kernels run the model (int4/int8 weights: attention
     # reads half the bytes), else the model's dtype; "float16" or the model's dtype by name.
     kv_cache_dtype: str = "auto"
+    # "fp8" caches (float8_e4m3fn, CUDA): each layer's K and V scale, "1.0" as vLLM's default or
+    # "calibrate" (amax of the first prefill's K / 200 and V / 100, as vLLM's calculate_kv_scales).
+    kv_cache_scale: str = "1.0"
     # Bytes for the KV pool on the CPU (None: a share of free RAM, capped).
     kv_cache_memory_bytes: int | None = None
     cpu_kv_cache_fraction: float = 0.25

@@ -17,6 +17,8 @@ Tolerances, as a fraction of the largest |reference| output:
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -135,6 +137,35 @@ def test_quant_gemv_matches_float64(where, fmt):
 
 
 @pytest.mark.parametrize("where", [INTERP, CUDA])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_quant_gemv1_matches_float64(where, fmt):
+    """The one-row kernel (whole blocks per load): float32 products of the exact weights, a
+    partial tile of rows (N = 37), K split over programs, and every tile setting it takes."""
+    from tallow.ops.triton_quant import quant_gemv1
+
+    w, reference, g = _case(fmt, where)
+    x = torch.randn(1, w.K, generator=g).to(where)
+    _check(quant_gemv1(x, w), x, reference, GEMV_TOL[torch.float32])
+    _check(quant_gemv1(x, w, split_k=2, block_n=8), x, reference, GEMV_TOL[torch.float32])
+    _check(quant_gemv1(x, w, split_k=1, block_n=32, num_warps=2), x, reference, GEMV_TOL[torch.float32])
+    if where == "cuda":
+        for dtype in (torch.bfloat16, torch.float16):
+            xd = torch.randn(1, w.K, generator=g).to(where, dtype)
+            _check(quant_gemv1(xd, w), xd, reference, GEMV_TOL[dtype])
+    with pytest.raises(ValueError, match="one row"):
+        quant_gemv1(torch.randn(2, w.K).to(where), w)
+    # More blocks a row: Q8_0's four blocks per step, the K-quants' two super-blocks per step
+    # (unrolled) with K split in two, and an odd number of super-blocks (one per step).
+    from tallow.ops.triton_quant_layout import random_blocks, repack
+
+    for K, kwargs in ((1024, dict(split_k=2)), (768, {})):
+        raw = random_blocks(fmt, N, K, generator=g)
+        x = torch.randn(1, K, generator=g).to(where)
+        _check(quant_gemv1(x, repack(raw.to(where), fmt, K), **kwargs), x, _dequantized(raw, fmt),
+               GEMV_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("where", [INTERP, CUDA])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quant_gemm_matches_float64(where, fmt):
     from tallow.ops.triton_quant import quant_gemm
@@ -174,6 +205,32 @@ def test_triton_quant_linear_dispatches_by_rows(where):
     want = x.double().cpu() @ reference.T
     # The bf16 path is measurably less exact than the float32 one: proof it was taken.
     assert (y.double().cpu() - want).abs().max().item() > 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("where", [INTERP, CUDA])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequantize_weight_and_the_cublas_path(where, fmt):
+    """dequantize_weight writes the planes' exact weights (float32 output: equal to the torch
+    dequantize; bf16: its rounding on CUDA, within one bf16 step under the interpreter), and
+    TritonQuantLinear takes it plus a matmul from dequant_min_rows rows on, with bf16 operands
+    as quant_gemm (GEMM tolerance)."""
+    from tallow.ops.triton_quant import TritonQuantLinear, dequantize_weight
+    from tallow.ops.triton_quant_layout import dequantize, random_blocks, repack
+
+    g = torch.Generator().manual_seed(5)
+    K = 768 if fmt != "Q8_0" else 96 * 4
+    raw = random_blocks(fmt, N, K, generator=g)
+    w = repack(raw.to(where), fmt, K)
+    exact = dequantize(w)
+    assert torch.equal(dequantize_weight(w, torch.float32), exact)
+    wb = dequantize_weight(w, torch.bfloat16)
+    if where == "cuda":  # round to nearest (the interpreter's float32 -> bf16 cast truncates)
+        assert torch.equal(wb, exact.to(torch.bfloat16))
+    else:
+        assert ((wb.float() - exact).abs() <= exact.abs() * 2.0 ** -7).all()
+    layer = TritonQuantLinear(w, dequant_min_rows=17)
+    x = torch.randn(17, K, generator=g).to(where)
+    _check(layer(x), x, _dequantized(raw, fmt), GEMM_TOL)
 
 
 def test_repack_rejects_wrong_shapes():
@@ -225,6 +282,28 @@ def test_kernels_compile_for_hopper(fmt):
     bps = 1 if tq._FORMAT_ARGS[fmt][5] == 8 else 4
     gemv = compile_(tq._quant_gemv_kernel, dict(BPS=bps, BLOCK_M=1, BLOCK_N=32, SPLIT=False), 2, 2)
     assert "ld.global.v4.b32" in gemv.asm["ptx"]
+    if fmt in tq._GEMV1_FORMATS:  # the one-row kernel: whole blocks in 16-byte loads
+        kind, qh = tq._GEMV1_FORMATS[fmt]
+        consts = dict(KIND=kind, QH=qh, BB=4 if kind == 0 else 2, BLOCK_N=16, SPLIT=True)
+        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in tq._gemv1_kernel.arg_names}
+        signature["y_ptr"] = "*fp32"
+        aligned = [n for n in tq._gemv1_kernel.arg_names if n.endswith("_ptr") or n == "NB"]
+        attrs = {(tq._gemv1_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        gemv1 = triton.compile(ASTSource(tq._gemv1_kernel, signature, consts, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        ptx = gemv1.asm["ptx"]
+        loop = "".join(re.findall(r"Inner Loop Header.*?\n(.*?)bra\s+\$L__BB0_\d+;", ptx, re.S))
+        # the weights in 16-byte loads, and no layout conversion through shared memory per block
+        assert "ld.global.v4.b32" in loop and "bar.sync" not in loop and "st.shared" not in loop
+        # and the kernel that writes the weight out for the cuBLAS path (bf16)
+        consts = dict(KIND=kind, QH=qh, BB=4 if kind == 0 else 2, BLOCK_N=16)
+        k = tq._dequant_kernel
+        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
+        aligned = [n for n in k.arg_names if n.endswith("_ptr") or n in ("NB", "K")]
+        attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        deq = triton.compile(ASTSource(k, signature, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "num_stages": 1})
+        assert "ld.global.v4.b32" in deq.asm["ptx"]
     gemm = compile_(tq._quant_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=64, SPLIT=False), 4, 3)
     assert "wgmma.mma_async" in gemm.asm["ptx"]
     assert gemm.metadata.shared <= 227 * 1024

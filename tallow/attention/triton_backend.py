@@ -8,7 +8,8 @@ and V straight into the cache (one launch per layer fewer than apply_rotary + fo
 CUDA graphs. forward() never synchronises with the host and allocates only its output
 ([T, num_heads, head_dim], a shape-determined allocation). Every kernel grid is a function
 of q's shape, seq_lens' shape and constants fixed at construction; the split-K buffers are
-preallocated. What must stay fixed between capture and replay:
+preallocated (an fp8 cache's scales too: device tensors set once, set_kv_scales). What must stay
+fixed between capture and replay:
   * the shapes: T (padded token count) and B (padded number of sequences, the length of
     seq_lens and query_start_loc - 1) and block_tables' shape (its row stride is baked in);
   * meta.max_query_len == 1 (the decode path) for a captured decode graph;
@@ -29,6 +30,12 @@ from tallow.attention.triton_decode import decode_attention, num_decode_splits
 from tallow.attention.triton_kv_write import write_kv_cache
 from tallow.attention.triton_prefill import prefill_attention
 from tallow.ops.triton_rotary import triton_rotary_and_write_kv
+
+# An fp8 KV cache's calibrated scales, as vLLM computes them from the first prefill:
+# amax(K) / 200 and amax(V) / 100, leaving 448 / 200 and 448 / 100 of headroom for the
+# tokens after it (beyond that the cache saturates at +-448, it never overflows).
+K_SCALE_RANGE = 200.0
+V_SCALE_RANGE = 100.0
 
 
 class TritonAttentionBackend:
@@ -55,6 +62,30 @@ class TritonAttentionBackend:
         self._partial_out = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)
         self._partial_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
 
+    def set_kv_scales(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scales: torch.Tensor,
+                      calibrate: bool = False) -> None:
+        """An fp8 KV cache's per-tensor scales: scales[i] = (k_scale, v_scale) of layer i, whose
+        caches are kv_caches[i] (float32 [num_layers, 2] on the device, read by the kernels
+        through pointers, so captured CUDA graphs see later values). calibrate: each layer's
+        scales are set from the K and V of the first step that holds a prefill
+        (K_SCALE_RANGE, V_SCALE_RANGE) before that step writes the cache."""
+        self._kv_scales = {k.data_ptr(): scales[i] for i, (k, _) in enumerate(kv_caches)}
+        self._calibrate = set(self._kv_scales) if calibrate else set()
+
+    def _scales_for(self, k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if k_cache.dtype != torch.float8_e4m3fn:
+            return None, None
+        key = k_cache.data_ptr()
+        scales = getattr(self, "_kv_scales", {}).get(key)
+        if scales is None:
+            raise RuntimeError("an fp8 KV cache without scales: call set_kv_scales first")
+        if key in self._calibrate and not meta.is_decode_only and k.shape[0]:
+            amax = torch.stack((k.abs().amax().float() / K_SCALE_RANGE, v.abs().amax().float() / V_SCALE_RANGE))
+            scales.copy_(amax.clamp_(min=1e-8))
+            self._calibrate.discard(key)
+        return scales[0:1], scales[1:2]
+
     def decode_splits(self, num_seqs: int) -> int:
         """Splits per sequence for a decode batch of num_seqs (padded) sequences."""
         return num_decode_splits(num_seqs, self.num_kv_heads, self.num_sms, self.max_decode_splits)
@@ -63,18 +94,21 @@ class TritonAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotated);
         caches: [num_blocks, block_size, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim]."""
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta, scale)
+        kv_scales = self._scales_for(k_cache, k, v, meta)
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, *kv_scales)
+        return self._attend(q, k_cache, v_cache, meta, scale, kv_scales)
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """forward() with q and k not rotated yet: rotary embedding and cache write in one kernel."""
-        q = triton_rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta, scale)
+        kv_scales = self._scales_for(k_cache, k, v, meta)
+        q = triton_rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+                                       *kv_scales)
+        return self._attend(q, k_cache, v_cache, meta, scale, kv_scales)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, kv_scales=(None, None)) -> torch.Tensor:
         out = q.new_empty(q.shape)
         if meta.is_decode_only:
             num_seqs = meta.seq_lens.shape[0]
@@ -82,8 +116,8 @@ class TritonAttentionBackend:
             if num_seqs * splits > self._capacity:
                 splits = 1
             decode_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
-                             meta.block_tables, scale, splits, self._partial_out, self._partial_lse)
+                             meta.block_tables, scale, splits, self._partial_out, self._partial_lse, *kv_scales)
         else:
             prefill_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
-                              meta.block_tables, scale)
+                              meta.block_tables, scale, *kv_scales)
         return out

@@ -23,7 +23,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
@@ -31,7 +31,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES_PER_SPLIT: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -56,6 +56,9 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=head_mask[:, None] & d_mask[None, :], other=0.0)
 
+    if KV_FP8:  # an fp8 cache holds k / k_scale, v / v_scale: k's scale folds into the logits'
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
@@ -67,6 +70,8 @@ def _decode_split_kernel(
         kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None],
                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q_ptr.dtype.element_ty)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -74,10 +79,14 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty split leaves l_i == 0
     if DIRECT_OUT:
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -120,14 +129,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, num_splits: int,
                      partial_out: torch.Tensor | None = None,
-                     partial_lse: torch.Tensor | None = None) -> None:
+                     partial_lse: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> None:
     """Attention of one query token per sequence over its paged context, written into out.
 
     q, out: [T, num_heads, head_dim] (row query_start_loc[b] belongs to sequence b);
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]. Sequences with
     seq_lens 0 are padding: their output rows are left untouched. With num_splits > 1,
     partial_out [>= B*num_heads*num_splits*head_dim] and partial_lse
-    [>= B*num_heads*num_splits] float32 buffers hold the per-split results.
+    [>= B*num_heads*num_splits] float32 buffers hold the per-split results. An fp8
+    (float8_e4m3fn) cache is read as k * k_scale, v * v_scale (one-element float32 tensors).
     """
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -149,9 +160,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             num_seqs, num_heads, num_splits)
         part_strides = (*partial_out.stride()[:3], *partial_lse.stride()[:2])
     on_gpu = q.is_cuda
+    fp8 = _check_fp8_scales(k_cache, k_scale, v_scale)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, partial_out, partial_lse,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -159,7 +171,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=64 if on_gpu else 16, MIN_TILES_PER_SPLIT=1,
-        DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
         num_warps=4, num_stages=2,
     )
     if not direct:
@@ -169,6 +181,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
+
+
+def _check_fp8_scales(k_cache: torch.Tensor, k_scale, v_scale) -> bool:
+    """Whether the cache is fp8; an fp8 cache must come with its scales."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an fp8 KV cache needs k_scale and v_scale")
+    return fp8
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:

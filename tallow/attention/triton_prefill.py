@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tallow.attention.triton_decode import _check_fp8_scales
+
 LOG2E = 1.4426950408889634
 
 
@@ -39,13 +41,13 @@ def _find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,6 +72,9 @@ def _prefill_kernel(
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     positions = prefix_len + q_idx  # key n is visible to a row iff n <= its position
 
+    if KV_FP8:  # an fp8 cache holds k / k_scale, v / v_scale: k's scale folds into the logits'
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -82,6 +87,8 @@ def _prefill_kernel(
         kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None],
                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q_ptr.dtype.element_ty)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         visible = n_mask[None, :] & (n[None, :] <= positions[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -91,10 +98,14 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -102,13 +113,15 @@ def _prefill_kernel(
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       out: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      block_tables: torch.Tensor, scale: float) -> None:
+                      block_tables: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Causal attention of every sequence's query tokens over its paged context, into out.
 
     q, out: [T, num_heads, head_dim]; sequence b owns rows query_start_loc[b] ..
     query_start_loc[b+1]-1, at positions seq_lens[b]-query_len .. seq_lens[b]-1 of its
     context; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] already
-    hold every context token, the new ones included.
+    hold every context token, the new ones included; an fp8 (float8_e4m3fn) cache is read
+    as k * k_scale, v * v_scale (one-element float32 tensors).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -125,13 +138,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         block_m, block_n, warps = 16, 16, 4
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
+    fp8 = _check_fp8_scales(k_cache, k_scale, v_scale)
     _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
         num_warps=warps, num_stages=2,
     )

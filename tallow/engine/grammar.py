@@ -187,6 +187,38 @@ def ascii_digits(pattern: str) -> str:
     return "".join(out)
 
 
+# Schema keywords whose value is a map of names to subschemas, one subschema, or a list of them.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedItems", "unevaluatedProperties",
+               "not", "if", "then", "else", "contains", "propertyNames")
+_SCHEMA_LIST = ("anyOf", "oneOf", "prefixItems")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema):
+    """The JSON schema with every object that lists `properties` and says nothing of other keys
+    closed to them (additionalProperties: false), as xgrammar's default (vLLM's default backend)
+    and OpenAI's strict mode read schemas. A pydantic model's schema says nothing of extra keys;
+    left open, a small model invents keys until max_tokens. A schema that wants other keys says
+    so (additionalProperties: true or a schema, patternProperties). allOf branches stay as written
+    (closing each would make their conjunction unsatisfiable). Returns a new object; the input is
+    not modified."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_ONE or key in _SCHEMA_LIST:
+            out[key] = closed_objects(value)
+    if (isinstance(schema.get("properties"), dict) and "allOf" not in schema
+            and not any(k in schema for k in _OPEN_KEYS) and schema.get("type", "object") == "object"):
+        out["additionalProperties"] = False
+    return out
+
+
 class _Entry:
     __slots__ = ("future", "nbytes")
 

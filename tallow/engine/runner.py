@@ -167,7 +167,8 @@ class ModelRunner:
                  num_blocks: int, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                  max_num_seqs: int = 256,
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 cuda_graph_max_batch: int = 256, parallel: ParallelContext | None = None):
+                 cuda_graph_max_batch: int = 256, parallel: ParallelContext | None = None,
+                 kv_scale: float | None = 1.0):
         self.model = model
         self.cfg = model_config
         self.block_size = block_size
@@ -194,9 +195,13 @@ class ModelRunner:
         if device.type == "cuda":
             from tallow.attention.triton_backend import TritonAttentionBackend
 
-            set_attention_backend(model, TritonAttentionBackend(
-                shard.num_heads, shard.num_kv_heads, model_config.head_dim,
-                max_num_seqs=max(max_num_seqs, cuda_graph_max_batch), device=device))
+            backend = TritonAttentionBackend(shard.num_heads, shard.num_kv_heads, model_config.head_dim,
+                                             max_num_seqs=max(max_num_seqs, cuda_graph_max_batch), device=device)
+            if kv_dtype == torch.float8_e4m3fn:  # per-layer (k, v) scales; kv_scale None: calibrated
+                self.kv_scales = torch.full((model_config.num_hidden_layers, 2), kv_scale or 1.0,
+                                            dtype=torch.float32, device=device)
+                backend.set_kv_scales(self.kv_caches, self.kv_scales, calibrate=kv_scale is None)
+            set_attention_backend(model, backend)
             self.staging = PinnedStaging(device)
             if not enforce_eager and parallel is None:
                 self.capture_graphs(min(cuda_graph_max_batch, max_num_seqs))
@@ -216,7 +221,7 @@ class ModelRunner:
                    device=engine_model.device, dtype=engine_model.dtype, kv_dtype=engine_model.kv_dtype,
                    max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                    enforce_eager=config.enforce_eager, cuda_graph_max_batch=config.cuda_graph_max_batch,
-                   parallel=parallel)
+                   parallel=parallel, kv_scale=engine_model.kv_scale)
 
     def capture_graphs(self, max_batch: int) -> None:
         from tallow.engine.cuda_graphs import DecodeGraphs

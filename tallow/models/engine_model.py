@@ -32,7 +32,10 @@ class EngineModel:
     device: torch.device
     dtype: torch.dtype
     kv_dtype: torch.dtype
-    quantization: str  # the weight format applied ("none" off the CPU or when asked for)
+    quantization: str  # the weight format applied ("none" off the CPU or when asked for; "fp8")
+    # An fp8 KV cache's per-tensor scale (k and v of every layer); None: calibrated from the
+    # first prefill (EngineConfig.kv_cache_scale).
+    kv_scale: float | None = 1.0
 
 
 def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: ParallelContext | None = None,
@@ -41,21 +44,64 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
     loaded already, used as it is), quantize it on the CPU as config.quantization says, and
     resolve the KV cache's dtype."""
     dtype = resolve_dtype(config.dtype, device)
+    kv_scale = resolve_kv_cache_scale(config.kv_cache_scale)
+    if config.fp8_large_batch not in FP8_LARGE_BATCH_PATHS:
+        raise TallowError(f"fp8_large_batch {config.fp8_large_batch!r}: one of {', '.join(FP8_LARGE_BATCH_PATHS)}",
+                          param="fp8_large_batch")
+    if config.quantization == "fp8":  # refused before anything loads
+        from tallow.models.fp8 import require_fp8_device
+
+        require_fp8_device(device, "quantization 'fp8'", "quantization")
+    if config.kv_cache_dtype in FP8_KV_NAMES and device.type != "cuda":
+        resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.quantization, 0)  # raises
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, device=device, cache_dir=config.cache_dir,
-                            seed=config.seed, parallel=parallel)
+                            seed=config.seed, parallel=parallel,
+                            gguf_blocks=not (device.type == "cuda" and config.quantization == "none"))
     mc = loaded.config
     if device.type == "cuda" and any(mc.layer_window(i) for i in range(mc.num_hidden_layers)):
         raise ModelLoadError(f"{loaded.name}: sliding-window attention ({mc.architecture}) runs on the CPU only "
                              "(the Triton attention kernels have no window): use --device cpu")
     quantization = "none"
-    if device.type == "cpu" and config.quantization != "none":
+    if config.quantization == "fp8":  # dynamic per-channel fp8 weights (CUDA, sm_89+)
+        from tallow.models.fp8 import quantize_model_fp8_
+
+        quantize_model_fp8_(loaded.model)
+        quantization = "fp8"
+    elif device.type == "cpu" and config.quantization != "none":
         from tallow.models.quant import quantize_model_
 
         quantization = quantize_model_(loaded.model, config.quantization)
+    if quantization == "none" and _has_fp8_layers(loaded.model):
+        quantization = "fp8 (checkpoint)"
+    if quantization.startswith("fp8"):
+        from tallow.models.fp8 import set_large_batch_path
+
+        set_large_batch_path(loaded.model, config.fp8_large_batch)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.quantization,
                                       loaded.config.head_dim)
-    return EngineModel(loaded, device, dtype, kv_dtype, quantization)
+    return EngineModel(loaded, device, dtype, kv_dtype, quantization, kv_scale)
+
+
+def resolve_kv_cache_scale(value: str | float) -> float | None:
+    """EngineConfig.kv_cache_scale: "calibrate" -> None, else a positive finite float."""
+    if value == "calibrate":
+        return None
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        scale = float("nan")
+    if not (0.0 < scale < float("inf")):
+        raise TallowError(f"kv_cache_scale {value!r}: a positive number or 'calibrate'", param="kv_cache_scale")
+    return scale
+
+
+FP8_KV_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
+FP8_LARGE_BATCH_PATHS = ("weight_only", "w8a8", "scaled_mm")
+
+
+def _has_fp8_layers(model: torch.nn.Module) -> bool:
+    return any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,6 +128,11 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     dtype must be the model's, or float16 on the CPU with tallow's attention kernels."""
     from tallow.attention.cpu_backend import CpuAttentionBackend
 
+    if name in FP8_KV_NAMES:
+        if device.type != "cuda":
+            raise TallowError(f"kv_cache_dtype {name!r}: an fp8 KV cache is read by the Triton attention kernels "
+                              f"(CUDA); not on {device.type}", param="kv_cache_dtype")
+        return torch.float8_e4m3fn
     native = device.type == "cpu" and CpuAttentionBackend.supports(model_dtype, head_dim)
     if name == "auto":
         quantized = quantization in ("auto", "int4", "int8")

@@ -34,7 +34,15 @@ def load_hf_folder(path: str, slices: bool = False
     defaults = {k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None}
     if isinstance(defaults.get("eos_token_id"), int):
         defaults["eos_token_id"] = [defaults["eos_token_id"]]
-    return config, defaults, iter_safetensors(_weight_files(path), slices)
+    return config, defaults, iter_safetensors(weight_files(path), slices)
+
+
+def quantization_format(path: str) -> str | None:
+    """The folder's fp8 weight format ("compressed-tensors", "fbgemm_fp8") or None; a
+    quantization tallow cannot read raises ModelLoadError (tallow/models/fp8.py)."""
+    from tallow.models.fp8 import checkpoint_fp8_format
+
+    return checkpoint_fp8_format(_read_json(os.path.join(path, "config.json")))
 
 
 def iter_safetensors(files: list[str], slices: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -49,7 +57,7 @@ def iter_safetensors(files: list[str], slices: bool = False) -> Iterator[tuple[s
                 yield name, f.get_slice(name) if slices else f.get_tensor(name)
 
 
-def _weight_files(path: str) -> list[str]:
+def weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         names = sorted(set(_read_json(index)["weight_map"].values()))

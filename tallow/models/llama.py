@@ -238,6 +238,10 @@ _SPLIT = {
     "gate_proj": (0, "mlp"), "up_proj": (0, "mlp"), "down_proj": (1, "mlp"),
     "embed_tokens": (0, "vocab"), "lm_head": (0, "vocab"),
 }
+# Checkpoint tensors the model does not use: fp8 checkpoints' static activation scales (tallow
+# quantizes activations per token at run time, or not at all) and a compressed-tensors
+# kv_cache_scheme's k_scale / v_scale (not read yet: --kv-cache-scale sets an fp8 cache's scales).
+_UNUSED_KINDS = ("input_scale", "input_scale_ub", "k_scale", "v_scale")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -362,6 +366,19 @@ class LlamaForCausalLM(nn.Module):
         start, length = self.shard.span(kind)
         return w[(slice(None),) * dim + (slice(start, start + length),)]
 
+    def _own_scales(self, leaf: str, w, rows: int) -> torch.Tensor:
+        """This rank's part of an fp8 weight's weight_scale as float32 [rows]: a per-tensor scale
+        ([] or [1]) repeated for every row; per-channel scales ([N] or [N, 1]) split with the
+        output rows of a column-parallel layer, whole for a row-parallel one (its rows are whole)."""
+        w = (w if isinstance(w, torch.Tensor) else w[...]).float().reshape(-1)  # [...]: 0-d slices too
+        if w.numel() == 1:
+            return w.expand(rows)
+        split = _SPLIT.get(leaf) if self.parallel is not None else None
+        if split is not None and split[0] == 0:
+            start, length = self.shard.span(split[1])
+            w = w[start:start + length]
+        return w
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights named as in a transformers checkpoint (model.layers.0.self_attn.q_proj.weight,
@@ -377,6 +394,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb." in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             module, _, kind = name.rpartition(".")
+            if kind in _UNUSED_KINDS:  # static activation scales of fp8 checkpoints
+                continue
             parent, _, leaf = module.rpartition(".")
             target_name, shard = name, 0
             if leaf in _FUSED:
@@ -388,7 +407,13 @@ class LlamaForCausalLM(nn.Module):
             if leaf in _FUSED:
                 sizes = shards[fused]
                 target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-            w = self._own_slice(leaf, w)
+            if kind == "weight_scale":  # an fp8 weight's scales (tallow/models/fp8.py)
+                w = self._own_scales(leaf, w, target.shape[0])
+            else:
+                w = self._own_slice(leaf, w)
+            if (w.dtype == torch.float8_e4m3fn) != (target.dtype == torch.float8_e4m3fn) and kind == "weight":
+                raise ValueError(f"weight {name!r} is {w.dtype} but its layer holds {target.dtype}: "
+                                 "fp8 weights load only into fp8 layers (with their scales)")
             if self._norm_offset(name):
                 w = w.float() + 1.0  # (in float32, as Gemma's RMSNorm computes 1 + w)
             if leaf in ("embed_tokens", "lm_head") and w.shape[0] < target.shape[0]:  # vocabulary padding

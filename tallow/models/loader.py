@@ -131,12 +131,16 @@ def resolve_source(source: str) -> ResolvedSource:
 
 
 def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
-               cache_dir: str | None = None, seed: int = 0, parallel: ParallelContext | None = None) -> LoadedModel:
+               cache_dir: str | None = None, seed: int = 0, parallel: ParallelContext | None = None,
+               gguf_blocks: bool = True) -> LoadedModel:
     """Build the engine's model for a source. cache_dir keeps dequantized GGUF weights
     (None: dequantize on every load); seed drives the random weights of dummy models.
     With parallel, the model is this tensor-parallel rank's shard, and no more than one whole
     tensor is ever in memory (GGUF files are then dequantized tensor by tensor, without the
-    cache). A registered source (register_model_source) loads through its own function."""
+    cache). A registered source (register_model_source) loads through its own function.
+    gguf_blocks: on CUDA, a GGUF file with block-quantized weights keeps them in their blocks
+    (tallow/models/gguf_cuda.py; not the `default` source; with parallel where the o/down
+    input slices fall on block boundaries); False dequantizes it to `dtype` as before."""
     registered = registered_source(source)
     if registered is not None:
         if parallel is not None:
@@ -148,21 +152,35 @@ def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
         if resolved.kind == "gguf" and parallel is not None:
             from tallow.models import gguf
 
-            config, metadata, weights = gguf.read_gguf(resolved.location)
-            model = LlamaForCausalLM.empty(config, device=device, dtype=dtype, parallel=parallel)
-            model.load_weights(weights)
+            found = None
+            if gguf_blocks and device.type == "cuda" and source != "default":
+                found = _cuda_blocks(resolved.location, device, dtype, parallel)
+            if found is not None:
+                model, metadata = found
+            else:
+                config, metadata, weights = gguf.read_gguf(resolved.location)
+                model = LlamaForCausalLM.empty(config, device=device, dtype=dtype, parallel=parallel)
+                model.load_weights(weights)
             tokenizer = TokenizerSource("gguf", resolved.location, metadata)
             generation = {}
         elif resolved.kind == "gguf":
-            model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir, native=source != "default")
+            model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir, native=source != "default",
+                                         blocks=gguf_blocks)
             tokenizer = TokenizerSource("gguf", resolved.location, metadata,
                                         cache_path=tokenizer_cache_path(resolved.location, cache_dir))
             generation = {}
         elif resolved.kind == "hf":
-            from tallow.models.hf import load_hf_folder
+            from tallow.models import fp8 as fp8_weights
+            from tallow.models.hf import load_hf_folder, quantization_format, weight_files
 
             config, generation, weights = load_hf_folder(resolved.location, slices=parallel is not None)
+            fp8 = quantization_format(resolved.location)
             model = LlamaForCausalLM.empty(config, device=device, dtype=dtype, parallel=parallel)
+            if fp8 is not None and device.type == "cpu":  # fp8 checkpoints on the CPU: dequantized
+                weights = fp8_weights.dequantize_checkpoint(weights, dtype)
+            elif fp8 is not None:
+                fp8_weights.require_fp8_device(device, f"{resolved.name}: an fp8 checkpoint ({fp8})", "model")
+                fp8_weights.fp8_skeleton_(model, fp8_weights.fp8_tensor_names(weight_files(resolved.location)))
             model.load_weights(weights)
             tokenizer = TokenizerSource("hf", resolved.location)
         else:
@@ -198,14 +216,20 @@ def read_model_config(source: str) -> ModelConfig:
 
 
 def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
-               cache_dir: str | None, native: bool = True) -> tuple[LlamaForCausalLM, dict[str, Any]]:
+               cache_dir: str | None, native: bool = True, blocks: bool = True
+               ) -> tuple[LlamaForCausalLM, dict[str, Any]]:
     """A file with quantized (or F16/BF16) weights, on the CPU in float32: its weights kept in
     their own types (gguf.load_native; no cache). Otherwise from the cache when it holds this
     file (memory-mapped, no copy on CPU in float32), or converted in float32 on the CPU, cached,
     then moved. native False (the default model): the cached float32 path for every file (its
-    warm start maps the cache instead of parsing the GGUF)."""
+    warm start maps the cache instead of parsing the GGUF). On CUDA (native and blocks) a file
+    with block-quantized weights keeps its blocks on the device (gguf_cuda.load_gguf_blocks)."""
     from tallow.models import gguf
 
+    if native and blocks and device.type == "cuda":
+        found = _cuda_blocks(path, device, dtype, None)
+        if found is not None:
+            return found
     cached = gguf.read_cache(path, cache_dir) if cache_dir else None
     if cached is not None:
         config, metadata, state = cached
@@ -225,6 +249,42 @@ def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
             del state["lm_head.weight"]
         gguf.write_cache(path, cache_dir, config, metadata, state)
     return model.to(device=device, dtype=dtype), metadata
+
+
+def _cuda_blocks(path: str, device: torch.device, dtype: torch.dtype, parallel: ParallelContext | None
+                 ) -> tuple[LlamaForCausalLM, dict[str, Any]] | None:
+    """(model, metadata) of a GGUF file with block-quantized weights kept in their blocks on
+    CUDA (tallow/models/gguf_cuda.py; with parallel, this rank's shard), or None for a file
+    without block types, one with types the kernels do not take, or a shard whose row-parallel
+    inputs do not fall on block boundaries (the last two logged: the caller dequantizes)."""
+    from tallow.models import gguf, gguf_cuda
+
+    reader = gguf.open_gguf(path)
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    if not kinds & set(gguf_cuda.BLOCK_TYPES):
+        return None
+    if kinds - set(gguf_cuda.BLOCK_TYPES) - set(gguf_cuda.FLOAT_TYPES):  # e.g. IQ4_XS: gguf dequantizes those
+        import logging
+
+        logging.getLogger("tallow.models").warning(
+            "%s: tensor types %s have no CUDA kernel here: weights dequantized to %s", os.path.basename(path),
+            ", ".join(sorted(kinds - set(gguf_cuda.BLOCK_TYPES) - set(gguf_cuda.FLOAT_TYPES))),
+            str(dtype).removeprefix("torch."))
+        return None
+    if parallel is not None:
+        from tallow.models.sharding import ShardLayout
+
+        src = gguf_cuda.GgufFileTensors(path, reader)
+        config = gguf.read_gguf(path, reader)[0]
+        if not gguf_cuda.shards_fit(config, src, ShardLayout.of(config, parallel.rank, parallel.world_size)):
+            import logging
+
+            logging.getLogger("tallow.models").warning(
+                "%s: tensor-parallel slices of the o/down projections do not fall on block boundaries: "
+                "weights dequantized to %s", os.path.basename(path), str(dtype).removeprefix("torch."))
+            return None
+    _, metadata, model = gguf_cuda.load_gguf_blocks(path, reader, device, dtype, parallel)
+    return model, metadata
 
 
 def _dummy_tokenizer(config: ModelConfig) -> TokenizerSource:

@@ -31,6 +31,8 @@ wgmma in the GEMM); the defaults are reasoned, not tuned: benchmarks/gpu_quant_l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -164,6 +166,161 @@ def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
 
 
 @triton.jit
+def _gemv1_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N, NB, blocks_per_split,
+                  KIND: tl.constexpr, QH: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLIT: tl.constexpr):
+    """One activation row (decode at batch 1) for Q8_0 (KIND 0), Q4_K / Q5_K (2) and Q6_K (3):
+    each step loads whole blocks of BLOCK_N rows as one 3-D tile (a row's block bytes
+    contiguous: 16-byte loads; BB blocks per step), block scales as [BLOCK_N] and sub-block
+    scales as [BLOCK_N, pieces] vectors broadcast into the tile, the activation as a tile of
+    the same shape (its rows all read the same addresses, from L1), and accumulates the exact
+    products w * x per element in float32 (one cross-thread reduction at the end). Loading x
+    and the scales in these shapes keeps every tensor in the weight tile's layout: no shared-
+    memory conversion in the loop (sm_90 PTX checked with BLOCK_N = 4 * num_warps, one
+    16-byte weight load per thread and block). Rows past N read row 0 and are not stored."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r1 = tl.where(rmask, rows, 0).to(tl.int64)
+    r2 = r1[:, None]
+    r3 = r1[:, None, None]
+    z3 = r3 * 0  # broadcasts x's addresses over the rows (the tile's shape and layout)
+    b_start = pid_k * blocks_per_split
+    b_end = tl.minimum(b_start + blocks_per_split, NB)
+    if KIND == 0:  # Q8_0: BB blocks of 32 per step
+        jb2 = tl.arange(0, BB)[None, :]
+        jb = tl.arange(0, BB)[None, :, None]
+        i3 = tl.arange(0, 32)[None, None, :]
+        acc = tl.zeros([BLOCK_N, BB, 32], dtype=tl.float32)
+        for b in range(b_start, b_end, BB):
+            q = tl.load(qs_ptr + r3 * (NB * 32) + (b + jb) * 32 + i3).to(tl.float32)
+            d = tl.load(d_ptr + r2 * NB + b + jb2).to(tl.float32)
+            x = tl.load(x_ptr + (b + jb) * 32 + i3 + z3).to(tl.float32)
+            acc += q * d[:, :, None] * x
+    elif KIND == 2:  # Q4_K / Q5_K: byte 32g + i holds element 64g + i (low) and 64g + 32 + i (high)
+        g2 = tl.arange(0, 4)[None, :]
+        g3 = tl.arange(0, 4)[None, :, None]
+        i3 = tl.arange(0, 32)[None, None, :]
+        acc = tl.zeros([BLOCK_N, 4, 32], dtype=tl.float32)
+        for b0 in range(b_start, b_end, BB):
+            for u in tl.static_range(BB):
+                b = b0 + u
+                q = tl.load(qs_ptr + r3 * (NB * 128) + b * 128 + g3 * 32 + i3).to(tl.int32)
+                lo = q & 0xF
+                hi = q >> 4
+                if QH:
+                    qh = tl.load(qh_ptr + r3 * (NB * 32) + b * 32 + i3 + g3 * 0).to(tl.int32)
+                    lo = lo | (((qh >> (2 * g3)) & 1) << 4)
+                    hi = hi | (((qh >> (2 * g3 + 1)) & 1) << 4)
+                d = tl.load(d_ptr + r1 * NB + b).to(tl.float32)[:, None]
+                dmin = tl.load(m_ptr + r1 * NB + b).to(tl.float32)[:, None]
+                s_base = r2 * (NB * 8) + b * 8 + 2 * g2
+                sc_lo = (tl.load(sc_ptr + s_base).to(tl.float32) * d)[:, :, None]
+                sc_hi = (tl.load(sc_ptr + s_base + 1).to(tl.float32) * d)[:, :, None]
+                mn_lo = (tl.load(mn_ptr + s_base).to(tl.float32) * dmin)[:, :, None]
+                mn_hi = (tl.load(mn_ptr + s_base + 1).to(tl.float32) * dmin)[:, :, None]
+                x_lo = tl.load(x_ptr + b * 256 + g3 * 64 + i3 + z3).to(tl.float32)
+                x_hi = tl.load(x_ptr + b * 256 + g3 * 64 + 32 + i3 + z3).to(tl.float32)
+                acc += (lo.to(tl.float32) * sc_lo - mn_lo) * x_lo + (hi.to(tl.float32) * sc_hi - mn_hi) * x_hi
+    else:  # Q6_K: 16-byte chunk c of ql: chunk c of element e0 = 128(c//4) + 32((c//2)%2) + 16(c%2) + i (low
+        # nibble; high nibble e0 + 64); high bits in qh byte 32(c//4) + 16(c%2) + i; a scale per 16.
+        c2 = tl.arange(0, 8)[None, :]
+        c3 = tl.arange(0, 8)[None, :, None]
+        i3 = tl.arange(0, 16)[None, None, :]
+        e0 = 128 * (c3 // 4) + 32 * ((c3 // 2) % 2) + 16 * (c3 % 2)
+        s0 = 8 * (c2 // 4) + 2 * ((c2 // 2) % 2) + (c2 % 2)  # e0 // 16
+        s0 = tl.max_contiguous(s0, [1, 1])
+        sh = 2 * ((c3 // 2) % 2)
+        acc = tl.zeros([BLOCK_N, 8, 16], dtype=tl.float32)
+        for b0 in range(b_start, b_end, BB):
+            for u in tl.static_range(BB):
+                b = b0 + u
+                ql = tl.load(qs_ptr + r3 * (NB * 128) + b * 128 + c3 * 16 + i3).to(tl.int32)
+                qh = tl.load(qh_ptr + r3 * (NB * 64) + b * 64 + 32 * (c3 // 4) + 16 * (c3 % 2) + i3).to(tl.int32)
+                d = tl.load(d_ptr + r1 * NB + b).to(tl.float32)[:, None]
+                s_base = r2 * (NB * 16) + b * 16 + s0
+                sc_lo = (tl.load(sc_ptr + s_base).to(tl.float32) * d)[:, :, None]
+                sc_hi = (tl.load(sc_ptr + s_base + 4).to(tl.float32) * d)[:, :, None]
+                lo = ((ql & 0xF) | (((qh >> sh) & 3) << 4)) - 32
+                hi = ((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)) - 32
+                x_lo = tl.load(x_ptr + b * 256 + e0 + i3 + z3).to(tl.float32)
+                x_hi = tl.load(x_ptr + b * 256 + e0 + 64 + i3 + z3).to(tl.float32)
+                acc += lo.to(tl.float32) * sc_lo * x_lo + hi.to(tl.float32) * sc_hi * x_hi
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if SPLIT:
+        tl.store(y_ptr + pid_k * N + rows, y, mask=rmask)
+    else:
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _dequant_kernel(y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N, NB, K,
+                    KIND: tl.constexpr, QH: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W [N, K] written out (y's dtype) from the planes of Q8_0 / Q4_K / Q5_K / Q6_K: program
+    (i, j) writes BLOCK_N rows of BB blocks (the tiles and index maps of _gemv1_kernel)."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1) * BB
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r1 = tl.where(rmask, rows, 0).to(tl.int64)
+    r2 = r1[:, None]
+    r3 = r1[:, None, None]
+    m3 = rmask[:, None, None]
+    out = y_ptr + r3 * K
+    if KIND == 0:
+        jb2 = tl.arange(0, BB)[None, :]
+        jb = tl.arange(0, BB)[None, :, None]
+        i3 = tl.arange(0, 32)[None, None, :]
+        q = tl.load(qs_ptr + r3 * (NB * 32) + (b + jb) * 32 + i3).to(tl.float32)
+        d = tl.load(d_ptr + r2 * NB + b + jb2).to(tl.float32)
+        tl.store(out + (b + jb) * 32 + i3, (q * d[:, :, None]).to(y_ptr.dtype.element_ty), mask=m3)
+    elif KIND == 2:
+        g2 = tl.arange(0, 4)[None, :]
+        g3 = tl.arange(0, 4)[None, :, None]
+        i3 = tl.arange(0, 32)[None, None, :]
+        for u in tl.static_range(BB):
+            bu = b + u
+            q = tl.load(qs_ptr + r3 * (NB * 128) + bu * 128 + g3 * 32 + i3).to(tl.int32)
+            lo = q & 0xF
+            hi = q >> 4
+            if QH:
+                qh = tl.load(qh_ptr + r3 * (NB * 32) + bu * 32 + i3 + g3 * 0).to(tl.int32)
+                lo = lo | (((qh >> (2 * g3)) & 1) << 4)
+                hi = hi | (((qh >> (2 * g3 + 1)) & 1) << 4)
+            d = tl.load(d_ptr + r1 * NB + bu).to(tl.float32)[:, None]
+            dmin = tl.load(m_ptr + r1 * NB + bu).to(tl.float32)[:, None]
+            s_base = r2 * (NB * 8) + bu * 8 + 2 * g2
+            sc_lo = (tl.load(sc_ptr + s_base).to(tl.float32) * d)[:, :, None]
+            sc_hi = (tl.load(sc_ptr + s_base + 1).to(tl.float32) * d)[:, :, None]
+            mn_lo = (tl.load(mn_ptr + s_base).to(tl.float32) * dmin)[:, :, None]
+            mn_hi = (tl.load(mn_ptr + s_base + 1).to(tl.float32) * dmin)[:, :, None]
+            col = bu * 256 + g3 * 64 + i3
+            tl.store(out + col, (lo.to(tl.float32) * sc_lo - mn_lo).to(y_ptr.dtype.element_ty), mask=m3)
+            tl.store(out + col + 32, (hi.to(tl.float32) * sc_hi - mn_hi).to(y_ptr.dtype.element_ty), mask=m3)
+    else:
+        c2 = tl.arange(0, 8)[None, :]
+        c3 = tl.arange(0, 8)[None, :, None]
+        i3 = tl.arange(0, 16)[None, None, :]
+        e0 = 128 * (c3 // 4) + 32 * ((c3 // 2) % 2) + 16 * (c3 % 2)
+        s0 = tl.max_contiguous(8 * (c2 // 4) + 2 * ((c2 // 2) % 2) + (c2 % 2), [1, 1])
+        sh = 2 * ((c3 // 2) % 2)
+        for u in tl.static_range(BB):
+            bu = b + u
+            ql = tl.load(qs_ptr + r3 * (NB * 128) + bu * 128 + c3 * 16 + i3).to(tl.int32)
+            qh = tl.load(qh_ptr + r3 * (NB * 64) + bu * 64 + 32 * (c3 // 4) + 16 * (c3 % 2) + i3).to(tl.int32)
+            d = tl.load(d_ptr + r1 * NB + bu).to(tl.float32)[:, None]
+            s_base = r2 * (NB * 16) + bu * 16 + s0
+            sc_lo = (tl.load(sc_ptr + s_base).to(tl.float32) * d)[:, :, None]
+            sc_hi = (tl.load(sc_ptr + s_base + 4).to(tl.float32) * d)[:, :, None]
+            lo = ((ql & 0xF) | (((qh >> sh) & 3) << 4)) - 32
+            hi = ((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)) - 32
+            col = bu * 256 + e0 + i3
+            tl.store(out + col, (lo.to(tl.float32) * sc_lo).to(y_ptr.dtype.element_ty), mask=m3)
+            tl.store(out + col + 64, (hi.to(tl.float32) * sc_hi).to(y_ptr.dtype.element_ty), mask=m3)
+
+
+@triton.jit
 def _quant_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
                        M, N, NB, stride_xm, stride_ym, blocks_per_split,
                        KIND: tl.constexpr, QH: tl.constexpr, ASYM: tl.constexpr, OFFSET: tl.constexpr,
@@ -226,6 +383,11 @@ def _check(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _split_plan(NB: int, bps: int, n_tiles: int, split_k: int | None, device: torch.device) -> tuple[int, int]:
     """(number of K splits, blocks per split, a multiple of bps). By default (split_k None) K is
     split until there are about two programs per SM on CUDA; not at all elsewhere."""
@@ -233,7 +395,7 @@ def _split_plan(NB: int, bps: int, n_tiles: int, split_k: int | None, device: to
     if split_k is None:
         split_k = 1
         if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            sms = _sm_count(device)
             split_k = triton.cdiv(2 * sms, n_tiles)
     split = max(1, min(split_k, steps))
     blocks_per_split = triton.cdiv(steps, split) * bps
@@ -281,6 +443,65 @@ def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, s
     return _sum_splits(y, split, x)
 
 
+# Formats with the one-row kernel (_gemv1_kernel): format -> (KIND, QH).
+_GEMV1_FORMATS = {"Q8_0": (0, False), "Q4_K": (2, False), "Q5_K": (2, True), "Q6_K": (3, False)}
+# Its defaults (block_n, num_warps, num_stages, programs per SM before K is split), and
+# settings per (format, N, K) that override them (filled by a tuning run, e.g.
+# benchmarks/gpu_gguf_model.py decode --tune-gemv).
+# num_warps = block_n / 4 gives one 16-byte weight load per thread and block (the layout the
+# loop keeps without conversions); unroll: K-quant super-blocks per loop step (Q8_0: up to 4
+# blocks of 32 per step).
+GEMV1_DEFAULTS = dict(block_n=16, num_stages=3, waves=8, unroll=2)
+GEMV1_TUNED: dict[tuple[str, int, int], dict] = {}
+
+
+def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, split_k: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
+                unroll: int | None = None) -> torch.Tensor:
+    """x[1, K] @ W^T for Q8_0 / Q4_K / Q5_K / Q6_K: whole blocks per load (_gemv1_kernel),
+    float32 products and sums. K is split over programs (float32 partials summed in a second
+    pass) until there are `waves` programs per SM."""
+    x = _check(x, w)
+    if x.shape[0] != 1 or w.fmt not in _GEMV1_FORMATS:
+        raise ValueError(f"quant_gemv1 takes one row of {', '.join(_GEMV1_FORMATS)}")
+    if x.stride(0) != w.K:
+        x = x.contiguous()
+    opts = {**GEMV1_DEFAULTS, **GEMV1_TUNED.get((w.fmt, w.N, w.K), {})}
+    if unroll is not None:
+        opts["unroll"] = unroll
+    block_n = block_n or opts["block_n"]
+    num_warps = num_warps or opts.get("num_warps") or max(1, min(8, block_n // 4))
+    num_stages = num_stages or opts["num_stages"]
+    waves = waves or opts["waves"]
+    N, NB = w.N, w.blocks_per_row
+    kind, qh = _GEMV1_FORMATS[w.fmt]
+    bb = next(n for n in ((4, 2, 1) if kind == 0 else (opts["unroll"], 1)) if NB % n == 0)
+    n_tiles = triton.cdiv(N, block_n)
+    if split_k is None and x.device.type == "cuda":
+        split_k = triton.cdiv(waves * _sm_count(x.device), n_tiles)
+    split, blocks_per_split = _split_plan(NB, bb, n_tiles, split_k or 1, x.device)
+    y = _output(split, 1, N, x)
+    _gemv1_kernel[(n_tiles, split)](
+        x, y, *_planes(w), N, NB, blocks_per_split, KIND=kind, QH=qh, BB=bb, BLOCK_N=block_n,
+        SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages)
+    return _sum_splits(y, split, x)
+
+
+def dequantize_weight(w: QuantWeight, dtype: torch.dtype = torch.bfloat16, *, block_n: int = 16) -> torch.Tensor:
+    """The weight [N, K] in `dtype`, written by a Triton kernel from the planes (Q8_0, Q4_K,
+    Q5_K, Q6_K): for a cuBLAS GEMM where many activation rows share it (TritonQuantLinear)."""
+    if w.fmt not in _GEMV1_FORMATS:
+        raise ValueError(f"dequantize_weight takes {', '.join(_GEMV1_FORMATS)}")
+    kind, qh = _GEMV1_FORMATS[w.fmt]
+    NB = w.blocks_per_row
+    bb = next(n for n in ((4, 2, 1) if kind == 0 else (2, 1)) if NB % n == 0)
+    y = torch.empty(w.N, w.K, dtype=dtype, device=w.device)
+    _dequant_kernel[(triton.cdiv(w.N, block_n), NB // bb)](
+        y, *_planes(w), w.N, NB, w.K, KIND=kind, QH=qh, BB=bb, BLOCK_N=block_n,
+        num_warps=max(1, min(8, block_n // 4)))
+    return y
+
+
 def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, block_n: int = 64,
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x[M, K] @ W^T for any M: bfloat16 tensor-core products of the activation and the weight
@@ -304,10 +525,21 @@ class TritonQuantLinear(torch.nn.Module):
     """A bias-free Linear whose weight [N, K] is GGUF blocks in planes: `quant_gemv` up to
     `gemv_max_rows` rows, `quant_gemm` above."""
 
-    def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8):
+    # From this many rows on, Q8_0 / Q4_K / Q5_K / Q6_K weights are dequantized into a temporary
+    # (dequantize_weight, one pass over the blocks) and multiplied by cuBLAS: quant_gemm's
+    # in-register dequantization ran 2.6-5x behind cuBLAS at 512 rows (stop 18, H200), the
+    # temporary costs about a GEMV's time plus its bytes written. Not above DEQUANT_MAX_BYTES of
+    # temporary (a large LM head keeps quant_gemm). Operands are rounded to bf16 on both paths.
+    DEQUANT_MIN_ROWS = 128
+    DEQUANT_MAX_BYTES = 512 << 20
+
+    def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8, bias: torch.Tensor | None = None,
+                 dequant_min_rows: int | None = None):
         super().__init__()
         self.weight = weight
         self.gemv_max_rows = gemv_max_rows
+        self.dequant_min_rows = self.DEQUANT_MIN_ROWS if dequant_min_rows is None else dequant_min_rows
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def from_gguf_bytes(cls, raw: torch.Tensor, fmt: str, in_features: int, device=None, **kwargs):
@@ -328,14 +560,26 @@ class TritonQuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= self.gemv_max_rows:
+        if x2.shape[0] == 1 and self.weight.fmt in _GEMV1_FORMATS:
+            y = quant_gemv1(x2, self.weight)
+        elif x2.shape[0] <= self.gemv_max_rows:
             y = quant_gemv(x2, self.weight)
+        elif (x2.shape[0] >= self.dequant_min_rows and self.weight.fmt in _GEMV1_FORMATS
+              and self.weight.N * self.weight.K * x2.element_size() <= self.DEQUANT_MAX_BYTES):
+            # bf16 operands as quant_gemm's (the same numbers whichever path a row count takes)
+            wd = dequantize_weight(self.weight, torch.bfloat16)
+            if x2.dtype == torch.bfloat16:
+                y = torch.matmul(x2, wd.T)
+            else:
+                y = torch.matmul(x2.to(torch.bfloat16).float(), wd.float().T).to(x2.dtype)
         else:
             y = quant_gemm(x2, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*shape[:-1], self.weight.N)
 
     def extra_repr(self) -> str:
         return f"{self.weight.fmt}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-__all__ = ["TritonQuantLinear", "quant_gemm", "quant_gemv"]
+__all__ = ["TritonQuantLinear", "dequantize_weight", "quant_gemm", "quant_gemv", "quant_gemv1"]

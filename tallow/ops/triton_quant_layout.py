@@ -169,7 +169,8 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     ql = _nibbles(w.qs, 64).reshape(N, nb, 2, 2, 64)  # [half, nibble, j]: element 128h + 64s + j
     low = ql.reshape(N, nb, 256)
     qh = w.qh.reshape(N, nb, 2, 1, 32).to(torch.int32)
-    shifts = torch.tensor([0, 2, 4, 6], device=w.device, dtype=torch.int32).reshape(1, 1, 1, 4, 1)
+    # (arange, not torch.tensor: no host-to-device copy, so a CUDA graph can capture it)
+    shifts = (2 * torch.arange(4, device=w.device, dtype=torch.int32)).reshape(1, 1, 1, 4, 1)
     high = ((qh >> shifts) & 3).reshape(N, nb, 256)  # element 128h + 32t + j
     q = (low | (high << 4)).float() - 32
     scale = d.repeat_interleave(16, dim=1) * w.sc.float()

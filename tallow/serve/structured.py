@@ -14,7 +14,9 @@ its reason, never a silent fallback to free text.
   The schema's text keeps the client's key order: llguidance writes properties in that order.
 - Tool calls (`tool_call_grammar`): tool_choice "required" (Anthropic "any") and a named function
   (Anthropic "tool") force the model's own tool-call markup (the tool parser's `call_grammar`),
-  arguments valid against each tool's parameters; parallel_tool_calls: false allows one call.
+  arguments valid against each tool's parameters; a named function is called once, "required"
+  calls one or more (parallel_tool_calls: false: one). Object schemas that list properties and
+  say nothing of other keys are closed to them (engine.grammar.closed_objects).
   Under "auto", a tool marked strict: true, or an output format, constrains the reply too: free
   text (or the format's JSON) in which every call the model opens is well-formed.
 - Reasoning: with a reasoning parser whose block the prompt does not close, the grammar starts
@@ -30,7 +32,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tallow.engine.grammar import GrammarError, GrammarSpec, check_grammar
+from tallow.engine.grammar import GrammarError, GrammarSpec, check_grammar, closed_objects
 from tallow.output.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from tallow.output.tool_parsers import TOOL_PARSERS
 from tallow.output.tool_parsers.grammar import JSON_STYLE, UnenforceableSchema, grammar_tools
@@ -66,6 +68,7 @@ def json_schema_format(schema: Any, param: str, *, strict: bool = False) -> Outp
     options = {**JSON_STYLE, "lenient": not strict}
     if isinstance(schema.get("x-guidance"), dict):
         options.update(schema["x-guidance"])
+    schema = closed_objects(schema)
     return OutputFormat(GrammarSpec("json_schema", canonical_json({**schema, "x-guidance": options})), param, strict)
 
 
@@ -166,9 +169,11 @@ def tool_call_grammar(tokenizer, *, tools: list[dict[str, Any]] | None, tool_par
         if rejection is not None:
             return rejection
     indices = list(range(len(tools)))
-    if isinstance(tool_choice, dict):
+    if isinstance(tool_choice, dict):  # a named function: one call of it (as vLLM; instructor and
+        # pydantic-ai read a single call), whatever parallel_tool_calls says
         name = tool_choice.get("function", tool_choice).get("name")
         indices = [k for k in indices if tools[k].get("function", tools[k]).get("name") == name]
+        max_calls = 1
     content = None
     if not forced and output is not None:
         if output.spec.kind not in ("json_schema", "json_object"):

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tallow.engine.grammar import closed_objects
+
 # llguidance's JSON options (its "x-guidance" key), as json.dumps(obj) writes JSON.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -75,7 +77,8 @@ def regex_escape(text: str) -> str:
 def json_rule(schema: dict[str, Any]) -> str:
     """An inline %json schema, written as JSON_STYLE; unsupported keywords ignored (a strict
     tool's schema is checked on its own first: tallow.serve.structured)."""
-    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_STYLE, "lenient": True}}, ensure_ascii=False)
+    return "%json " + json.dumps({**closed_objects(schema), "x-guidance": {**JSON_STYLE, "lenient": True}},
+                                 ensure_ascii=False)
 
 
 def hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
