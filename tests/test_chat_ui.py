@@ -159,8 +159,11 @@ def test_stop_aborts_the_request(page, real_server):
     send(page, "Write a long essay about the history of France.")  # greedy: hundreds of tokens
     until(page, "document.querySelector('.msg.assistant .content')?.textContent.length > 0")
     wait_until(lambda: running(url) == 1, timeout=30)
+    disconnected = httpx.get(url + "/stats").json()["requests"].get("disconnected", 0)
     page.click("#stop")
     wait_until(lambda: running(url) == 0, timeout=15)
+    # the server saw the client leave (and aborted the run), not a reply that had ended anyway
+    wait_until(lambda: httpx.get(url + "/stats").json()["requests"].get("disconnected", 0) == disconnected + 1)
     until(page, "document.querySelector('.msg.assistant .meta').textContent.includes('stopped')")
     assert page.is_visible("#send") and not page.is_visible("#stop")
     # the conversation goes on after a stop: regenerate sends again

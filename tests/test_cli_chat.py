@@ -91,8 +91,11 @@ def test_chat_with_a_server(real_server, tmp_path):
         expected = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": 400}).json()
         assert msgs[1]["content"] == expected["choices"][0]["message"]["content"]
+        disconnected = httpx.get(url + "/stats").json()["requests"].get("disconnected", 0)
         stop_mid_reply(child)
         wait_until(lambda: httpx.get(url + "/stats").json()["engine"]["running"] == 0, timeout=15)
+        # the server saw the client leave (and aborted the run), not a reply that had ended anyway
+        wait_until(lambda: httpx.get(url + "/stats").json()["requests"].get("disconnected", 0) == disconnected + 1)
         child.sendline("/exit")
         child.expect(pexpect.EOF)
     finally:
