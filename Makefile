@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 MODEL ?= default
 
-.PHONY: venv install serve test test-triton test-slow test-evals test-clients test-all wheel bench clean
+.PHONY: venv install serve test test-triton test-slow test-evals test-clients test-browser test-all wheel bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -59,6 +59,15 @@ $(CLIENT_VENV)/.installed: client_tests/requirements.txt
 
 test-clients: install $(CLIENT_VENV)/.installed
 	TALLOW_PYTHON=$(abspath $(BIN))/python $(CLIENT_VENV)/bin/python -m pytest -q --durations=5 client_tests
+
+# The chat page in headless Chromium (tests marked browser). Playwright from PyPI (the `browser`
+# extra), the browser from the system's packages: Debian's chromium (Playwright cannot download
+# its own build here). Without either the tests skip.
+test-browser: install
+	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q "playwright>=1.40"  # the `browser` extra
+	command -v chromium >/dev/null || { apt-get update -q && apt-get install -y -q chromium; } \
+		|| echo "could not install chromium: the browser tests will skip"
+	$(BIN)/python -m pytest -q -m browser --durations=10 tests
 
 test-all: install
 	$(BIN)/python -m pytest -q -m "" tests

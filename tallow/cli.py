@@ -1,4 +1,4 @@
-"""tallow serve | generate"""
+"""tallow serve | generate | chat"""
 
 from __future__ import annotations
 
@@ -125,6 +125,18 @@ def _write_content(events) -> None:
         sys.stdout.flush()
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tallow.chat_cli import LocalChat, RemoteChat, run_chat
+
+    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+               "seed": args.chat_seed}
+    backend = RemoteChat(args.url, args.api_key) if args.url else LocalChat(engine_config_from(args))
+    try:
+        return run_chat(backend, options, system=args.system)
+    finally:
+        backend.close()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tallow.serve.app import run_server
 
@@ -132,7 +144,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         max_queue=args.max_queue, log_level=args.log_level, trace=args.trace,
                         shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
                         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                        strict_model_names=args.strict_model_names, strict_tools=args.strict_tools)
+                        strict_model_names=args.strict_model_names, strict_tools=args.strict_tools,
+                        ui=not args.no_ui)
     # Trace lines are asked for (--trace or x-tallow-trace: 1): shown whatever the log level.
     logging.getLogger("tallow.trace").setLevel(logging.INFO)
     if args.api_key:
@@ -161,6 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
 
+    c = sub.add_parser("chat", help="chat in the terminal, with the model loaded here or a server (--url)")
+    c.add_argument("--url", default=None, help="a running server (http://host:port); default: load --model here")
+    c.add_argument("--api-key", default=None, help="the server's API key (with --url)")
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--max-tokens", type=int, default=1024)
+    c.add_argument("--temperature", type=float, default=None, help="default: the model's")
+    c.add_argument("--top-p", type=float, default=None, help="default: the model's")
+    c.add_argument("--chat-seed", type=int, default=None, help="sampling seed of each reply")
+    _engine_args(c)
+    c.set_defaults(func=cmd_chat, log_level="warning")
+
     s = sub.add_parser("serve", help="start the OpenAI/Anthropic-compatible HTTP server")
     sd = ServerConfig()
     s.add_argument("--host", default=sd.host)
@@ -172,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                         "/stats, /metrics, /docs, /openapi.json, /tokenize")
     s.add_argument("--metrics-key", default=None, help="a key /metrics takes besides --api-key (for a scraper)")
     s.add_argument("--log-level", default=sd.log_level)
+    s.add_argument("--no-ui", action="store_true", help="no chat page at GET /")
     s.add_argument("--trace", action="store_true",
                    help="log one JSON line per request with its phases (or per request: x-tallow-trace: 1)")
     s.add_argument("--shutdown-timeout", type=float, default=sd.shutdown_timeout,

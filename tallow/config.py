@@ -132,6 +132,8 @@ class ServerConfig:
     # Responses' hosted tools (web_search, file_search, ...) are dropped from what the model sees,
     # named in the X-Tallow-Dropped-Tools header and the log; with this they are a 400.
     strict_tools: bool = False
+    # The chat page at GET / (tallow/serve/ui/); --no-ui turns it off.
+    ui: bool = True
     # The key that authenticates (and encrypts) Responses' reasoning.encrypted_content blobs; unset:
     # a random key per server process (blobs from before a restart are then refused).
     reasoning_key: str | None = field(default_factory=lambda: os.environ.get("TALLOW_REASONING_KEY"))

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tallow.engine",),
     ("tallow.output",),
     ("tallow.serve",),
-    ("tallow.cli", "tallow.llm", "tallow.testing", "tallow"),  # "tallow": the package's __init__ (the facade)
+    ("tallow.cli", "tallow.chat_cli", "tallow.llm", "tallow.testing", "tallow"),  # "tallow": the package's __init__ (the facade)
 ]
 
 

@@ -100,6 +100,10 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestGate, config=server_config, metrics=app.state.metrics, state=app.state.gate)
     if engine is not None:
         attach_engine(app, engine)
+    if server_config.ui:
+        from tallow.serve.ui import add_ui_routes
+
+        add_ui_routes(app)  # GET / and /ui/*: the chat page (static; not on the API's path)
 
     def serving_engine():
         engine = app.state.engine
