@@ -33,7 +33,8 @@ def test_page_is_static_with_a_self_only_csp():
         asset = client.get(f"/ui/{name}")
         assert asset.status_code == 200 and kind in asset.headers["content-type"], name
         assert "://" not in asset.text, name
-    assert client.get("/ui/../config.py").status_code == 404
+    assert client.get("/ui/../config.py").status_code == 401  # the client resolves it to /config.py: not the page's
+    assert client.get("/ui/..%2Fconfig.py").status_code == 404  # kept under /ui/: no file of that name
     assert client.get("/ui/secret.txt").status_code == 404
     # public (no key needed) while the API still refuses without it
     assert client.post("/v1/chat/completions", json={}).status_code == 401

@@ -38,6 +38,15 @@ def test_health_stays_open(server):
     assert call(server, "GET", "/health").status_code == 200
 
 
+def test_the_chat_page_is_public_unless_turned_off(server):
+    # the page holds nothing secret and asks for the key itself (issue 25); its files only
+    assert call(server, "GET", "/").status_code == 200
+    assert call(server, "GET", "/ui/app.js").status_code == 200
+    assert call(server, "GET", "/uix").status_code == 401
+    with LiveServer(FakeEngine(interval=0.0005), ServerConfig(api_key=KEY, ui=False)) as no_ui:
+        assert call(no_ui, "GET", "/").status_code == 401
+
+
 def test_metrics_key_opens_metrics_only(server):
     assert call(server, "GET", "/metrics", METRICS_KEY).status_code == 200
     for method, path in PROTECTED:

@@ -32,9 +32,14 @@ trace_log = logging.getLogger("tallow.trace")
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Routes polled by machines: their access lines go to DEBUG.
 _QUIET_ROUTES = frozenset({"/health", "/metrics"})
-# What answers without the API key: a load balancer's probe. Everything else (/v1, /stats,
-# /metrics, /docs, /openapi.json, /tokenize, ...) needs it when the server has one.
+# What answers without the API key: a load balancer's probe, and the chat page's static files
+# (public: it holds nothing secret and asks for the key itself; not with --no-ui). Everything
+# else (/v1, /stats, /metrics, /docs, /openapi.json, /tokenize, ...) needs it when the server has one.
 _OPEN_ROUTES = frozenset({"/health"})
+
+
+def _open_route(path: str, config: ServerConfig) -> bool:
+    return path in _OPEN_ROUTES or (config.ui and (path == "/" or path.startswith("/ui/")))
 
 
 @dataclass
@@ -95,7 +100,7 @@ class RequestGate:
 
         if self.state.draining and path == "/health":
             return await JSONResponse({"status": "draining"}, 503)(scope, receive, send)
-        if config.api_key is not None and path not in _OPEN_ROUTES and not api_key_matches(headers, config.api_key) \
+        if config.api_key is not None and not _open_route(path, config) and not api_key_matches(headers, config.api_key) \
                 and not (path == "/metrics" and config.metrics_key is not None
                          and api_key_matches(headers, config.metrics_key)):
             return await refuse(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>' "
