@@ -88,6 +88,17 @@ static inline __attribute__((always_inline)) void gguf_row(const gblock *W, cons
     _mm512_storeu_ps(acc, acc_v);
 }
 
+
+// One row against one block (M = 1): the unpack and the row as above.
+static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, int planes, int zero,
+                                                             const int16_t *xb, float dx, float sx, const float *dw0,
+                                                             const float *dw1, const float *mw, int halves, int has_m,
+                                                             float *acc) {
+    gblock W;
+    gguf_unpack(blk, planes, zero, &W);
+    gguf_row(&W, xb, dx, sx, dw0, dw1, mw, halves, has_m, acc);
+}
+
 #else
 
 typedef struct {
@@ -149,6 +160,69 @@ static inline __attribute__((always_inline)) void gguf_row(const gblock *W, cons
             b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(W->w[h][j + 9], x[j + 9]));
         }
         const __m256i a = _mm256_add_epi32(a0, a1), b = _mm256_add_epi32(b0, b1);
+        __m256 acc_v = _mm256_loadu_ps(acc + 8 * h);
+        if (halves) {
+            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
+            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_mul_ps(_mm256_loadu_ps(dw1 + 8 * h), dxv), acc_v);
+        } else {
+            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)),
+                                    _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
+        }
+        if (has_m) acc_v = _mm256_fmadd_ps(_mm256_loadu_ps(mw + 8 * h), sxv, acc_v);
+        _mm256_storeu_ps(acc + 8 * h, acc_v);
+    }
+}
+
+// One row against one block (M = 1), unpack and products fused: AVX2 has 16 registers, so the
+// 32 pair vectors of a whole gblock (and the row's 16 broadcasts) would live on the stack; here
+// each pair vector is formed as in gguf_unpack and multiplied at once. The int32 sums are the
+// same integers as gguf_unpack + gguf_row's (exact), and the float math below is gguf_row's, so
+// a row's result is the same float whichever path computes it.
+static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, int planes, int zero,
+                                                             const int16_t *xb, float dx, float sx, const float *dw0,
+                                                             const float *dw1, const float *mw, int halves, int has_m,
+                                                             float *acc) {
+    typedef int32_t __attribute__((may_alias)) pair;
+    const __m256i lo = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16((short)zero);
+    const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i sel[2] = {
+        _mm256_setr_epi8(0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1,
+                         1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1),
+        _mm256_setr_epi8(2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1,
+                         3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1)};
+    const uint32_t *pl = (const uint32_t *)(blk + 256);
+    const int folded = planes > 0 && zero == 16 << (planes - 1);
+    __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
+                       {_mm256_setzero_si256(), _mm256_setzero_si256()}};  // [h][j >= 8]
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        const __m256i x0 = _mm256_set1_epi32(*(const pair *)(xb + 4 * g));
+        const __m256i x1 = _mm256_set1_epi32(*(const pair *)(xb + 4 * g + 2));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * g + 16 * h)));
+            __m256i w[2] = {_mm256_and_si256(t, lo), _mm256_srli_epi16(t, 4)};
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; e++) {
+                const int j = 2 * g + e;
+#pragma GCC unroll 2
+                for (int p = 0; p < planes; p++) {
+                    const __m256i bit = _mm256_set1_epi16((short)(16 << p));
+                    const __m256i v = _mm256_set1_epi32((int)pl[16 * p + j]);
+                    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(v, sel[h]), bits);
+                    const __m256i set = _mm256_cmpeq_epi16(b, bits);
+                    w[e] = folded && p == planes - 1 ? _mm256_sub_epi16(w[e], _mm256_andnot_si256(set, bit))
+                                                     : _mm256_add_epi16(w[e], _mm256_and_si256(set, bit));
+                }
+                if (zero && !folded) w[e] = _mm256_sub_epi16(w[e], z);
+            }
+            s[h][g >= 4] = _mm256_add_epi32(s[h][g >= 4], _mm256_add_epi32(_mm256_madd_epi16(w[0], x0),
+                                                                             _mm256_madd_epi16(w[1], x1)));
+        }
+    }
+    const __m256 dxv = _mm256_set1_ps(dx), sxv = _mm256_set1_ps(sx);
+    for (int h = 0; h < 2; h++) {
+        const __m256i a = s[h][0], b = s[h][1];
         __m256 acc_v = _mm256_loadu_ps(acc + 8 * h);
         if (halves) {
             acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
@@ -237,10 +311,23 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
                     const uint8_t *wb = wt + (size_t)b * block_bytes;
                     for (size_t p = 0; p < block_bytes; p += 64)
                         _mm_prefetch((const char *)(wb + 4 * block_bytes + p), _MM_HINT_T0);
-                    gblock W;
-                    gguf_unpack(wb, planes, zero, &W);
                     float dw0[GT], dw1[GT], mw[GT];
                     gguf_block_scales(fmt, b, dt, mt, sct, mnt, dw0, dw1, mw);
+                    if (rows == 1) {  // the same floats, without a whole unpacked block in memory
+                        const size_t row = (size_t)m0;
+                        const int16_t *xb = r.q + row * K + (size_t)b * QK;
+                        const float dx = r.d[row * nb + b], sx = r.s[row * nb + b];
+                        switch (fmt) {  // constant planes / zero / halves / has_m: one unrolled body each
+                        case TL_Q4_K: gguf_row1(wb, 0, 0, xb, dx, sx, dw0, dw1, mw, 0, 1, acc); break;
+                        case TL_Q6_K: gguf_row1(wb, 2, 32, xb, dx, sx, dw0, dw1, mw, 1, 0, acc); break;
+                        case TL_Q5_K: gguf_row1(wb, 1, 0, xb, dx, sx, dw0, dw1, mw, 0, 1, acc); break;
+                        case TL_Q5_0: gguf_row1(wb, 1, 16, xb, dx, sx, dw0, dw1, mw, 0, 0, acc); break;
+                        default: gguf_row1(wb, 1, 0, xb, dx, sx, dw0, dw1, mw, 0, 1, acc); break;  // Q5_1
+                        }
+                        continue;
+                    }
+                    gblock W;
+                    gguf_unpack(wb, planes, zero, &W);
                     for (int i = 0; i < rows; i++) {
                         const size_t row = (size_t)(m0 + i);
                         gguf_row(&W, r.q + row * K + (size_t)b * QK, r.d[row * nb + b], r.s[row * nb + b], dw0, dw1,
