@@ -31,6 +31,14 @@
 
 #define GT 16
 #define GCHUNK 64
+// Up to this many rows, each row runs alone through gguf_gemv1 (AVX2: unpack fused with the
+// products; measured on Zen 3 with benchmarks/gguf_gemv.py: faster than the many-row loop's
+// unpacked blocks up to 3 rows for Q4_K, 1 row for the formats with bit planes; AVX-512: 1 row).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GGUF_ROW1_MAX(planes) 1
+#else
+#define GGUF_ROW1_MAX(planes) ((planes) == 0 ? 3 : 1)
+#endif
 
 enum { TL_Q5_0 = 0, TL_Q5_1 = 1, TL_Q4_K = 2, TL_Q5_K = 3, TL_Q6_K = 4 };
 
@@ -86,6 +94,17 @@ static inline __attribute__((always_inline)) void gguf_row(const gblock *W, cons
     }
     if (has_m) acc_v = _mm512_fmadd_ps(_mm512_loadu_ps(mw), _mm512_set1_ps(sx), acc_v);
     _mm512_storeu_ps(acc, acc_v);
+}
+
+
+// One row against one block (M = 1): the unpack and the row as above.
+static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, int planes, int zero,
+                                                             const int16_t *xb, float dx, float sx, const float *dw0,
+                                                             const float *dw1, const float *mw, int halves, int has_m,
+                                                             float *acc) {
+    gblock W;
+    gguf_unpack(blk, planes, zero, &W);
+    gguf_row(&W, xb, dx, sx, dw0, dw1, mw, halves, has_m, acc);
 }
 
 #else
@@ -162,6 +181,69 @@ static inline __attribute__((always_inline)) void gguf_row(const gblock *W, cons
     }
 }
 
+// One row against one block (M = 1), unpack and products fused: AVX2 has 16 registers, so the
+// 32 pair vectors of a whole gblock (and the row's 16 broadcasts) would live on the stack; here
+// each pair vector is formed as in gguf_unpack and multiplied at once. The int32 sums are the
+// same integers as gguf_unpack + gguf_row's (exact), and the float math below is gguf_row's, so
+// a row's result is the same float whichever path computes it.
+static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, int planes, int zero,
+                                                             const int16_t *xb, float dx, float sx, const float *dw0,
+                                                             const float *dw1, const float *mw, int halves, int has_m,
+                                                             float *acc) {
+    typedef int32_t __attribute__((may_alias)) pair;
+    const __m256i lo = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16((short)zero);
+    const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i sel[2] = {
+        _mm256_setr_epi8(0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1,
+                         1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1),
+        _mm256_setr_epi8(2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1,
+                         3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1)};
+    const uint32_t *pl = (const uint32_t *)(blk + 256);
+    const int folded = planes > 0 && zero == 16 << (planes - 1);
+    __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
+                       {_mm256_setzero_si256(), _mm256_setzero_si256()}};  // [h][j >= 8]
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        const __m256i x0 = _mm256_set1_epi32(*(const pair *)(xb + 4 * g));
+        const __m256i x1 = _mm256_set1_epi32(*(const pair *)(xb + 4 * g + 2));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * g + 16 * h)));
+            __m256i w[2] = {_mm256_and_si256(t, lo), _mm256_srli_epi16(t, 4)};
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; e++) {
+                const int j = 2 * g + e;
+#pragma GCC unroll 2
+                for (int p = 0; p < planes; p++) {
+                    const __m256i bit = _mm256_set1_epi16((short)(16 << p));
+                    const __m256i v = _mm256_set1_epi32((int)pl[16 * p + j]);
+                    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(v, sel[h]), bits);
+                    const __m256i set = _mm256_cmpeq_epi16(b, bits);
+                    w[e] = folded && p == planes - 1 ? _mm256_sub_epi16(w[e], _mm256_andnot_si256(set, bit))
+                                                     : _mm256_add_epi16(w[e], _mm256_and_si256(set, bit));
+                }
+                if (zero && !folded) w[e] = _mm256_sub_epi16(w[e], z);
+            }
+            s[h][g >= 4] = _mm256_add_epi32(s[h][g >= 4], _mm256_add_epi32(_mm256_madd_epi16(w[0], x0),
+                                                                             _mm256_madd_epi16(w[1], x1)));
+        }
+    }
+    const __m256 dxv = _mm256_set1_ps(dx), sxv = _mm256_set1_ps(sx);
+    for (int h = 0; h < 2; h++) {
+        const __m256i a = s[h][0], b = s[h][1];
+        __m256 acc_v = _mm256_loadu_ps(acc + 8 * h);
+        if (halves) {
+            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
+            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_mul_ps(_mm256_loadu_ps(dw1 + 8 * h), dxv), acc_v);
+        } else {
+            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)),
+                                    _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
+        }
+        if (has_m) acc_v = _mm256_fmadd_ps(_mm256_loadu_ps(mw + 8 * h), sxv, acc_v);
+        _mm256_storeu_ps(acc + 8 * h, acc_v);
+    }
+}
+
 #endif
 
 // The GT channels' float scales of block b of a tile: dw0 (and Q6_K's dw1), mw (has_m formats).
@@ -201,6 +283,50 @@ static inline void gguf_block_scales(int fmt, int b, const uint16_t *d, const ui
     }
 }
 
+// y[1, N] (M = 1): tl_gguf_linear's loop for one row, through gguf_row1 with the format's
+// constants (one unrolled body per format), kept apart so the many-row loop compiles as before.
+static inline __attribute__((always_inline)) void gguf_tile1(int fmt_planes, int fmt_zero, int halves, int has_m,
+                                                              int fmt, int nb, const uint8_t *wt, size_t block_bytes,
+                                                              const uint16_t *dt, const uint16_t *mt,
+                                                              const uint8_t *sct, const uint8_t *mnt,
+                                                              const qrows *r, float *acc) {
+    for (int c = 0; c < GT; c++) acc[c] = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = wt + (size_t)b * block_bytes;
+        for (size_t p = 0; p < block_bytes; p += 64) _mm_prefetch((const char *)(wb + 4 * block_bytes + p), _MM_HINT_T0);
+        float dw0[GT], dw1[GT], mw[GT];
+        gguf_block_scales(fmt, b, dt, mt, sct, mnt, dw0, dw1, mw);
+        gguf_row1(wb, fmt_planes, fmt_zero, r->q + (size_t)b * QK, r->d[b], r->s[b], dw0, dw1, mw, halves, has_m, acc);
+    }
+}
+
+static __attribute__((noinline)) void gguf_gemv1(int K, int N, int fmt, const uint8_t *wq, const uint16_t *wd,
+                                                 const uint16_t *wm, const uint8_t *wsc, const uint8_t *wmn,
+                                                 const float *bias, float *y, int nthreads, const qrows *r) {
+    const int nb = K / QK, tiles = (N + GT - 1) / GT;
+    const int planes = gguf_planes(fmt), halves = fmt == TL_Q6_K, kq = fmt >= TL_Q4_K;
+    const size_t block_bytes = 256 + (size_t)64 * planes, tile_bytes = (size_t)nb * block_bytes;
+    const size_t d_per_tile = (size_t)(kq ? nb / 8 : nb) * GT;
+    const size_t sc_per_tile = (size_t)nb * GT * (halves ? 2 : 1);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        float acc[GT] __attribute__((aligned(32)));
+        const uint8_t *wt = wq + (size_t)t * tile_bytes;
+        const uint16_t *dt = wd + (size_t)t * d_per_tile, *mt = wm ? wm + (size_t)t * d_per_tile : NULL;
+        const uint8_t *sct = wsc ? wsc + (size_t)t * sc_per_tile : NULL;
+        const uint8_t *mnt = wmn ? wmn + (size_t)t * nb * GT : NULL;
+        switch (fmt) {  // planes, zero, halves, has_m as gguf_planes / gguf_zero / tl_gguf_linear
+        case TL_Q4_K: gguf_tile1(0, 0, 0, 1, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc); break;
+        case TL_Q6_K: gguf_tile1(2, 32, 1, 0, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc); break;
+        case TL_Q5_K: gguf_tile1(1, 0, 0, 1, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc); break;
+        case TL_Q5_0: gguf_tile1(1, 16, 0, 0, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc); break;
+        default: gguf_tile1(1, 0, 0, 1, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc); break;  // Q5_1
+        }
+        const int cols = N - t * GT < GT ? N - t * GT : GT;
+        for (int c = 0; c < cols; c++) y[(size_t)t * GT + c] = bias ? acc[c] + bias[(size_t)t * GT + c] : acc[c];
+    }
+}
+
 // y[M, N] = x[M, K] @ W^T (+ bias), W of format fmt in tiles (above); K % 32 == 0 (K formats:
 // K % 256 == 0), tiles = ceil(N / GT). Returns 0, or -1 out of memory.
 int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *wq, const uint16_t *wd,
@@ -214,6 +340,14 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
     const size_t sc_per_tile = (size_t)nb * GT * (halves ? 2 : 1);
     qrows r;
     if (quantize_rows(x, M, K, nthreads, 0, &r)) return -1;
+    if (M <= GGUF_ROW1_MAX(planes)) {  // the same floats as the loop below, faster on AVX2 (gguf_row1)
+        for (int m = 0; m < M; m++) {
+            const qrows rm = {r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb};
+            gguf_gemv1(K, N, fmt, wq, wd, wm, wsc, wmn, bias, y + (size_t)m * N, nthreads, &rm);
+        }
+        free_rows(&r);
+        return 0;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
