@@ -3,9 +3,11 @@
 // nibbles per channel: byte j holds element j in its low nibble and element j + 16 in its
 // high one.
 //
-// One row (decode) reads the nibbles straight into registers; with 4 or more rows each thread
-// unpacks a tile to int16 in a small buffer once and runs every row against it, so the
-// weights are read from memory once per call.
+// Every row count reads the weights straight into registers, two channels per 256-bit
+// register, and runs up to 4 rows against each loaded block (tile_rows_q4 / tile_rows_q8);
+// a thread's tile (a few KB) stays in L1 across its groups of 4 rows, so the weights are read
+// from memory once per call. (Until 2026-12-05, 4+ rows went through a tile unpacked to int16
+// in a buffer, two rows at a time: 1.2-1.5x slower at 2-8 rows, benchmarks/HISTORY.md.)
 
 #define NT 4
 #define PREFETCH 1024  // bytes of Q4 nibbles ahead of the one-row loop (Q8: twice that)
@@ -33,17 +35,6 @@ static inline __m128i q4_block_sums(const uint8_t *nib, __m128i xa, __m128i xc, 
     const __m128i p1 = _mm_add_epi32(_mm_madd_epi16(_mm_and_si128(t, lo), xa), _mm_madd_epi16(_mm_and_si128(s, lo), xb));
     const __m128i p2 = _mm_add_epi32(_mm_madd_epi16(_mm_and_si128(t, hi), xc), _mm_madd_epi16(_mm_and_si128(s, hi), xd));
     return _mm_add_epi32(p1, _mm_srai_epi32(p2, 8));  // products of 256 * e: |p2| < 2^29
-}
-
-// A Q4 block unpacked for the buffered path: [e0 e2 .. e14 | e1 .. e15 | e16 .. e30 | e17 .. e31]
-// as int16, the activations' Q4 order.
-static inline void unpack_q4(const uint8_t *nib, int16_t *dst) {
-    const __m128i lo = _mm_set1_epi16(0x000F);
-    const __m128i t = _mm_loadu_si128((const __m128i *)nib);
-    _mm_store_si128((__m128i *)dst, _mm_and_si128(t, lo));
-    _mm_store_si128((__m128i *)(dst + 8), _mm_and_si128(_mm_srli_epi16(t, 8), lo));
-    _mm_store_si128((__m128i *)(dst + 16), _mm_and_si128(_mm_srli_epi16(t, 4), lo));
-    _mm_store_si128((__m128i *)(dst + 24), _mm_srli_epi16(t, 12));
 }
 
 // 32 int16 weights (two halves of 16, either path's layout) against the matching activations.
@@ -83,7 +74,8 @@ static inline __attribute__((always_inline)) __m128 row_scales(const uint16_t *d
     return m;
 }
 
-// One row against one tile read from the packed weights, in registers.
+// One row against one tile read from the packed weights, in registers (linear() runs it for one
+// Q8 row; its Q4 branch is the one-row reference of tile_rows_q4's arithmetic).
 static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *xs, int nb, const uint8_t *wt,
                               const uint16_t *dt, const uint16_t *mt, int q8, float *prod) {
     const __m128 m = row_scales(dt, mt, xd, xs, nb, prod);
@@ -117,64 +109,144 @@ static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *x
     return tile_out(acc, m);
 }
 
-// Rows m0 and m1 (they may be the same row) against a tile unpacked to int16 (buf), each
-// weight vector and scale loaded once for both: row_scales' and tile_row's arithmetic for each
-// row. prod: 2 * NT * nb floats.
-static inline void tile_rows2(const qrows *r, int m0, int m1, int nb, const uint16_t *dt, const uint16_t *mt,
-                              const int16_t *buf, float *prod, __m128 *out0, __m128 *out1) {
-    const int16_t *xq0 = r->q + (size_t)m0 * nb * QK, *xq1 = r->q + (size_t)m1 * nb * QK;
-    float *prod0 = prod, *prod1 = prod + (size_t)NT * nb;
-    const float *xd0 = r->d + (size_t)m0 * nb, *xd1 = r->d + (size_t)m1 * nb;
-    const float *xs0 = r->s + (size_t)m0 * nb, *xs1 = r->s + (size_t)m1 * nb;
-    __m128 s0 = _mm_setzero_ps(), s1 = _mm_setzero_ps();
+// Q4 in registers for up to 4 rows at once: 2 channels per 256-bit register (a block's two
+// adjacent channels are 32 contiguous bytes), the activations' 128-bit quarters broadcast to
+// both halves. Each half computes q4_block_sums' lanes exactly (integer sums; the same masks,
+// madds and exact shift), so lane for lane the same int32 sums; the float update is acc_block's
+// (one fma of the lane sum and the channel's d_w * d_x), so a row's result is tile_row's.
+// prod8: per row, per block, 16 floats [p0 x4 p1 x4 | p2 x4 p3 x4] (row_scales8).
+static inline __attribute__((always_inline)) __m128 row_scales8(const uint16_t *dt, const uint16_t *mt,
+                                                                 const float *xd, const float *xs, int nb,
+                                                                 float *prod8) {
+    const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    __m128 m = _mm_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const __m128 d = half4(dt + NT * b);
-        _mm_store_ps(prod0 + NT * b, _mm_mul_ps(d, _mm_broadcast_ss(xd0 + b)));
-        _mm_store_ps(prod1 + NT * b, _mm_mul_ps(d, _mm_broadcast_ss(xd1 + b)));
-        if (mt) {
-            const __m128 m = half4(mt + NT * b);
-            s0 = _mm_fmadd_ps(m, _mm_broadcast_ss(xs0 + b), s0);
-            s1 = _mm_fmadd_ps(m, _mm_broadcast_ss(xs1 + b), s1);
-        }
+        const __m256 p = _mm256_castps128_ps256(_mm_mul_ps(half4(dt + NT * b), _mm_broadcast_ss(xd + b)));
+        _mm256_store_ps(prod8 + 16 * b, _mm256_permutevar8x32_ps(p, i01));
+        _mm256_store_ps(prod8 + 16 * b + 8, _mm256_permutevar8x32_ps(p, i23));
+        if (mt) m = _mm_fmadd_ps(half4(mt + NT * b), _mm_broadcast_ss(xs + b), m);
     }
-    __m128 a0[NT], a1[NT];
-    for (int c = 0; c < NT; c++) a0[c] = a1[c] = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const __m256i x00 = _mm256_loadu_si256((const __m256i *)(xq0 + b * QK));
-        const __m256i x01 = _mm256_loadu_si256((const __m256i *)(xq0 + b * QK + 16));
-        const __m256i x10 = _mm256_loadu_si256((const __m256i *)(xq1 + b * QK));
-        const __m256i x11 = _mm256_loadu_si256((const __m256i *)(xq1 + b * QK + 16));
-        const int16_t *wb = buf + (size_t)b * NT * QK;
+    return m;
+}
+
+static inline __attribute__((always_inline)) void tile_rows_q4(const qrows *r, int m0, int R, int nb,
+                                                                const uint8_t *wt, const uint16_t *dt,
+                                                                const uint16_t *mt, float *prod8, __m128 *out) {
+    const __m256i lo = _mm256_set1_epi16(0x000F), hi = _mm256_set1_epi16(0x0F00);
+    const int16_t *xq[4];
+    __m128 mterm[4];
+    __m256 acc[4][2];
+    for (int i = 0; i < R; i++) {
+        const int m = m0 + i;
+        xq[i] = r->q + (size_t)m * nb * QK;
+        mterm[i] = row_scales8(dt, mt, r->d + (size_t)m * nb, r->s + (size_t)m * nb, nb, prod8 + (size_t)i * 16 * nb);
+    }
+    for (int p = 0; p < 2; p++) {  // channels 2p, 2p + 1
+        __m256 a[4];
 #pragma GCC unroll 4
-        for (int c = 0; c < NT; c++) {
-            const __m256i w0 = _mm256_load_si256((const __m256i *)(wb + c * QK));
-            const __m256i w1 = _mm256_load_si256((const __m256i *)(wb + c * QK + 16));
-            a0[c] = acc_block(a0[c], block_sums16(w0, w1, x00, x01), prod0 + NT * b + c);
-            a1[c] = acc_block(a1[c], block_sums16(w0, w1, x10, x11), prod1 + NT * b + c);
+        for (int i = 0; i < R; i++) a[i] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *wb = wt + (size_t)b * NT * 16 + 32 * p;
+            if (p == 0) _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);
+            const __m256i t = _mm256_loadu_si256((const __m256i *)wb), s = _mm256_srli_epi16(t, 4);
+            const __m256i w0 = _mm256_and_si256(t, lo), w1 = _mm256_and_si256(s, lo);
+            const __m256i w2 = _mm256_and_si256(t, hi), w3 = _mm256_and_si256(s, hi);
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                const int16_t *xb = xq[i] + b * QK;
+                const __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+                const __m256i xc = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 8)));
+                const __m256i xb_ = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+                const __m256i xd_ = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 24)));
+                const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(w0, xa), _mm256_madd_epi16(w1, xb_));
+                const __m256i p2 = _mm256_add_epi32(_mm256_madd_epi16(w2, xc), _mm256_madd_epi16(w3, xd_));
+                const __m256i sums = _mm256_add_epi32(p1, _mm256_srai_epi32(p2, 8));
+                a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                       _mm256_load_ps(prod8 + (size_t)i * 16 * nb + 16 * b + 8 * p), a[i]);
+            }
         }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) acc[i][p] = a[i];
     }
-    *out0 = tile_out(a0, s0);
-    *out1 = tile_out(a1, s1);
+    for (int i = 0; i < R; i++) {
+        const __m128 c[NT] = {_mm256_castps256_ps128(acc[i][0]), _mm256_extractf128_ps(acc[i][0], 1),
+                              _mm256_castps256_ps128(acc[i][1]), _mm256_extractf128_ps(acc[i][1], 1)};
+        out[i] = tile_out(c, mterm[i]);
+    }
+}
+
+// Q8 likewise: a block's two adjacent channels widened to int16 and regrouped by eighths, so
+// one register holds [channel 2p: elements 8g..8g+7 | channel 2p + 1: the same]; against the
+// activations' eighth broadcast to both halves, the 4 eighths' madds summed give each half
+// q8_block_sums' lanes (elements 2i, 2i+1, 8+2i, 9+2i and the same + 16: exact integers).
+static inline __attribute__((always_inline)) void tile_rows_q8(const qrows *r, int m0, int R, int nb,
+                                                                const uint8_t *wt, const uint16_t *dt,
+                                                                float *prod8, __m128 *out) {
+    const int16_t *xq[4];
+    __m128 mterm[4];
+    __m256 acc[4][2];
+    for (int i = 0; i < R; i++) {
+        const int m = m0 + i;
+        xq[i] = r->q + (size_t)m * nb * QK;
+        mterm[i] = row_scales8(dt, NULL, r->d + (size_t)m * nb, r->s + (size_t)m * nb, nb, prod8 + (size_t)i * 16 * nb);
+    }
+    for (int p = 0; p < 2; p++) {  // channels 2p, 2p + 1
+        __m256 a[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) a[i] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const int8_t *wb = (const int8_t *)wt + (size_t)b * NT * QK + 2 * QK * p;
+            if (p == 0) {
+                _mm_prefetch((const char *)(wb + 2 * PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + 2 * PREFETCH + 64), _MM_HINT_T0);
+            }
+            const __m256i a0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb));
+            const __m256i a1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
+            const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + QK)));
+            const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + QK + 16)));
+            const __m256i w0 = _mm256_permute2x128_si256(a0, b0, 0x20), w1 = _mm256_permute2x128_si256(a0, b0, 0x31);
+            const __m256i w2 = _mm256_permute2x128_si256(a1, b1, 0x20), w3 = _mm256_permute2x128_si256(a1, b1, 0x31);
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                const int16_t *xb = xq[i] + b * QK;
+                const __m256i x0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+                const __m256i x1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 8)));
+                const __m256i x2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+                const __m256i x3 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 24)));
+                const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)),
+                                                      _mm256_add_epi32(_mm256_madd_epi16(w2, x2), _mm256_madd_epi16(w3, x3)));
+                a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                       _mm256_load_ps(prod8 + (size_t)i * 16 * nb + 16 * b + 8 * p), a[i]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) acc[i][p] = a[i];
+    }
+    for (int i = 0; i < R; i++) {
+        const __m128 c[NT] = {_mm256_castps256_ps128(acc[i][0]), _mm256_extractf128_ps(acc[i][0], 1),
+                              _mm256_castps256_ps128(acc[i][1]), _mm256_extractf128_ps(acc[i][1], 1)};
+        out[i] = tile_out(c, mterm[i]);
+    }
 }
 
 // y[M, N] = x[M, K] @ W^T (+ bias), W in tiles (above): Q4: wq [N/NT][nb][NT][16] nibbles, wd and
 // wm [N/NT][nb][NT]; Q8: wq [N/NT][nb][NT][32] int8, wm NULL. K % 32 == 0, N % NT == 0.
-// Returns 0, or -1 out of memory. With 4 or more rows each thread unpacks a tile to int16 once
-// and runs every row against it, two rows at a time (tile_rows2).
+// Returns 0, or -1 out of memory. Rows in groups of 4 against each tile (tile_rows_q4/_q8); one
+// Q8 row (the LM head at decode) through tile_row, measured faster there. Every path computes
+// a row's outputs with the same arithmetic, so M and the other rows never change them.
 static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd,
                   const uint16_t *wm, const float *bias, float *y, int nthreads, int q8) {
     const int nb = K / QK;
     const size_t tile_bytes = (size_t)nb * NT * (q8 ? QK : QK / 2);
-    const int buffered = M >= 4;
+    const int one_q8 = q8 && M == 1;  // tile_row: measured faster than tile_rows_q8 for one row
     qrows r;
     if (quantize_rows(x, M, K, nthreads, !q8, &r)) return -1;
     int failed = 0;
     const int tiles = N / NT;
 #pragma omp parallel num_threads(nthreads)
     {
-        int16_t *buf = buffered ? (int16_t *)aligned_alloc(32, sizeof(int16_t) * NT * (size_t)K) : NULL;
-        float *prod = (float *)aligned_alloc(32, sizeof(float) * 2 * NT * ((size_t)nb + 8));  // two rows' scales
-        const int ok = prod && (buf || !buffered);
+        float *prod = (float *)aligned_alloc(32, sizeof(float) * 64 * ((size_t)nb + 8));  // 4 rows' scales (Q4), 2 (Q8)
+        const int ok = prod != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -184,36 +256,27 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
             if (!ok) continue;
             const uint8_t *wt = wq + (size_t)t * tile_bytes;
             const uint16_t *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
-            if (buffered) {
-                for (int i = 0; i < nb * NT; i++) {  // block-major, as stored
-                    int16_t *dst = buf + (size_t)i * QK;
-                    if (q8) {
-                        const int8_t *wb = (const int8_t *)wt + (size_t)i * QK;
-                        _mm256_store_si256((__m256i *)dst, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb)));
-                        _mm256_store_si256((__m256i *)(dst + 16), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16))));
-                    } else {
-                        unpack_q4(wt + (size_t)i * 16, dst);
-                    }
-                }
-            }
             const __m128 bv = bias ? _mm_loadu_ps(bias + (size_t)t * NT) : _mm_setzero_ps();
 #define STORE(m, out) _mm_storeu_ps(y + (size_t)(m) * N + (size_t)t * NT, bias ? _mm_add_ps(out, bv) : (out))
-            if (buffered) {
-                for (int m = 0; m < M; m += 2) {
-                    const int m1 = m + 1 < M ? m + 1 : m;  // an odd last row is computed twice, stored once
-                    __m128 out0, out1;
-                    tile_rows2(&r, m, m1, nb, dt, mt, buf, prod, &out0, &out1);
-                    STORE(m, out0);
-                    if (m1 != m) STORE(m1, out1);
-                }
+            if (one_q8) {
+                STORE(0, tile_row(r.q, r.d, r.s, nb, wt, dt, NULL, 1, prod));
             } else {
-                for (int m = 0; m < M; m++)
-                    STORE(m, tile_row(r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb, nb, wt, dt, mt, q8,
-                                      prod));
+                for (int m = 0; m < M; m += 4) {
+                    const int R = M - m < 4 ? M - m : 4;
+                    __m128 out[4];
+#define ROWS(n) (q8 ? tile_rows_q8(&r, m, n, nb, wt, dt, prod, out) : tile_rows_q4(&r, m, n, nb, wt, dt, mt, prod, out))
+                    switch (R) {  // constant row counts: the rows' loops unrolled
+                        case 4: ROWS(4); break;
+                        case 3: ROWS(3); break;
+                        case 2: ROWS(2); break;
+                        default: ROWS(1); break;
+                    }
+#undef ROWS
+                    for (int i = 0; i < R; i++) STORE(m + i, out[i]);
+                }
             }
 #undef STORE
         }
-        free(buf);
         free(prod);
     }
     free_rows(&r);
