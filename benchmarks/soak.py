@@ -17,7 +17,21 @@ with the server idle, it checks:
   refused requests, prompt tokens (exactly), generated tokens (exactly for completed
   requests; disconnected ones may have produced a few tokens more than they received).
 
+With --attacks, the same load runs in phases of --duration each: first without attackers (the
+baseline), then beside each attack named:
+
+- slowloris: --slowloris-sockets sockets each sending a request's headers one byte a second; the
+  server must close each within --http-read-timeout (plus a few seconds), and they reconnect;
+- big-body: --big-body-clients clients sending, in turn, a 30 MB body with its Content-Length, a
+  30 MB chunked body, and an allowed body just under the bound (/stats' limits) of real text that
+  is tokenized and found too long for the context: each must answer 400; the server's RSS (less
+  the KV pool's resident part) after the phase must be within --max-big-body-rss-mb of before.
+
+and checks, per attack phase, that the normal clients' p99 time to first token (streamed
+requests) is within --max-ttft-ratio of the baseline's, besides the checks above.
+
     python benchmarks/soak.py --duration 300 --clients 64 --out results/soak.json
+    python benchmarks/soak.py --duration 120 --clients 32 --attacks slowloris,big-body --out results/soak_attacks.json
 """
 
 from __future__ import annotations
@@ -71,6 +85,25 @@ class Tally:
     received_by_disconnected: int = 0  # tokens the disconnected clients received before leaving
     max_tokens_of_disconnected: int = 0
     latencies: list = field(default_factory=list)
+    phase: str = "baseline"
+    ttfts: dict = field(default_factory=dict)  # phase -> seconds to the first chunk of streamed requests
+    attackers_refused: int = 0  # attackers' requests answered 400 (counted in the server's refusals)
+
+
+@dataclass
+class AttackTally:
+    """What the attackers saw, per attack."""
+
+    sockets_opened: int = 0
+    closed_by_server: int = 0
+    closed_late: int = 0  # a slowloris socket the server kept past the read timeout (plus slack)
+    still_open_at_end: int = 0
+    answered_408: int = 0
+    connect_failures: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    unexpected: list = field(default_factory=list)
+    rss_before_mb: float | None = None
+    rss_after_mb: float | None = None
 
 
 def loopback_port() -> int:
@@ -120,6 +153,7 @@ async def streamed(client: httpx.AsyncClient, path: str, body: dict, n: int, tal
                    leave_after: int | None, prompt_len: int) -> None:
     """Stream one request; with leave_after, disconnect after that many chunks."""
     finishes, usage, done, chunks, problems = {}, None, False, 0, []
+    sent = time.monotonic()
     async with client.stream("POST", path, json=body) as r:
         tally.statuses[r.status_code] += 1
         if r.status_code != 200:
@@ -132,6 +166,8 @@ async def streamed(client: httpx.AsyncClient, path: str, body: dict, n: int, tal
                 done = True
                 continue
             chunk = json.loads(line[6:])
+            if chunks == 0:
+                tally.ttfts.setdefault(tally.phase, []).append(time.monotonic() - sent)
             if "error" in chunk:
                 problems.append(chunk["error"])
             for c in chunk.get("choices", []):
@@ -234,7 +270,7 @@ def wait_idle(url: str, timeout: float = 120.0) -> dict:
 def start_server(args) -> tuple[subprocess.Popen, str]:
     port = loopback_port()
     cmd = [sys.executable, "-m", "tallow.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", args.model, "--log-level", "warning"]
+           "--model", args.model, "--log-level", "warning", "--http-read-timeout", str(args.http_read_timeout)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(args.server_log, "w"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -251,15 +287,127 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 async def soak(url: str, args, tally: Tally, server: psutil.Process) -> dict:
     start = time.monotonic()
-    deadline = start + args.duration
-    tasks = [asyncio.create_task(client_loop(url, args.seed + i, deadline, tally, args.max_tokens))
-             for i in range(args.clients)]
-    await asyncio.sleep(min(args.warmup, args.duration / 5))
-    rss_after_warmup = server.memory_info().rss
-    kv_after_warmup = await asyncio.to_thread(kv_resident, url)
-    await asyncio.gather(*tasks)
-    return {"wall_s": time.monotonic() - start, "rss_after_warmup": rss_after_warmup,
-            "kv_after_warmup": kv_after_warmup}
+    phases = ["baseline", *args.attacks]
+    attacks: dict[str, AttackTally] = {}
+    run: dict = {}
+    for k, phase in enumerate(phases):
+        tally.phase = "warmup" if k == 0 else phase  # TTFTs of the warm-up are kept apart
+        deadline = time.monotonic() + args.duration
+        attack = attacks[phase] = AttackTally() if phase != "baseline" else None
+        if phase == "big-body":
+            await asyncio.to_thread(wait_idle, url)
+            attack.rss_before_mb = (server.memory_info().rss - await asyncio.to_thread(kv_resident, url)) / 2**20
+        tasks = [asyncio.create_task(client_loop(url, args.seed + 1000 * k + i, deadline, tally, args.max_tokens))
+                 for i in range(args.clients)]
+        if phase == "slowloris":
+            tasks += [asyncio.create_task(slowloris(url, deadline, args, attack)) for _ in range(args.slowloris_sockets)]
+        elif phase == "big-body":
+            limits = (await asyncio.to_thread(httpx.get, url + "/stats")).json()["limits"]
+            tasks += [asyncio.create_task(big_bodies(url, deadline, limits, attack, tally))
+                      for _ in range(args.big_body_clients)]
+        if k == 0:
+            await asyncio.sleep(min(args.warmup, args.duration / 5))
+            run["rss_after_warmup"] = server.memory_info().rss
+            run["kv_after_warmup"] = await asyncio.to_thread(kv_resident, url)
+            tally.phase = phase
+        await asyncio.gather(*tasks)
+        if phase == "big-body":
+            await asyncio.to_thread(wait_idle, url)
+            await asyncio.sleep(2.0)  # the heap trim after the last big request runs in a thread
+            attack.rss_after_mb = (server.memory_info().rss - await asyncio.to_thread(kv_resident, url)) / 2**20
+    return {**run, "wall_s": time.monotonic() - start, "attacks": attacks}
+
+
+SLOWLORIS_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+
+
+async def slowloris(url: str, deadline: float, args, attack: AttackTally) -> None:
+    """One attacker: a socket sending a request's headers one byte a second, until the server
+    closes it (then a new one) or the phase ends."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    limit = args.http_read_timeout + args.slowloris_slack
+    while time.monotonic() < deadline:
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            attack.connect_failures += 1
+            await asyncio.sleep(1.0)
+            continue
+        opened = time.monotonic()
+        attack.sockets_opened += 1
+        received, closed, sent = b"", False, 0
+        header = SLOWLORIS_HEAD + b"X-Slow: " + b"a" * 100_000
+        try:
+            while time.monotonic() < deadline:
+                writer.write(header[sent:sent + 1])
+                sent += 1
+                try:
+                    chunk = await asyncio.wait_for(reader.read(65536), 1.0)
+                except asyncio.TimeoutError:
+                    continue
+                if not chunk:
+                    closed = True
+                    break
+                received += chunk
+        except (ConnectionError, OSError):
+            closed = True
+        finally:
+            writer.close()
+        if closed:
+            attack.closed_by_server += 1
+            attack.answered_408 += received.startswith(b"HTTP/1.1 408")
+            if received and not received.startswith(b"HTTP/1.1 408"):
+                attack.unexpected.append(("slowloris answer", received[:80].decode(errors="replace")))
+            if time.monotonic() - opened > limit:
+                attack.closed_late += 1
+        else:
+            attack.still_open_at_end += 1
+            if time.monotonic() - opened > limit:
+                attack.closed_late += 1
+
+
+BIG_WORDS = "the quick brown fox jumps over the lazy dog while seven bakers sing of rivers "
+
+
+async def big_bodies(url: str, deadline: float, limits: dict, attack: AttackTally, tally: Tally) -> None:
+    """One attacker: 30 MB bodies (declared, then chunked) and an allowed body of text that is too
+    long for the context, in turn; every one must answer 400."""
+    bound = limits["body_bytes"]["/v1/chat/completions"]
+    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * (30 * 2**20) + b'"}]}'
+    allowed_text = BIG_WORDS * ((bound - 64 * 1024) // len(BIG_WORDS))
+    allowed = json.dumps({"messages": [{"role": "user", "content": allowed_text}], "max_tokens": 4}).encode()
+    assert len(allowed) < bound
+
+    def chunked():
+        for i in range(0, len(huge), 1 << 20):
+            yield huge[i:i + (1 << 20)]
+
+    headers = {"content-type": "application/json"}
+    kinds = ["declared", "chunked", "allowed"]
+    k = 0
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        while time.monotonic() < deadline:
+            kind = kinds[k % len(kinds)]
+            k += 1
+            content = {"declared": huge, "allowed": allowed}.get(kind)
+            try:
+                if kind == "chunked":
+                    r = await client.post("/v1/chat/completions", content=_aiter(chunked()), headers=headers)
+                else:
+                    r = await client.post("/v1/chat/completions", content=content, headers=headers)
+            except httpx.TransportError as e:
+                attack.unexpected.append((kind, repr(e)))
+                continue
+            attack.statuses[f"{kind} {r.status_code}"] += 1
+            if r.status_code == 400:
+                tally.attackers_refused += 1
+            else:
+                attack.unexpected.append((kind, r.status_code))
+
+
+async def _aiter(chunks):
+    for chunk in chunks:
+        yield chunk
 
 
 def kv_resident(url: str) -> int:
@@ -279,9 +427,22 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-log", default="soak_server.log")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--attacks", default="", help="comma-separated attack phases after a baseline phase: "
+                                                 "slowloris, big-body (each runs --duration)")
+    p.add_argument("--slowloris-sockets", type=int, default=200)
+    p.add_argument("--slowloris-slack", type=float, default=5.0,
+                   help="seconds past --http-read-timeout a slow socket may stay open")
+    p.add_argument("--http-read-timeout", type=float, default=30.0, help="passed to tallow serve")
+    p.add_argument("--big-body-clients", type=int, default=1)
+    p.add_argument("--max-ttft-ratio", type=float, default=2.0,
+                   help="normal clients' p99 TTFT under attack, at most this times the baseline's")
+    p.add_argument("--max-big-body-rss-mb", type=float, default=300.0)
     args = p.parse_args()
+    args.attacks = [a for a in args.attacks.split(",") if a]
     if not 0 < args.duration <= 3600 or not 0 < args.clients <= 256:
         p.error("--duration must be in (0, 3600] and --clients in (0, 256]")
+    if any(a not in ("slowloris", "big-body") for a in args.attacks):
+        p.error("--attacks takes slowloris and big-body")
 
     proc, url = start_server(args)
     try:
@@ -315,10 +476,28 @@ def main() -> int:
         == sum(tally.finish_reasons.values()),
         "aborted requests": moved("tallow:requests_aborted_total") == tally.disconnected,
         "refused (malformed) requests": moved("tallow:requests_rejected_total", reason="invalid")
-        == tally.malformed_sent,
+        == tally.malformed_sent + tally.attackers_refused,
         "prompt tokens": moved("vllm:prompt_tokens_total") == tally.prompt_tokens,
         "generated tokens": tally.received_by_disconnected <= extra_generated <= tally.max_tokens_of_disconnected,
     }
+    def p99(values: list) -> float | None:
+        return sorted(values)[int(0.99 * (len(values) - 1))] if values else None
+
+    ttft_p99 = {phase: p99(values) for phase, values in tally.ttfts.items()}
+    baseline = ttft_p99.get("baseline")
+    for phase, attack in run["attacks"].items():
+        if attack is None:
+            continue
+        checks[f"{phase}: normal p99 TTFT within {args.max_ttft_ratio}x of the baseline"] = (
+            baseline is not None and ttft_p99.get(phase) is not None
+            and ttft_p99[phase] <= args.max_ttft_ratio * baseline)
+        checks[f"{phase}: attackers saw only what they should"] = not attack.unexpected
+        if phase == "slowloris":
+            checks["slowloris: every slow socket closed within the read timeout"] = (
+                attack.closed_late == 0 and attack.closed_by_server > 0)
+        if phase == "big-body":
+            checks[f"big-body: RSS back within {args.max_big_body_rss_mb:g} MB"] = (
+                attack.rss_after_mb - attack.rss_before_mb <= args.max_big_body_rss_mb)
     requests = sum(tally.statuses.values())
     results = {
         "duration_s": args.duration, "clients": args.clients, "wall_s": run["wall_s"], "requests": requests,
@@ -333,6 +512,9 @@ def main() -> int:
         "rss_growth_without_kv": (rss_end - kv_end) / (run["rss_after_warmup"] - run["kv_after_warmup"]) - 1,
         "request_latency_p50_s": sorted(tally.latencies)[len(tally.latencies) // 2] if tally.latencies else None,
         "output_tokens_per_s": generated / run["wall_s"], "unexpected": tally.unexpected[:20],
+        "ttft_p99_s": ttft_p99, "ttft_p50_s": {phase: sorted(v)[len(v) // 2] for phase, v in tally.ttfts.items() if v},
+        "attacks": {phase: {**attack.__dict__, "statuses": dict(attack.statuses), "unexpected": attack.unexpected[:20]}
+                    for phase, attack in run["attacks"].items() if attack is not None},
         "checks": checks,
     }
     print(table([{"check": k, "ok": "yes" if v else "NO"} for k, v in checks.items()], ["check", "ok"]))

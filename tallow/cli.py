@@ -143,6 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scfg = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         max_queue=args.max_queue, log_level=args.log_level, trace=args.trace,
                         shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
+                        max_prompts=args.max_prompts, http_read_timeout=args.http_read_timeout,
+                        keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
                         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
                         strict_model_names=args.strict_model_names, strict_tools=args.strict_tools,
                         ui=not args.no_ui)
@@ -202,7 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--shutdown-timeout", type=float, default=sd.shutdown_timeout,
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
     s.add_argument("--max-body-bytes", type=int, default=sd.max_body_bytes,
-                   help="larger request bodies are refused with 413")
+                   help="larger request bodies are refused with 413 (a /v1 body longer than any request that "
+                        "fits the model's context is a 400 before that)")
+    s.add_argument("--max-prompts", type=int, default=sd.max_prompts,
+                   help="most prompts in one /v1/completions request (more: 400)")
+    s.add_argument("--http-read-timeout", type=float, default=sd.http_read_timeout,
+                   help="seconds a request's headers and body have to arrive (then 408 and the connection is "
+                        "closed); not a limit on the response")
+    s.add_argument("--keep-alive-timeout", type=float, default=sd.keep_alive_timeout,
+                   help="seconds an idle keep-alive connection stays open")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at once, past which requests get 503 (default: the open-file "
+                        "limit less a reserve)")
     s.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="read special-token strings (<|im_end|>, ...) in chat message content, tool definitions "
                         "and tool-call arguments as control tokens; by default they are plain text, so a client "

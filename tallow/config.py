@@ -108,7 +108,11 @@ class ServerConfig:
     api_key: str | None = field(default_factory=lambda: os.environ.get("TALLOW_API_KEY"))
     # A second key that /metrics also takes (a Prometheus scraper need not hold the API key).
     metrics_key: str | None = None
+    # The body cap (413). A /v1 route also refuses, with a 400 before parsing, a body longer than any
+    # request whose prompt fits the model's context could be (serve/security.py, body_bound).
     max_body_bytes: int = 32 * 1024 * 1024
+    # Prompts in one /v1/completions request (each runs n sequences).
+    max_prompts: int = 64
     max_messages: int = 4096
     max_stop_strings: int = 16
     max_logit_bias: int = 1024
@@ -121,6 +125,15 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     responses_ttl_s: float = 3600.0
     responses_max_bytes: int = 64 * 1024 * 1024
+    # Slow clients (slowloris): a request's headers and body must arrive within this many seconds
+    # of its first byte (of the connection, for the first request); a response may take as long as
+    # it takes. Then 408 and the connection is closed (serve/http_protocol.py).
+    http_read_timeout: float = 30.0
+    # An idle keep-alive connection is closed after this many seconds (uvicorn's timeout_keep_alive).
+    keep_alive_timeout: float = 5.0
+    # Open connections at once; past it a request is answered 503 (and its connection closed).
+    # None: the open-file limit less a reserve (http_protocol.connection_cap).
+    max_connections: int | None = None
     # The longest a chat template may take to render one request (then 400).
     template_timeout_s: float = 5.0
     # Special-token strings ("<|im_end|>") in what a chat client sends become control tokens, as

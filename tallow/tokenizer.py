@@ -194,7 +194,7 @@ class Tokenizer:
         "im", ...). Without spans, or where they hold no special-token string, the ids are exactly
         those of the plain encode.
         """
-        encoding = self.backend.encode(text, add_special_tokens=False)
+        encoding = _encode(self.backend, text)
         ids = encoding.ids if not literal_spans else self._encode_around(text, encoding, literal_spans)
         if add_special_tokens and self.add_bos:
             ids.insert(0, self.bos_token_id)
@@ -205,17 +205,25 @@ class Tokenizer:
         whitespace an lstrip/rstrip token takes), and the text between them encoded literally: the
         same pieces the plain encode splits at, less the ones inside client text."""
         starts = [s for s, _ in literal_spans]
-        ids: list[int] = []
+        pieces: list[str | int] = []  # text to encode literally, and special token ids, in order
         done = 0
         for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
             if token_id not in self.special_token_ids or _overlaps(literal_spans, starts, start, end):
                 continue
             if start > done:
-                ids += self._literal_backend.encode(text[done:start], add_special_tokens=False).ids
-            ids.append(token_id)
+                pieces.append(text[done:start])
+            pieces.append(token_id)
             done = end
         if done < len(text):
-            ids += self._literal_backend.encode(text[done:], add_special_tokens=False).ids
+            pieces.append(text[done:])
+        texts = [p for p in pieces if isinstance(p, str)]
+        encoded = iter(_encode_all(self._literal_backend, texts))
+        ids: list[int] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                ids += next(encoded).ids
+            else:
+                ids.append(piece)
         return ids
 
     @cached_property
@@ -231,7 +239,7 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def count(self, text: str) -> int:
-        return len(self.backend.encode(text, add_special_tokens=False).ids)
+        return len(_encode(self.backend, text).ids)
 
     def id_to_token(self, id: int) -> str:
         """The vocabulary entry as stored, e.g. "Ġhello" or "▁hello"."""
@@ -271,6 +279,26 @@ class Tokenizer:
         if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
             return bytes([int(token[3:5], 16)])
         return token.replace("\u2581", " ").encode("utf-8")
+
+
+# Texts at least this long are encoded with encode_batch, which releases the GIL while the Rust
+# side works (encode holds it: a few MB of text held every other thread, the event loop's
+# included, for seconds); shorter ones with encode, which costs less per call.
+_RELEASE_GIL_CHARS = 16384
+
+
+def _encode(backend: Backend, text: str):
+    """backend.encode(text) without special tokens added; the GIL released for a long text."""
+    if len(text) < _RELEASE_GIL_CHARS:
+        return backend.encode(text, add_special_tokens=False)
+    return backend.encode_batch([text], add_special_tokens=False)[0]
+
+
+def _encode_all(backend: Backend, texts: list[str]) -> list:
+    """_encode of each text (one encode_batch call for those that are long together)."""
+    if sum(len(t) for t in texts) < _RELEASE_GIL_CHARS:
+        return [backend.encode(t, add_special_tokens=False) for t in texts]
+    return backend.encode_batch(texts, add_special_tokens=False)
 
 
 def _overlaps(spans: Sequence[tuple[int, int]], starts: list[int], start: int, end: int) -> bool:

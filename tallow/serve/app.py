@@ -21,10 +21,11 @@ from tallow.serve.admission import RETRY_AFTER_S, AdmissionQueue
 from tallow.serve.access_log import current_request, mark_phase
 from tallow.serve.errors import ANTHROPIC, OPENAI, error_response, protocol_for_path
 from tallow.serve.executor import CompletionAborted, CompletionExecutor, CompletionRun
-from tallow.serve.gate import GateState, RequestGate
+from tallow.serve.gate import GateState, RequestGate, body_limit
+from tallow.serve.http_protocol import connection_cap, timed_protocol
 from tallow.serve.instrument import RequestStats
 from tallow.serve.metrics import ServerMetrics
-from tallow.serve.security import exposure_warning
+from tallow.serve.security import ContextBound, exposure_warning
 from tallow.serve.shutdown import ABORT_GRACE_S, DrainingServer
 from tallow.serve.openapi import declare_request_bodies
 from tallow.serve.plan import Rejection
@@ -85,6 +86,8 @@ def attach_engine(app: FastAPI, engine) -> None:
     state.engine = engine
     state.executor = CompletionExecutor(engine)
     state.admission = AdmissionQueue(engine_slots(engine), state.config.max_queue)
+    # The body bound the model's context implies (the gate refuses longer bodies before parsing).
+    state.gate.context_bound = ContextBound.for_model(engine.tokenizer, engine.max_model_len)
     state.model_name = state.config.served_model_name or engine.model_name
     state.metrics.bind(engine, state.model_name)
 
@@ -151,7 +154,11 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         engine = serving_engine()
         counters = dict(app.state.counters)
         counters["in_flight"] = app.state.admission.in_flight
-        return {"engine": await asyncio.to_thread(engine.stats), "requests": counters}
+        bound = app.state.gate.context_bound
+        limits = {"admission_capacity": app.state.admission.capacity, "max_prompts": server_config.max_prompts,
+                  "body_bytes": {path: body_limit(server_config, bound, path)[0]
+                                 for path in ("/v1/chat/completions", "/v1/completions")}}
+        return {"engine": await asyncio.to_thread(engine.stats), "requests": counters, "limits": limits}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -229,7 +236,11 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
             return error_response(protocol_cls.error_protocol, 404,
                                   f"The model '{plan.model}' does not exist; this server serves '{state.model_name}'",
                                   "invalid_request_error", "model", "model_not_found")
-        admission = state.admission.try_admit(len(plan.prompts) * plan.params.n)
+        weight = len(plan.prompts) * plan.params.n
+        if weight > state.admission.capacity:  # would never be admitted, even on an idle server
+            counters["rejected"] += 1
+            return state.admission.too_heavy(weight, plan.params.n).response(protocol_cls.error_protocol)
+        admission = state.admission.try_admit(weight)
         if admission is None:
             counters["queue_full"] += 1
             return error_response(protocol_cls.error_protocol, protocol_cls.queue_full_status,
@@ -311,9 +322,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     if warning:
         print(warning, file=sys.stderr, flush=True)
     # No uvicorn access log: RequestGate writes one line per request, with tokens and timings.
+    # The protocol: httptools' with read timeouts and a connection cap (http_protocol.py).
+    protocol = timed_protocol(server_config.http_read_timeout, connection_cap(server_config.max_connections))
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level=server_config.log_level, access_log=False,
-                            timeout_graceful_shutdown=ABORT_GRACE_S)
+                            timeout_graceful_shutdown=ABORT_GRACE_S, http=protocol,
+                            timeout_keep_alive=server_config.keep_alive_timeout)
     server = DrainingServer(config, app.state.gate, server_config.shutdown_timeout,
                             abort_all=lambda: _abort_all(app))
     return _run_event_loop(_serve(server, app, engine_config))

@@ -1,4 +1,5 @@
-"""Security checks at the edge: the API key, remote content in bodies, an exposed bind address.
+"""Security checks at the edge: the API key, the body bound, remote content in bodies, an exposed
+bind address.
 
 Nothing in a request body is ever fetched: the server has no vision or file inputs, so a
 content part that points at an image, audio or file (by URL or inline) is refused with a
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+from dataclasses import dataclass
 from typing import Any
 
 # Content part types of the OpenAI, Anthropic and Responses protocols that carry media or files.
@@ -27,6 +29,50 @@ def api_key_matches(headers, api_key: str) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         given = token.strip() if scheme.lower() == "bearer" else ""
     return hmac.compare_digest(given.encode(), api_key.encode())
+
+
+# What a body may hold besides its prompts' text, in bytes: sampling fields, a response format's
+# schema (a grammar's text is at most 1 MiB: engine/grammar.py), tool and message structure, a
+# pretty-printer's whitespace.
+BODY_ALLOWANCE = 2 * 1024 * 1024
+
+# The most bytes a JSON encoder writes for one byte of string content: control characters and
+# the HTML-sensitive < > & as \u00XX (Go's encoding/json escapes those three), " and \\ with a
+# backslash, other ASCII as itself, a non-ASCII character as \uXXXX (a surrogate pair past
+# U+FFFF): at most 3 bytes per byte of its UTF-8. (An encoder that escaped plain letters as
+# \u0061 could exceed the bound; no common one does.)
+_ESCAPED = bytes(6 if b < 0x20 or b in b"<>&" else 2 if b in b'"\\' else 1 if b < 0x80 else 3
+                 for b in range(256))
+
+
+@dataclass(frozen=True)
+class ContextBound:
+    """How long a request body to a model of `max_model_len` tokens can be and still fit: its
+    prompt text is at most max_model_len tokens, each at most `token_bytes` bytes of JSON (the
+    vocabulary's longest token as escaped, or a token id written as a number), plus
+    BODY_ALLOWANCE for the rest. A longer body is refused before it is parsed."""
+
+    max_model_len: int
+    token_bytes: int
+
+    @classmethod
+    def for_model(cls, tokenizer, max_model_len: int) -> "ContextBound":
+        vocab_size = tokenizer.vocab_size
+        table = (tokenizer.token_bytes_table() if hasattr(tokenizer, "token_bytes_table")
+                 else [tokenizer.token_bytes(i) for i in range(vocab_size)])
+        longest = max((sum(_ESCAPED[b] for b in token) for token in table), default=1)
+        # A token-id prompt ([1, 2, ...]): the digits of the largest id, a comma and a space.
+        return cls(max_model_len, max(longest, len(str(vocab_size - 1)) + 2))
+
+    def body_bytes(self, prompts: int = 1) -> int:
+        """The longest body of a request with up to `prompts` prompts that each fit the context."""
+        return BODY_ALLOWANCE + prompts * self.max_model_len * self.token_bytes
+
+    def message(self, limit: int, prompts: int) -> str:
+        each = "" if prompts == 1 else f" in each of up to {prompts} prompts"
+        return (f"the request body exceeds {limit} bytes, more than any request that fits this model's "
+                f"context can take ({self.max_model_len} tokens{each}, a token at most {self.token_bytes} "
+                f"bytes as JSON, plus {BODY_ALLOWANCE} bytes for the other fields)")
 
 
 def remote_content_part(raw: bytes) -> str | None:

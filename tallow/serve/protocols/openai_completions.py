@@ -40,6 +40,10 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
         if score_only and not req.echo:
             return Rejection.invalid("max_tokens must be at least 1 (0 only with echo: the prompt is scored, "
                                      "nothing generated)", "max_tokens")
+        count = _prompt_count(req.prompt)
+        if count > config.max_prompts:
+            return Rejection.invalid(f"prompt holds at most {config.max_prompts} prompts (--max-prompts), got {count}",
+                                     "prompt")
         prompts = _prompt_ids(req.prompt, engine.tokenizer)
         vocab_size = engine.model_config.vocab_size
         if not prompts or any(not ids for ids in prompts):
@@ -148,6 +152,11 @@ def _joined(first: dict, then: dict | None) -> dict:
     return {"tokens": first["tokens"] + then["tokens"],
             "token_logprobs": first["token_logprobs"] + then["token_logprobs"], "top_logprobs": top,
             "text_offset": first["text_offset"] + then["text_offset"]}
+
+
+def _prompt_count(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """How many prompts `prompt` holds (a list of token ids is one)."""
+    return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
 
 
 def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer) -> list[list[int]]:
