@@ -129,6 +129,27 @@ static inline __attribute__((always_inline)) __m128 row_scales8(const uint16_t *
     return m;
 }
 
+// R rows' activations (xq) and per-block scale products (prod8: 16 floats a block, rows apart by
+// 16 * nb), and their min terms (mterm; wm NULL for Q8): tile_rows_q4's and tile_rows_q8's set-up.
+static inline __attribute__((always_inline)) void rows_setup(const qrows *r, int m0, int R, int nb,
+                                                              const uint16_t *dt, const uint16_t *mt, float *prod8,
+                                                              const int16_t **xq, __m128 *mterm) {
+    for (int i = 0; i < R; i++) {
+        const int m = m0 + i;
+        xq[i] = r->q + (size_t)m * nb * QK;
+        mterm[i] = row_scales8(dt, mt, r->d + (size_t)m * nb, r->s + (size_t)m * nb, nb, prod8 + (size_t)i * 16 * nb);
+    }
+}
+
+// R rows' two-channel-pair accumulators to their 4 outputs each (tile_out: the one-row order).
+static inline __attribute__((always_inline)) void rows_out(int R, __m256 acc[][2], const __m128 *mterm, __m128 *out) {
+    for (int i = 0; i < R; i++) {
+        const __m128 c[NT] = {_mm256_castps256_ps128(acc[i][0]), _mm256_extractf128_ps(acc[i][0], 1),
+                              _mm256_castps256_ps128(acc[i][1]), _mm256_extractf128_ps(acc[i][1], 1)};
+        out[i] = tile_out(c, mterm[i]);
+    }
+}
+
 static inline __attribute__((always_inline)) void tile_rows_q4(const qrows *r, int m0, int R, int nb,
                                                                 const uint8_t *wt, const uint16_t *dt,
                                                                 const uint16_t *mt, float *prod8, __m128 *out) {
@@ -136,11 +157,7 @@ static inline __attribute__((always_inline)) void tile_rows_q4(const qrows *r, i
     const int16_t *xq[4];
     __m128 mterm[4];
     __m256 acc[4][2];
-    for (int i = 0; i < R; i++) {
-        const int m = m0 + i;
-        xq[i] = r->q + (size_t)m * nb * QK;
-        mterm[i] = row_scales8(dt, mt, r->d + (size_t)m * nb, r->s + (size_t)m * nb, nb, prod8 + (size_t)i * 16 * nb);
-    }
+    rows_setup(r, m0, R, nb, dt, mt, prod8, xq, mterm);
     for (int p = 0; p < 2; p++) {  // channels 2p, 2p + 1
         __m256 a[4];
 #pragma GCC unroll 4
@@ -168,11 +185,7 @@ static inline __attribute__((always_inline)) void tile_rows_q4(const qrows *r, i
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) acc[i][p] = a[i];
     }
-    for (int i = 0; i < R; i++) {
-        const __m128 c[NT] = {_mm256_castps256_ps128(acc[i][0]), _mm256_extractf128_ps(acc[i][0], 1),
-                              _mm256_castps256_ps128(acc[i][1]), _mm256_extractf128_ps(acc[i][1], 1)};
-        out[i] = tile_out(c, mterm[i]);
-    }
+    rows_out(R, acc, mterm, out);
 }
 
 // Q8 likewise: a block's two adjacent channels widened to int16 and regrouped by eighths, so
@@ -185,11 +198,7 @@ static inline __attribute__((always_inline)) void tile_rows_q8(const qrows *r, i
     const int16_t *xq[4];
     __m128 mterm[4];
     __m256 acc[4][2];
-    for (int i = 0; i < R; i++) {
-        const int m = m0 + i;
-        xq[i] = r->q + (size_t)m * nb * QK;
-        mterm[i] = row_scales8(dt, NULL, r->d + (size_t)m * nb, r->s + (size_t)m * nb, nb, prod8 + (size_t)i * 16 * nb);
-    }
+    rows_setup(r, m0, R, nb, dt, NULL, prod8, xq, mterm);
     for (int p = 0; p < 2; p++) {  // channels 2p, 2p + 1
         __m256 a[4];
 #pragma GCC unroll 4
@@ -222,11 +231,7 @@ static inline __attribute__((always_inline)) void tile_rows_q8(const qrows *r, i
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) acc[i][p] = a[i];
     }
-    for (int i = 0; i < R; i++) {
-        const __m128 c[NT] = {_mm256_castps256_ps128(acc[i][0]), _mm256_extractf128_ps(acc[i][0], 1),
-                              _mm256_castps256_ps128(acc[i][1]), _mm256_extractf128_ps(acc[i][1], 1)};
-        out[i] = tile_out(c, mterm[i]);
-    }
+    rows_out(R, acc, mterm, out);
 }
 
 // y[M, N] = x[M, K] @ W^T (+ bias), W in tiles (above): Q4: wq [N/NT][nb][NT][16] nibbles, wd and

@@ -151,6 +151,23 @@ static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk
             for (int j = 0; j < 16; j++) W->w[h][j] = _mm256_sub_epi16(W->w[h][j], z);
 }
 
+// Channels 8h..8h+7 of a block's products (a: the first half-block's int32 sums, b: the second)
+// into acc: gguf_row's and gguf_row1's float step, one piece of code so both give the same floats.
+static inline __attribute__((always_inline)) void gguf_half_out(__m256i a, __m256i b, int h, __m256 dxv, __m256 sxv,
+                                                                 const float *dw0, const float *dw1, const float *mw,
+                                                                 int halves, int has_m, float *acc) {
+    __m256 acc_v = _mm256_loadu_ps(acc + 8 * h);
+    if (halves) {
+        acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
+        acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_mul_ps(_mm256_loadu_ps(dw1 + 8 * h), dxv), acc_v);
+    } else {
+        acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)),
+                                _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
+    }
+    if (has_m) acc_v = _mm256_fmadd_ps(_mm256_loadu_ps(mw + 8 * h), sxv, acc_v);
+    _mm256_storeu_ps(acc + 8 * h, acc_v);
+}
+
 static inline __attribute__((always_inline)) void gguf_row(const gblock *W, const int16_t *xb, float dx, float sx,
                                                             const float *dw0, const float *dw1, const float *mw,
                                                             int halves, int has_m, float *acc) {
@@ -167,17 +184,8 @@ static inline __attribute__((always_inline)) void gguf_row(const gblock *W, cons
             b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(W->w[h][j + 8], x[j + 8]));
             b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(W->w[h][j + 9], x[j + 9]));
         }
-        const __m256i a = _mm256_add_epi32(a0, a1), b = _mm256_add_epi32(b0, b1);
-        __m256 acc_v = _mm256_loadu_ps(acc + 8 * h);
-        if (halves) {
-            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
-            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_mul_ps(_mm256_loadu_ps(dw1 + 8 * h), dxv), acc_v);
-        } else {
-            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)),
-                                    _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
-        }
-        if (has_m) acc_v = _mm256_fmadd_ps(_mm256_loadu_ps(mw + 8 * h), sxv, acc_v);
-        _mm256_storeu_ps(acc + 8 * h, acc_v);
+        gguf_half_out(_mm256_add_epi32(a0, a1), _mm256_add_epi32(b0, b1), h, dxv, sxv, dw0, dw1, mw, halves,
+                      has_m, acc);
     }
 }
 
@@ -230,17 +238,7 @@ static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, 
     }
     const __m256 dxv = _mm256_set1_ps(dx), sxv = _mm256_set1_ps(sx);
     for (int h = 0; h < 2; h++) {
-        const __m256i a = s[h][0], b = s[h][1];
-        __m256 acc_v = _mm256_loadu_ps(acc + 8 * h);
-        if (halves) {
-            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
-            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_mul_ps(_mm256_loadu_ps(dw1 + 8 * h), dxv), acc_v);
-        } else {
-            acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)),
-                                    _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
-        }
-        if (has_m) acc_v = _mm256_fmadd_ps(_mm256_loadu_ps(mw + 8 * h), sxv, acc_v);
-        _mm256_storeu_ps(acc + 8 * h, acc_v);
+        gguf_half_out(s[h][0], s[h][1], h, dxv, sxv, dw0, dw1, mw, halves, has_m, acc);
     }
 }
 
