@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from tallow.ops.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize, quantize_per_channel
+from tallow.ops.triton_quant import split_output, sum_splits
 
 
 @triton.jit
@@ -114,7 +115,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K,
                      EVEN_K: tl.constexpr, SPLIT: tl.constexpr, A16: tl.constexpr):
     # Programs that share a weight tile run together (M tiles vary fastest): the tile comes
     # from DRAM once and from L2 for the others. Axis 1 splits K (SPLIT: float32 partials
-    # [split, M, N], summed by _sum_splits_kernel).
+    # [split, M, N], summed by triton_quant.sum_splits).
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -157,17 +158,6 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K,
                  mask=out_mask)
 
 
-@triton.jit
-def _sum_splits_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """y[i] = sum over s of part[s, i] (float32, in split order), cast to y's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, x_scale: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None, block_m: int | None = None, block_n: int = 64,
              block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
@@ -204,20 +194,13 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, x_sc
     split = triton.cdiv(K, k_per_split)
     if M == 0:
         return torch.empty(0, N, dtype=out_dtype, device=x.device)
-    if split > 1:
-        y = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    else:
-        y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    y = split_output(split, M, N, out_dtype, x.device)
     _fp8_gemm_kernel[(n_tiles, split)](
         x, x_scale if a_fp8 else scale, weight, scale, y, M, N, K, x.stride(0), weight.stride(0), N, k_per_split,
         A_FP8=a_fp8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k_per_split % block_k == 0
         and K % block_k == 0, SPLIT=split > 1, A16=x.dtype in (torch.bfloat16, torch.float16),
         num_warps=num_warps, num_stages=num_stages)
-    if split == 1:
-        return y
-    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](y, out, M * N, SPLIT=split, BLOCK=1024)
-    return out
+    return sum_splits(y, split, out_dtype)
 
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

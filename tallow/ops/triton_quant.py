@@ -402,17 +402,20 @@ def _split_plan(NB: int, bps: int, n_tiles: int, split_k: int | None, device: to
     return triton.cdiv(NB, blocks_per_split), blocks_per_split
 
 
-def _output(split: int, M: int, N: int, x: torch.Tensor) -> torch.Tensor:
+def split_output(split: int, M: int, N: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Where a kernel split `split` ways over K writes: float32 partials [split, M, N], or the
+    [M, N] output itself when it is not split. Shared by the fp8 GEMM (triton_fp8.py)."""
     if split > 1:
-        return torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    return torch.empty(M, N, dtype=x.dtype, device=x.device)
+        return torch.empty(split, M, N, dtype=torch.float32, device=device)
+    return torch.empty(M, N, dtype=dtype, device=device)
 
 
-def _sum_splits(y: torch.Tensor, split: int, x: torch.Tensor) -> torch.Tensor:
+def sum_splits(y: torch.Tensor, split: int, dtype: torch.dtype) -> torch.Tensor:
+    """split_output's partials summed in split order into [M, N] of `dtype` (y itself unsplit)."""
     if split == 1:
         return y
     M, N = y.shape[1:]
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=dtype, device=y.device)
     _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](y, out, M * N, SPLIT=split, BLOCK=1024)
     return out
 
@@ -435,12 +438,12 @@ def quant_gemv(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, s
     n_tiles = triton.cdiv(N, block_n)
     split, blocks_per_split = _split_plan(NB, bps, n_tiles, split_k, x.device)
     block_m = max(1, triton.next_power_of_2(M))
-    y = _output(split, M, N, x)
+    y = split_output(split, M, N, x.dtype, x.device)
     _quant_gemv_kernel[(n_tiles, split)](
         x, y, *_planes(w), M, N, NB, x.stride(0), N, blocks_per_split,
         **_format_constexprs(w.fmt), BPS=bps, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages)
-    return _sum_splits(y, split, x)
+    return sum_splits(y, split, x.dtype)
 
 
 # Formats with the one-row kernel (_gemv1_kernel): format -> (KIND, QH).
@@ -480,11 +483,11 @@ def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, 
     if split_k is None and x.device.type == "cuda":
         split_k = triton.cdiv(waves * _sm_count(x.device), n_tiles)
     split, blocks_per_split = _split_plan(NB, bb, n_tiles, split_k or 1, x.device)
-    y = _output(split, 1, N, x)
+    y = split_output(split, 1, N, x.dtype, x.device)
     _gemv1_kernel[(n_tiles, split)](
         x, y, *_planes(w), N, NB, blocks_per_split, KIND=kind, QH=qh, BB=bb, BLOCK_N=block_n,
         SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages)
-    return _sum_splits(y, split, x)
+    return sum_splits(y, split, x.dtype)
 
 
 def dequantize_weight(w: QuantWeight, dtype: torch.dtype = torch.bfloat16, *, block_n: int = 16) -> torch.Tensor:
@@ -513,12 +516,12 @@ def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, b
         block_m = 128 if M >= 128 else max(16, triton.next_power_of_2(M))
     n_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     split, blocks_per_split = _split_plan(w.blocks_per_row, 1, n_tiles, split_k, x.device)
-    y = _output(split, M, N, x)
+    y = split_output(split, M, N, x.dtype, x.device)
     _quant_gemm_kernel[(n_tiles, split)](
         x, y, *_planes(w), M, N, w.blocks_per_row, x.stride(0), N, blocks_per_split,
         **_format_constexprs(w.fmt), BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split > 1,
         num_warps=num_warps, num_stages=num_stages)
-    return _sum_splits(y, split, x)
+    return sum_splits(y, split, x.dtype)
 
 
 class TritonQuantLinear(torch.nn.Module):
