@@ -82,7 +82,8 @@ def float_reference(path: str):
 
 
 def assert_block_layers(model, types, tied):
-    from tallow.models.gguf_cuda import CudaQuantEmbedding, QuantConcat
+    from tallow.models.gguf_cuda import CudaQuantEmbedding
+    from tallow.models.gguf_linear import ConcatLinear
     from tallow.ops.triton_quant import TritonQuantLinear
 
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
@@ -93,7 +94,7 @@ def assert_block_layers(model, types, tied):
     if tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight_q
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, QuantConcat if types["attn_q"] != types["attn_v"] else TritonQuantLinear)
+    assert isinstance(qkv, ConcatLinear if types["attn_q"] != types["attn_v"] else TritonQuantLinear)
 
 
 @pytest.mark.parametrize("kind", list(FILES))
@@ -235,11 +236,11 @@ class _Rank:
 
 
 def _dense(layer) -> torch.Tensor:
-    """A projection's weight [out, in] in float32 (TritonQuantLinear / QuantConcat / Linear)."""
-    from tallow.models.gguf_cuda import QuantConcat
+    """A projection's weight [out, in] in float32 (TritonQuantLinear / ConcatLinear / Linear)."""
+    from tallow.models.gguf_linear import ConcatLinear
     from tallow.ops.triton_quant_layout import dequantize
 
-    if isinstance(layer, QuantConcat):
+    if isinstance(layer, ConcatLinear):
         return torch.cat([_dense(p) for p in layer.parts])
     if hasattr(layer.weight, "planes"):
         return dequantize(layer.weight)

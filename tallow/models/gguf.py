@@ -269,16 +269,7 @@ def load_native(path: str, reader=None):
                 attn.o_proj = projection([f"{blk}.attn_output"], [None])
                 mlp.gate_up_proj = projection([f"{blk}.ffn_gate", f"{blk}.ffn_up"], [None, None])
                 mlp.down_proj = projection([f"{blk}.ffn_down"], [None])
-                layer.input_layernorm.weight = norm_weight(f"{blk}.attn_norm.weight")
-                if config.sandwich_norms:  # Gemma 3 (its file holds the norms as applied, 1 + w)
-                    layer.post_attention_layernorm.weight = norm_weight(f"{blk}.post_attention_norm.weight")
-                    layer.pre_feedforward_layernorm.weight = norm_weight(f"{blk}.ffn_norm.weight")
-                    layer.post_feedforward_layernorm.weight = norm_weight(f"{blk}.post_ffw_norm.weight")
-                else:
-                    layer.post_attention_layernorm.weight = norm_weight(f"{blk}.ffn_norm.weight")
-                if config.qk_norm:
-                    attn.q_norm.weight = norm_weight(f"{blk}.attn_q_norm.weight")
-                    attn.k_norm.weight = norm_weight(f"{blk}.attn_k_norm.weight")
+                set_layer_norms(layer, blk, config, norm_weight)
             model.model.norm.weight = norm_weight("output_norm.weight")
             embd = tensors["token_embd.weight"]
             if _rows(embd) != config.vocab_size:
@@ -300,6 +291,22 @@ def load_native(path: str, reader=None):
     if left:
         raise ModelLoadError(f"GGUF file {path}: no weights for {left[:8]}")
     return config, metadata, model
+
+
+def set_layer_norms(layer, blk: str, config: ModelConfig, norm) -> None:
+    """A decoder layer's norm weights from block `blk`'s GGUF tensors, norm(name) -> Parameter
+    (the CPU loader's and models/gguf_cuda.py's)."""
+    attn = layer.self_attn
+    layer.input_layernorm.weight = norm(f"{blk}.attn_norm.weight")
+    if config.sandwich_norms:  # Gemma 3 (its file holds the norms as applied, 1 + w)
+        layer.post_attention_layernorm.weight = norm(f"{blk}.post_attention_norm.weight")
+        layer.pre_feedforward_layernorm.weight = norm(f"{blk}.ffn_norm.weight")
+        layer.post_feedforward_layernorm.weight = norm(f"{blk}.post_ffw_norm.weight")
+    else:
+        layer.post_attention_layernorm.weight = norm(f"{blk}.ffn_norm.weight")
+    if config.qk_norm:
+        attn.q_norm.weight = norm(f"{blk}.attn_q_norm.weight")
+        attn.k_norm.weight = norm(f"{blk}.attn_k_norm.weight")
 
 
 def _rows(t) -> int:

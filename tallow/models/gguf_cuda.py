@@ -6,7 +6,7 @@ builds a whole model from a file's tensors with them (`load_blocks`).
   `TritonQuantLinear` (tallow/ops/triton_quant.py): the file's blocks split into planes on the
   device (tallow/ops/triton_quant_layout.py), read by the Triton GEMV (decode) and GEMM
   (prefill). Fused q/k/v and gate/up are one layer where their parts share a type (the rows
-  concatenated), else a `QuantConcat` of one layer per part (Q4_K_M's Q6_K attn_v).
+  concatenated), else a `ConcatLinear` (gguf_linear.py) of one layer per run of parts (Q4_K_M's Q6_K attn_v).
 - F32 / F16 / BF16 projections become nn.Linear in the model's dtype.
 - The embedding stays in its file type (`CudaQuantEmbedding`: the looked-up rows dequantized
   on the device, no host sync, static shapes); the LM head is a TritonQuantLinear of its file
@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from tallow.models.config import ModelConfig
+from tallow.models.gguf import set_layer_norms
+from tallow.models.gguf_linear import ConcatLinear
 
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -44,20 +46,6 @@ class RawTensors(Protocol):
     def shape(self, name: str) -> tuple[int, int]: ...  # (rows, columns) = (out, in); 1-D: (n, 1)
 
     def raw(self, name: str, device: torch.device) -> torch.Tensor: ...  # uint8 [rows, row_bytes]
-
-
-class QuantConcat(nn.Module):
-    """Fused projection whose parts have different block types (one layer per run of parts of
-    one type): outputs concatenated."""
-
-    def __init__(self, parts: list[nn.Module]):
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.in_features = parts[0].in_features
-        self.out_features = sum(p.out_features for p in parts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 class CudaQuantEmbedding(nn.Module):
@@ -207,7 +195,7 @@ def load_blocks(config: ModelConfig, src: RawTensors, device: torch.device, dtyp
                 bb = b[r0:r0 + raw.shape[0]]
             layers.append(cuda_linear(raw, types[start], in_features, bb, dtype))
             start = end
-        return QuantConcat(layers)
+        return ConcatLinear(layers)
 
     def norm(name: str) -> nn.Parameter:
         return nn.Parameter(_floats(src, name, device).to(dtype).contiguous(), requires_grad=False)
@@ -227,16 +215,7 @@ def load_blocks(config: ModelConfig, src: RawTensors, device: torch.device, dtyp
         attn.o_proj = projection([f"{blk}.attn_output"], [None], col_kind="q")
         mlp.gate_up_proj = projection([f"{blk}.ffn_gate", f"{blk}.ffn_up"], [None, None], ["mlp", "mlp"])
         mlp.down_proj = projection([f"{blk}.ffn_down"], [None], col_kind="mlp")
-        layer.input_layernorm.weight = norm(f"{blk}.attn_norm.weight")
-        if config.sandwich_norms:
-            layer.post_attention_layernorm.weight = norm(f"{blk}.post_attention_norm.weight")
-            layer.pre_feedforward_layernorm.weight = norm(f"{blk}.ffn_norm.weight")
-            layer.post_feedforward_layernorm.weight = norm(f"{blk}.post_ffw_norm.weight")
-        else:
-            layer.post_attention_layernorm.weight = norm(f"{blk}.ffn_norm.weight")
-        if config.qk_norm:
-            attn.q_norm.weight = norm(f"{blk}.attn_q_norm.weight")
-            attn.k_norm.weight = norm(f"{blk}.attn_k_norm.weight")
+        set_layer_norms(layer, blk, config, norm)
     model.model.norm.weight = norm("output_norm.weight")
     vocab, hidden = src.shape("token_embd.weight")
     if vocab != config.vocab_size:
