@@ -37,6 +37,16 @@ class ScheduledSeq:
         self.samples = self.start + self.num_new_tokens == len(self.seq.token_ids)
 
 
+def _place(row: ScheduledSeq, draft, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]) -> None:
+    """A scheduled row into the step's decode rows (one token that samples) or its prefill rows
+    (chunks, and rows carrying a speculative draft: their K+1 query rows)."""
+    if draft:
+        row.draft = draft
+        prefills.append(row)
+    else:
+        (decodes if row.num_new_tokens == 1 and row.samples else prefills).append(row)
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # decode rows first, then prefill chunks
@@ -157,12 +167,7 @@ class Scheduler:
                         break
                 if preempted and preempted[-1] is seq:
                     continue
-            row = ScheduledSeq(seq, seq.num_computed_tokens, n)
-            if draft:
-                row.draft = draft
-                prefills.append(row)
-            else:
-                (decodes if n == 1 and row.samples else prefills).append(row)
+            _place(ScheduledSeq(seq, seq.num_computed_tokens, n), draft, decodes, prefills)
             budget -= n + len(draft)
             i += 1
 
@@ -197,12 +202,7 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = num_cached
             self.running.append(seq)
-            row = ScheduledSeq(seq, seq.num_computed_tokens, n)
-            if draft:
-                row.draft = draft
-                prefills.append(row)
-            else:
-                (decodes if n == 1 and row.samples else prefills).append(row)
+            _place(ScheduledSeq(seq, seq.num_computed_tokens, n), draft, decodes, prefills)
             budget -= n + len(draft)
         self.waiting.extendleft(reversed(held_back))
 
