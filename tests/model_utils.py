@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -66,6 +67,19 @@ class PagedBatches:
             block_size=bs,
         )
         return torch.tensor(ids), torch.tensor(positions), meta
+
+    def logits(self, model, device, steps: list[list[tuple[object, list[int]]]]) -> list[torch.Tensor]:
+        """The model's logits (float32, on the CPU) for every token of every step, each step's
+        metadata moved to `device` (the caches are where the caller put them)."""
+        out = []
+        for chunks in steps:
+            ids, pos, meta = self.step(chunks)
+            meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in
+                                                ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+            with torch.no_grad():
+                hidden = model(ids.to(device), pos.to(device), self.kv_caches, meta)
+                out.append(model.compute_logits(hidden).float().cpu())
+        return out
 
 
 # ---- tiny transformers models ---------------------------------------------------------------

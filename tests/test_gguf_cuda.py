@@ -60,15 +60,7 @@ PROMPTS = [list(range(5, 30)), [7, 3, 99, 150, 2, 2, 41], [1, 2, 3]]
 def run_steps(model, config, device, dtype, steps) -> list[torch.Tensor]:
     paged = PagedBatches(config, num_blocks=32, block_size=16, dtype=dtype)
     paged.kv_caches = [(k.to(device), v.to(device)) for k, v in paged.kv_caches]
-    out = []
-    for chunks in steps:
-        ids, pos, meta = paged.step(chunks)
-        meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in
-                                            ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
-        with torch.no_grad():
-            hidden = model(ids.to(device), pos.to(device), paged.kv_caches, meta)
-            out.append(model.compute_logits(hidden).float().cpu())
-    return out
+    return paged.logits(model, device, steps)
 
 
 def float_reference(path: str):

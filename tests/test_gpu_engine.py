@@ -91,18 +91,6 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
 # ---- the Triton path against the torch reference ---------------------------------------------------
 
 
-def run_batches(model, paged: PagedBatches, device, steps) -> list[torch.Tensor]:
-    """Logits (float32, CPU) of every token of every step."""
-    out = []
-    for chunks in steps:
-        ids, pos, meta = paged.step(chunks)
-        meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in
-                                            ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
-        hidden = model(ids.to(device), pos.to(device), paged.kv_caches, meta)
-        out.append(model.compute_logits(hidden).float().cpu())
-    return out
-
-
 def paged_on(config, device, dtype) -> PagedBatches:
     paged = PagedBatches(config, num_blocks=160, block_size=16, dtype=dtype)
     paged.kv_caches = [(k.to(device), v.to(device)) for k, v in paged.kv_caches]
@@ -128,8 +116,8 @@ def test_triton_path_logits_match_torch_reference(preset, dtype, tolerance):
     a, b, c = random_prompts(config.vocab_size, [700, 45, 130], seed=1)
     steps = [[("a", a[:300])], [("a", a[300:699]), ("b", b[:40])], [("a", a[699:]), ("b", b[40:]), ("c", c[:100])]]
     steps += [[("a", [i]), ("b", [i + 1]), ("c", [i + 2])] for i in range(3, 9)]
-    got = run_batches(model, paged_on(config, "cuda", dtype), "cuda", steps)
-    want = run_batches(ref, paged_on(config, "cpu", torch.float32), "cpu", steps)
+    got = paged_on(config, "cuda", dtype).logits(model, "cuda", steps)
+    want = paged_on(config, "cpu", torch.float32).logits(ref, "cpu", steps)
     for step, (x, y) in enumerate(zip(got, want)):
         err = ((x - y).norm() / y.norm()).item()
         assert err < tolerance, f"step {step}: relative error {err:.2e}"

@@ -27,7 +27,6 @@ Tolerances, as a fraction of the largest |reference| output:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ import torch
 pytest.importorskip("triton")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from triton_test_devices import CUDA, INTERPRET, INTERPRETER  # noqa: E402
+from triton_test_devices import CUDA, INTERPRET, INTERPRETER, compile_sm90  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -503,14 +502,7 @@ def _logits(model, config, steps, kv_dtype=torch.bfloat16, kv_scale: float | Non
         scales = torch.full((config.num_hidden_layers, 2), kv_scale or 1.0, device=device)
         backend.set_kv_scales(paged.kv_caches, scales, calibrate=kv_scale is None)
     set_attention_backend(model, backend)
-    out = []
-    for chunks in steps:
-        ids, pos, meta = paged.step(chunks)
-        meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in
-                                            ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
-        hidden = model(ids.to(device), pos.to(device), paged.kv_caches, meta)
-        out.append(model.compute_logits(hidden).float().cpu())
-    return out
+    return paged.logits(model, device, steps)
 
 
 def _relative_errors(got, want):
@@ -598,27 +590,6 @@ def test_fp8_engine_greedy_batch_invariance_with_cuda_graphs(tmp_path, where):
 # ---- compiled for Hopper without a GPU (slow tier) ------------------------------------------------
 
 
-def _compile_sm90(kernel, types: dict, consts: dict, num_warps: int, num_stages: int = 2, floats=()):
-    """triton.compile for sm_90 through Triton's own ptxas: pointer types from `types`, the
-    scalars in `floats` fp32, other scalars i32; pointers and strides marked 16-aligned as
-    the launcher specializes them."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {n: "constexpr" if n in consts else types.get(n, "fp32" if n in floats else "i32")
-                 for n in kernel.arg_names}
-    aligned = [n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride_")]
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if n not in consts}
-    try:
-        return triton.compile(ASTSource(kernel, signature, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    except RuntimeError as e:  # no ptxas for this platform
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"no ptxas: {e}")
-        raise
-
-
 @pytest.mark.slow
 def test_fp8_kernels_compile_for_hopper():
     """Every fp8 kernel compiles for sm_90: the GEMV reads weights in 16-byte vectors and widens
@@ -632,10 +603,10 @@ def test_fp8_kernels_compile_for_hopper():
     from tallow.ops import triton_fp8, triton_rotary
 
     f8, bf, f32 = "*fp8e4nv", "*bf16", "*fp32"
-    gemv = _compile_sm90(triton_fp8._fp8_gemv_kernel, {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "y_ptr": bf},
+    gemv = compile_sm90(triton_fp8._fp8_gemv_kernel, {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "y_ptr": bf},
                          dict(BLOCK_N=4, BLOCK_K=2048, EVEN_K=True), 4)
     assert "ld.global.v4.b32" in gemv.asm["ptx"] and "e4m3x2" in gemv.asm["ptx"]
-    w8a8 = _compile_sm90(triton_fp8._fp8_gemm_kernel, {"a_ptr": f8, "a_scale_ptr": f32, "w_ptr": f8,
+    w8a8 = compile_sm90(triton_fp8._fp8_gemm_kernel, {"a_ptr": f8, "a_scale_ptr": f32, "w_ptr": f8,
                                                        "w_scale_ptr": f32, "y_ptr": bf},
                          dict(A_FP8=True, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=False, A16=False), 4, 3)
     ptx = w8a8.asm["ptx"]
@@ -643,20 +614,20 @@ def test_fp8_kernels_compile_for_hopper():
     # software-pipelined: asynchronous copies into one buffer per stage (3 x 24 KB), within 227 KB
     assert "async_copy_global_to_local" in w8a8.asm["ttgir"]
     assert 3 * (128 + 64) * 128 <= w8a8.metadata.shared <= 227 * 1024
-    weight_only = _compile_sm90(triton_fp8._fp8_gemm_kernel, {"a_ptr": bf, "a_scale_ptr": f32, "w_ptr": f8,
+    weight_only = compile_sm90(triton_fp8._fp8_gemm_kernel, {"a_ptr": bf, "a_scale_ptr": f32, "w_ptr": f8,
                                                               "w_scale_ptr": f32, "y_ptr": bf},
                                 dict(A_FP8=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, SPLIT=True, A16=True), 4, 3)
     assert "wgmma.mma_async" in weight_only.asm["ptx"] and weight_only.metadata.shared <= 227 * 1024
     assert "async_copy_global_to_local" in weight_only.asm["ttgir"]
-    rows = _compile_sm90(triton_fp8._quant_rows_kernel, {"x_ptr": bf, "q_ptr": f8, "s_ptr": f32},
+    rows = compile_sm90(triton_fp8._quant_rows_kernel, {"x_ptr": bf, "q_ptr": f8, "s_ptr": f32},
                          dict(BLOCK_K=1024), 4)
     assert "satfinite.e4m3x2" in rows.asm["ptx"]
-    write = _compile_sm90(triton_kv_write._write_kv_kernel, {
+    write = compile_sm90(triton_kv_write._write_kv_kernel, {
         "k_ptr": bf, "v_ptr": bf, "k_cache_ptr": f8, "v_cache_ptr": f8, "slot_mapping_ptr": "*i64",
         "k_scale_ptr": f32, "v_scale_ptr": f32}, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, ROW_PAD=1024,
                                                       KV_FP8=True), 4)
     assert "satfinite.e4m3x2" in write.asm["ptx"]
-    rotary = _compile_sm90(triton_rotary._rotary_kv_kernel, {
+    rotary = compile_sm90(triton_rotary._rotary_kv_kernel, {
         "q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "q_out_ptr": bf, "k_cache_ptr": f8, "v_cache_ptr": f8,
         "cos_sin_ptr": f32, "positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "k_scale_ptr": f32,
         "v_scale_ptr": f32}, dict(HALF=64, HALF_PAD=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, HEAD_DIM=128, DIM_PAD=128,
@@ -665,11 +636,11 @@ def test_fp8_kernels_compile_for_hopper():
     attention_ptrs = {"q_ptr": bf, "k_cache_ptr": f8, "v_cache_ptr": f8, "out_ptr": bf, "part_out_ptr": f32,
                       "part_lse_ptr": f32, "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
                       "block_tables_ptr": "*i32", "k_scale_ptr": f32, "v_scale_ptr": f32}
-    decode = _compile_sm90(triton_decode._decode_split_kernel, attention_ptrs, dict(
+    decode = compile_sm90(triton_decode._decode_split_kernel, attention_ptrs, dict(
         GROUP=4, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, MIN_TILES_PER_SPLIT=1,
         DIRECT_OUT=False, DOT_PRECISION="tf32", KV_FP8=True), 4, floats=("scale_log2",))
     assert "e4m3x2" in decode.asm["ptx"]
-    prefill = _compile_sm90(triton_prefill._prefill_kernel, attention_ptrs, dict(
+    prefill = compile_sm90(triton_prefill._prefill_kernel, attention_ptrs, dict(
         GROUP=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=128, BLOCK_Q=32, BLOCK_N=64,
         DOT_PRECISION="tf32", KV_FP8=True), 8, floats=("scale_log2",))
     assert "e4m3x2" in prefill.asm["ptx"] and prefill.metadata.shared <= 227 * 1024
