@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_test_devices import CUDA, INTERPRET, INTERPRETER
+from triton_test_devices import CUDA, INTERPRET, INTERPRETER, compile_sm90
 
 try:
     import gguf
@@ -251,10 +251,7 @@ def test_kernels_compile_for_hopper(fmt):
     """Without a GPU: both kernels compile for sm_90 through Triton's own ptxas, the one-row GEMV
     reads weights with 16-byte loads, the GEMM runs on wgmma, and the shared memory of the
     default GEMM tiles fits an H100/H200 (227 KB; unrolling a block's pieces once took 254)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from tallow.ops import triton_quant as tq
 
     if INTERPRET:
@@ -267,17 +264,9 @@ def test_kernels_compile_for_hopper(fmt):
 
     def compile_(kernel, consts, num_warps, num_stages):
         consts = {**tq._format_constexprs(fmt), **consts}
-        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
         # What the launcher specializes on: 16-byte aligned tensors, sizes divisible by 16.
         aligned = [n for n in kernel.arg_names if n.endswith("_ptr") or n in ("NB", "stride_xm", "stride_ym")]
-        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        try:
-            return triton.compile(ASTSource(kernel, signature, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": num_warps, "num_stages": num_stages})
-        except RuntimeError as e:  # no ptxas for this platform
-            if "ptxas" in str(e).lower():
-                pytest.skip(f"no ptxas: {e}")
-            raise
+        return compile_sm90(kernel, types, consts, num_warps, num_stages, aligned=aligned)
 
     bps = 1 if tq._FORMAT_ARGS[fmt][5] == 8 else 4
     gemv = compile_(tq._quant_gemv_kernel, dict(BPS=bps, BLOCK_M=1, BLOCK_N=32, SPLIT=False), 2, 2)
@@ -285,12 +274,8 @@ def test_kernels_compile_for_hopper(fmt):
     if fmt in tq._GEMV1_FORMATS:  # the one-row kernel: whole blocks in 16-byte loads
         kind, qh = tq._GEMV1_FORMATS[fmt]
         consts = dict(KIND=kind, QH=qh, BB=4 if kind == 0 else 2, BLOCK_N=16, SPLIT=True)
-        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in tq._gemv1_kernel.arg_names}
-        signature["y_ptr"] = "*fp32"
         aligned = [n for n in tq._gemv1_kernel.arg_names if n.endswith("_ptr") or n == "NB"]
-        attrs = {(tq._gemv1_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        gemv1 = triton.compile(ASTSource(tq._gemv1_kernel, signature, consts, attrs=attrs),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        gemv1 = compile_sm90(tq._gemv1_kernel, {**types, "y_ptr": "*fp32"}, consts, 4, 3, aligned=aligned)
         ptx = gemv1.asm["ptx"]
         loop = "".join(re.findall(r"Inner Loop Header.*?\n(.*?)bra\s+\$L__BB0_\d+;", ptx, re.S))
         # the weights in 16-byte loads, and no layout conversion through shared memory per block
@@ -298,11 +283,8 @@ def test_kernels_compile_for_hopper(fmt):
         # and the kernel that writes the weight out for the cuBLAS path (bf16)
         consts = dict(KIND=kind, QH=qh, BB=4 if kind == 0 else 2, BLOCK_N=16)
         k = tq._dequant_kernel
-        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in k.arg_names}
         aligned = [n for n in k.arg_names if n.endswith("_ptr") or n in ("NB", "K")]
-        attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        deq = triton.compile(ASTSource(k, signature, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": 4, "num_stages": 1})
+        deq = compile_sm90(k, types, consts, 4, 1, aligned=aligned)
         assert "ld.global.v4.b32" in deq.asm["ptx"]
     gemm = compile_(tq._quant_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=64, SPLIT=False), 4, 3)
     assert "wgmma.mma_async" in gemm.asm["ptx"]

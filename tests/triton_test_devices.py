@@ -38,3 +38,27 @@ def _index_scalars_with_numpy_2_4() -> None:
 
 if INTERPRET:
     _index_scalars_with_numpy_2_4()
+
+
+def compile_sm90(kernel, types: dict, consts: dict, num_warps: int, num_stages: int = 2, floats=(),
+                 aligned=None):
+    """triton.compile for sm_90 through Triton's own ptxas, no GPU needed: pointer types from
+    `types`, the scalars in `floats` fp32, other scalars i32; the `aligned` arguments (default:
+    pointers and strides) marked 16-divisible as the launcher specializes them. Skips where this
+    platform has no ptxas."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {n: "constexpr" if n in consts else types.get(n, "fp32" if n in floats else "i32")
+                 for n in kernel.arg_names}
+    if aligned is None:
+        aligned = [n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride_")]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if n not in consts}
+    try:
+        return triton.compile(ASTSource(kernel, signature, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    except RuntimeError as e:  # no ptxas for this platform
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no ptxas: {e}")
+        raise
