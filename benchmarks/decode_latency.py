@@ -70,7 +70,11 @@ def graph_replay_ms(core, batch: int) -> float | None:
     graphs = core.runner.graphs
     if graphs is None or batch > graphs.max_batch:
         return None
-    graph = graphs.graphs[graphs.padded_size(batch)][0]
+    bs = graphs.padded_size(batch)
+    graph = graphs.graphs[bs][0]
+    # The static inputs hold whatever the last step left (token ids of finished sequences may be
+    # placeholders): replay on valid ids; the lengths and tables stay those of the last step.
+    graphs.d_ids[:bs].zero_()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
