@@ -338,14 +338,48 @@ def write_cache(path: str, cache_dir: str, config: ModelConfig, metadata: dict[s
 
     cache = _cache_path(path, cache_dir)
     tmp = f"{cache}.{os.getpid()}.tmp"
-    header = {"config": json.dumps(dataclasses.asdict(config)), "metadata": json.dumps(metadata)}
+    header = {"config": json.dumps(dataclasses.asdict(config)), "metadata": json.dumps(metadata),
+              "source": json.dumps(_source_key(path))}
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
+        _remove_stale_caches(path, cache)
         save_file(state_dict, tmp, metadata=header)
         os.replace(tmp, cache)
     except OSError:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _source_key(path: str) -> list:
+    st = os.stat(path)
+    return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
+
+
+def _remove_stale_caches(path: str, keep: str) -> None:
+    """Delete the caches of this file's name whose source is gone or changed (a reinstalled wheel,
+    an edited file: each would otherwise leave a float32 copy of the model behind for good), or
+    that were written by an older cache format (no source recorded). Caches of another file of
+    the same name that still exists are kept."""
+    from safetensors import safe_open
+
+    stem = os.path.basename(path).removesuffix(".gguf")
+    folder = os.path.dirname(keep)
+    for name in os.listdir(folder):
+        other = os.path.join(folder, name)
+        if other == keep or not (name.startswith(stem + "-") and name.endswith(".safetensors")) \
+                or len(name) != len(stem) + 1 + 16 + len(".safetensors"):
+            continue
+        try:
+            with safe_open(other, framework="pt") as f:
+                source = json.loads((f.metadata() or {}).get("source", "null"))
+            stale = source is None or not os.path.exists(source[0]) or _source_key(source[0]) != source
+        except Exception:  # unreadable: a torn write or another format
+            stale = True
+        if stale:
+            try:
+                os.remove(other)
+            except OSError:
+                pass
 
 
 def _config(reader, metadata: dict[str, Any]) -> ModelConfig:
