@@ -57,7 +57,8 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, device=device, cache_dir=config.cache_dir,
                             seed=config.seed, parallel=parallel,
-                            gguf_blocks=not (device.type == "cuda" and config.quantization == "none"))
+                            # fp8 of a GGUF file: its blocks dequantized, then quantized to fp8
+                            gguf_blocks=not (device.type == "cuda" and config.quantization in ("none", "fp8")))
     mc = loaded.config
     if device.type == "cuda" and any(mc.layer_window(i) for i in range(mc.num_hidden_layers)):
         raise ModelLoadError(f"{loaded.name}: sliding-window attention ({mc.architecture}) runs on the CPU only "
@@ -66,7 +67,8 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
     if config.quantization == "fp8":  # dynamic per-channel fp8 weights (CUDA, sm_89+)
         from tallow.models.fp8 import quantize_model_fp8_
 
-        quantize_model_fp8_(loaded.model)
+        if not quantize_model_fp8_(loaded.model) and not _has_fp8_layers(loaded.model):
+            raise ModelLoadError(f"{loaded.name}: quantization 'fp8' found no float projection to quantize")
         quantization = "fp8"
     elif device.type == "cpu" and config.quantization != "none":
         from tallow.models.quant import quantize_model_
