@@ -1,7 +1,7 @@
 """Replies cut off by the shutdown timeout read as finished on Anthropic (`end_turn`) and
 Responses (`completed`) (issue 24); OpenAI said "abort". Now every protocol says so:
-Chat / Completions finish_reason "abort" (as vLLM), Responses status "incomplete" with
-incomplete_details.reason "aborted", Anthropic (whose stop_reason has no such value)
+Chat / Completions finish_reason "abort" (as vLLM), Responses status "failed" with OpenAI's
+error code server_error (the output so far kept, marked incomplete), Anthropic (whose stop_reason has no such value)
 stop_reason null and an error event in a stream, a 503 error for a body."""
 
 import asyncio
@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 
+from openapi_schemas import validate, validate_event
 from serve_utils import FakeEngine
 from tallow.config import ServerConfig
 from tallow.serve.app import build_app
@@ -60,17 +61,20 @@ def test_openai_says_abort(path):
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "abort"
 
 
-def test_responses_is_incomplete_aborted():
+def test_responses_fails_with_server_error():
+    failed = {"code": "server_error", "message": "the server shut down before this response finished"}
     body = cut_off("/v1/responses", False)
     assert body.status_code == 200
-    assert body.json()["status"] == "incomplete"
-    assert body.json()["incomplete_details"] == {"reason": "aborted"}
+    assert body.json()["status"] == "failed" and body.json()["error"] == failed
+    assert body.json()["incomplete_details"] is None
     assert body.json()["output"][-1]["status"] == "incomplete"
+    validate("Response", body.json())  # OpenAI's published schema
     streamed = events(cut_off("/v1/responses", True))
+    for _, event in streamed:
+        validate_event(event)
     last = streamed[-1][1]
-    assert last["type"] == "response.incomplete"
-    assert last["response"]["status"] == "incomplete"
-    assert last["response"]["incomplete_details"] == {"reason": "aborted"}
+    assert last["type"] == "response.failed"
+    assert last["response"]["status"] == "failed" and last["response"]["error"] == failed
 
 
 def test_anthropic_never_says_end_turn():

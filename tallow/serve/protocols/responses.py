@@ -8,8 +8,9 @@ custom_tool_call for a custom tool; namespaced tools as responses_tools.py maps 
 stream announces each item (output_item.added, then content_part.added for reasoning and
 messages), streams its text or arguments (reasoning_text.delta, output_text.delta,
 function_call_arguments.delta; a custom tool's input goes out whole at its end), closes it in the
-reverse order (... .done), and ends with response.completed, or response.incomplete when
-max_output_tokens cut the reply short. Every event carries a sequence_number.
+reverse order (... .done), and ends with response.completed, response.incomplete when
+max_output_tokens cut the reply short, or response.failed (server_error) when the server's
+shutdown cut it off. Every event carries a sequence_number.
 
 With store (the default) the finished response is kept, with its conversation, for
 previous_response_id; with store: false nothing is kept. The protocol class is bound to the app's
@@ -249,7 +250,7 @@ class OpenAIResponses(StreamProtocol):
 
     def finish(self, usage: Usage) -> list[str]:
         response = self._answer(self._output, usage, self._finish_reason)
-        name = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        name = f"response.{response['status']}"  # response.completed, .incomplete or .failed
         return [self._event(name, response=response)]
 
     def _event(self, type: str, **fields: Any) -> str:
@@ -343,22 +344,21 @@ class OpenAIResponses(StreamProtocol):
 
     def _answer(self, output: list[dict[str, Any]], usage: Usage, finish_reason: str | None) -> dict:
         """The finished response; stored when the request asked for it."""
-        status = "incomplete" if finish_reason in ("length", "abort") else "completed"
-        response = self._response(status, output, usage, "aborted" if finish_reason == "abort" else None)
+        status = {"length": "incomplete", "abort": "failed"}.get(finish_reason, "completed")
+        response = self._response(status, output, usage)
         if self.req.store:
             self.store.put(self.request_id, response, self.plan.conversation + [_assistant_turn(output, self._tools)])
         return response
 
-    def _response(self, status: str, output: list[dict[str, Any]], usage: Usage | None,
-                  incomplete_reason: str | None = None) -> dict:
-        """incomplete_reason: "max_output_tokens" (the default of an incomplete response) or
-        "aborted" (cut off by the server: its shutdown timeout; OpenAI's enum has no value for it)."""
+    def _response(self, status: str, output: list[dict[str, Any]], usage: Usage | None) -> dict:
+        """status "incomplete": cut at max_output_tokens; "failed": cut off by the server (its
+        shutdown timeout), with OpenAI's server_error (the output so far kept, items incomplete)."""
         req = self.req
         return {
             "id": self.request_id, "object": "response", "created_at": self.created, "status": status,
-            "error": None,
-            "incomplete_details": ({"reason": incomplete_reason or "max_output_tokens"} if status == "incomplete"
-                                   else None),
+            "error": ({"code": "server_error", "message": "the server shut down before this response finished"}
+                      if status == "failed" else None),
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": self.model_name, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
