@@ -351,3 +351,16 @@ def test_async_engine_builds_its_core_in_the_engine_thread(loaded):
     with pytest.raises(ValueError, match="no model here"):
         AsyncEngine(broken)
     assert threading.active_count() == before
+
+
+def test_max_model_len_past_the_models_context_is_refused(loaded):
+    """vLLM's rule: a max_model_len longer than the model's positions is an error naming the
+    field, not quietly cut to the model's length (a client's long prompt would then be refused
+    with a limit the operator never set)."""
+    from tallow.errors import TallowError
+
+    positions = loaded.config.max_position_embeddings
+    with pytest.raises(TallowError) as e:
+        make_core(loaded, max_model_len=positions + 1)
+    assert e.value.param == "max_model_len" and str(positions) in str(e.value)
+    assert make_core(loaded, max_model_len=positions // 2).max_model_len == positions // 2

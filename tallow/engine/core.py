@@ -117,7 +117,10 @@ class EngineCore:
         self.tokenizer = load_tokenizer(loaded.tokenizer_source)
         self.quantization = built.quantization
         cfg = self.model_config
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
+            raise TallowError(f"max_model_len {config.max_model_len} is more than {self.model_name}'s context of "
+                              f"{cfg.max_position_embeddings} tokens (max_position_embeddings)", param="max_model_len")
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_id)
         self.kv_dtype = built.kv_dtype
         draft = self._load_draft_model() if config.speculative_method == "draft" else None
