@@ -33,7 +33,7 @@ class LocalChat:
         from tallow.output.reasoning import reasoning_parser_for_template
 
         self.core = EngineCore(engine_config)
-        self.template = ChatTemplate.for_tokenizer(self.core.tokenizer)
+        self.template = ChatTemplate.for_tokenizer(self.core.tokenizer, override=engine_config.chat_template)
         self.reasoning_parser = reasoning_parser_for_template(getattr(self.template, "source", None))
         self.name = engine_config.model
         # Ctrl+C sets this (run_chat's handler) rather than raising inside an engine step: the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import re
 import secrets
 import threading
@@ -131,12 +132,27 @@ def _loops_over_content(ast: nodes.Template) -> bool:
     return any(reads_content(loop.iter, aliases) for loop in ast.find_all(nodes.For))
 
 
+def load_template_source(value: str) -> str:
+    """--chat-template's value: a jinja file's path, or the template's own text (as vLLM's)."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise TallowError(f"chat_template {value!r}: cannot read it: {e}", param="chat_template") from e
+    if "{{" in value or "{%" in value:
+        return value
+    raise TallowError(f"chat_template {value!r}: no such file (give a jinja file's path or the template's text)",
+                      param="chat_template")
+
+
 class ChatTemplate:
     """One model's chat template, compiled once (and cached by source)."""
 
     def __init__(self, source: str | None, *, bos_token: str | None, eos_token: str | None,
                  special_tokens: Iterable[str] = (), timeout_s: float = ServerConfig.template_timeout_s):
         self.source = source if source is not None else CHATML
+        self.missing = False  # no template of the model's own nor given: every render is a 400
         self._compiled = _compile(self.source)
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -145,10 +161,18 @@ class ChatTemplate:
         self.timeout_s = timeout_s
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, *, timeout_s: float = ServerConfig.template_timeout_s) -> "ChatTemplate":
-        """The template a tokenizer ships (ChatML when none), with its bos, eos and special tokens."""
-        return cls(tokenizer.chat_template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
-                   special_tokens=tokenizer.special_tokens, timeout_s=timeout_s)
+    def for_tokenizer(cls, tokenizer, *, override: str | None = None,
+                      timeout_s: float = ServerConfig.template_timeout_s) -> "ChatTemplate":
+        """The template a tokenizer ships, or `override` (EngineConfig.chat_template: a file's
+        path or the template's text), with the tokenizer's bos, eos and special tokens. A model
+        with neither (a base model such as Gemma 3 270M) gets a template whose every render is
+        a 400 naming chat_template, as transformers and vLLM refuse it (no silent ChatML)."""
+        source = load_template_source(override) if override is not None else tokenizer.chat_template
+        template = cls(source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                       special_tokens=tokenizer.special_tokens, timeout_s=timeout_s)
+        if source is None:
+            template.missing = True
+        return template
 
     @property
     def supports_tools(self) -> bool:
@@ -188,6 +212,9 @@ class ChatTemplate:
         with ensure_ascii), the template renders, and each marker in the result is put back as the
         token's text and recorded as a span. literal_special_tokens=False renders the text alone.
         """
+        if self.missing:
+            raise TallowError("this model has no chat template (a base model): send a prompt to /v1/completions, or "
+                              "start the server with --chat-template FILE", param="chat_template")
         messages = [self._prepare(m) for m in messages]
         if continue_final_message:
             if not messages or not isinstance(messages[-1].get("content"), str):

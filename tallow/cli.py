@@ -37,6 +37,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="shard the model over N processes (one per GPU on CUDA, NCCL; gloo on the CPU)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--chat-template", default=None,
+                   help="chat template for chat requests instead of the model's own: a jinja file, or its text "
+                        "(a base model without one answers chat requests with a 400)")
     p.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
                    help="speculative decoding in the batch: ngram (prompt lookup) or draft (--speculative-model); "
                         "off by default")
@@ -62,7 +65,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
         async_scheduling={"on": True, "off": False}.get(args.async_scheduling, "auto"),
-        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        chat_template=args.chat_template, speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, speculative_row_cost=args.speculative_row_cost,
     )
@@ -89,7 +92,8 @@ def _generate(core, args: argparse.Namespace) -> int:
 
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
-        prompt = ChatTemplate.for_tokenizer(tok).render_prompt(messages, add_generation_prompt=True)
+        prompt = ChatTemplate.for_tokenizer(tok, override=core.config.chat_template).render_prompt(
+            messages, add_generation_prompt=True)
         ids = tok.encode(prompt.text, literal_spans=prompt.literal_spans)
     else:
         ids = tok.encode(args.prompt)

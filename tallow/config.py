@@ -77,6 +77,10 @@ class EngineConfig:
     # found earlier in the prompt or output proposes the tokens that followed it). A speculating
     # sequence verifies up to num_speculative_tokens proposed tokens per step.
     speculative_method: str | None = None
+    # The chat template for every chat front end instead of the model's own: a jinja file's
+    # path, or the template's text (vLLM's --chat-template). A model without one of its own
+    # (a base model) answers chat requests with a 400 unless this gives one.
+    chat_template: str | None = None
     # "draft": the draft model's source (same vocabulary as the model), loaded as the model is.
     speculative_model: str | None = None
     num_speculative_tokens: int = 4

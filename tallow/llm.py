@@ -122,7 +122,7 @@ class LLM:
         from tallow.chat_template import ChatTemplate
 
         tok = self.tokenizer
-        template = ChatTemplate.for_tokenizer(tok)
+        template = ChatTemplate.for_tokenizer(tok, override=self.config.chat_template)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:

@@ -154,7 +154,7 @@ class AsyncEngine:
             from tallow.chat_template import ChatTemplate
 
             tok = self.tokenizer
-            self._chat_template = ChatTemplate.for_tokenizer(tok)
+            self._chat_template = ChatTemplate.for_tokenizer(tok, override=self.core.config.chat_template)
         return self._chat_template
 
     @property

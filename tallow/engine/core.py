@@ -115,6 +115,10 @@ class EngineCore:
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.tokenizer = load_tokenizer(loaded.tokenizer_source)
+        if config.chat_template is not None:  # a missing file or a broken template fails the start
+            from tallow.chat_template import ChatTemplate
+
+            ChatTemplate.for_tokenizer(self.tokenizer, override=config.chat_template)
         self.quantization = built.quantization
         cfg = self.model_config
         if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
