@@ -243,9 +243,11 @@ def save_byte_tokenizer(path) -> int:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(BYTE_EOS, special=True)])
     tok.save(f"{path}/tokenizer.json")
-    with open(f"{path}/tokenizer_config.json", "w") as f:
+    from tallow.chat_template import CHATML
+
+    with open(f"{path}/tokenizer_config.json", "w") as f:  # ChatML as an instruct model's (chat tests)
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": BYTE_EOS, "bos_token": None,
-                   "add_bos_token": False, "model_max_length": 256}, f)
+                   "add_bos_token": False, "model_max_length": 256, "chat_template": CHATML}, f)
     return tok.get_vocab_size()
 
 
