@@ -671,14 +671,13 @@ def arguments_object(g: LarkGrammar, tool: GrammarTool) -> str:
 def call_object(g: LarkGrammar, tools: list[GrammarTool], *, name_key: str = "name",
                 args_key: str = "arguments") -> str:
     """A Lark expression of one call object {name_key: <name>, args_key: {...}} of any of tools:
-    one %json for them all, or, with custom tools' input grammars among them, one alternative
-    per custom tool (the object written literally around its input) and one %json for the rest."""
-    custom = [tool for tool in tools if tool.input_grammar is not None]
-    plain = [tool for tool in tools if tool.input_grammar is None]
-    if not custom:
+    one %json for them all; with custom tools' input grammars among them, one alternative per tool,
+    the object's head written literally (llguidance cannot choose between a %json and another
+    alternative that begin at the same place; after distinct literal heads it can)."""
+    if all(tool.input_grammar is None for tool in tools):
         return json_rule(call_object_schema(tools, name_key=name_key, args_key=args_key))
-    options = [json_rule(call_object_schema(plain, name_key=name_key, args_key=args_key))] if plain else []
-    for tool in custom:
+    options = []
+    for tool in tools:
         head = "{" + json.dumps(name_key) + ": " + json.dumps(tool.name, ensure_ascii=False) + ", " \
             + json.dumps(args_key) + ": "
         options.append(f"{lit(head)} {arguments_object(g, tool)} \"}}\"")

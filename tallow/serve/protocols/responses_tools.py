@@ -100,7 +100,7 @@ def build_tool_set(tools: list[dict[str, Any]], *, strict: bool) -> ToolSet:
             fmt = tool.get("format")
             if fmt is not None and not isinstance(fmt, dict):
                 raise ToolError(f"{param}.format: Input should be an object", f"{param}.format")
-            grammar = _input_grammar(fmt, f"{param}.format")
+            grammar = _input_grammar(fmt, param)
             if grammar is not None:
                 out.input_grammars[out.flat_name(name, namespace)] = grammar
             description = _custom_description(description, fmt)
@@ -148,11 +148,12 @@ def build_tool_set(tools: list[dict[str, Any]], *, strict: bool) -> ToolSet:
     return out
 
 
-def _input_grammar(fmt: dict[str, Any] | None, param: str) -> InputGrammar | None:
+def _input_grammar(fmt: dict[str, Any] | None, tool_param: str) -> InputGrammar | None:
     """A custom tool's format: None for free text ({"type": "text"} or none), else its grammar,
     compiled once to refuse an invalid one. Raises ToolError."""
     if fmt is None or fmt.get("type") == "text":
         return None
+    param = f"{tool_param}.format"
     if fmt.get("type") != "grammar":
         raise ToolError(f"{param}.type: Input should be 'text' or 'grammar'", f"{param}.type")
     syntax, definition = fmt.get("syntax"), fmt.get("definition")
@@ -167,7 +168,7 @@ def _input_grammar(fmt: dict[str, Any] | None, param: str) -> InputGrammar | Non
                         param) from None
     if reason is not None:
         raise ToolError(f"{param}.definition: invalid {syntax} grammar: {reason}", f"{param}.definition")
-    return InputGrammar(syntax, definition, param)
+    return InputGrammar(syntax, definition, tool_param)
 
 
 def _custom_description(description: str | None, fmt: dict[str, Any] | None) -> str:
