@@ -87,13 +87,14 @@ def string_value(g: LarkGrammar, tool: str, grammar: InputGrammar, quoting: str)
     if grammar.syntax == "regex":
         return g.add(_string_pattern(grammar.definition))
     try:
-        try:
-            return g.add(_string_pattern(lark_to_regex(grammar.definition)))
-        except _Recursive:
-            inner = json_escaped_lark(grammar.definition)
+        return g.add(_string_pattern(lark_to_regex(grammar.definition)))
+    except (_Recursive, _Unsupported) as e:
+        as_regex = f"as one regex: {e}; " if isinstance(e, _Unsupported) else ""
+    try:
+        inner = json_escaped_lark(grammar.definition)
     except _Unsupported as e:
-        raise UnenforceableInput(tool, f"the Lark grammar cannot be enforced inside the call's JSON string: {e}",
-                                 grammar.param) from None
+        raise UnenforceableInput(tool, f"the Lark grammar cannot be enforced inside the call's JSON string "
+                                 f"({as_regex}{e})", grammar.param) from None
     return g.add(f'"\\"" %lark {{\n{inner}\n}} "\\""')
 
 
@@ -342,7 +343,7 @@ _LARK_TOKEN = re.compile(r"""
   | (?P<directive>%[a-zA-Z_]+)
   | (?P<arrow>->)
   | (?P<range>\.\.)
-  | (?P<name>[_?!]?[A-Za-z_][A-Za-z0-9_\-]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)
+  | (?P<name>[_?!]?[A-Za-z_][A-Za-z0-9_\-]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*(?:\.-?[0-9]+)?)
   | (?P<number>[0-9]+)
   | (?P<other>[:|()\[\]{}*+?~,=&\-])
 """, re.X)
@@ -495,7 +496,7 @@ def lark_to_regex(definition: str) -> str:
             continue
         nxt = next((t for t in tokens[k + 1:] if t[0] != "ws"), None)
         if line_start and kind == "name" and nxt == ("other", ":"):
-            current = rules.setdefault(text.lstrip("?!"), [])
+            current = rules.setdefault(re.sub(r"\.-?[0-9]+$", "", text.lstrip("?!")), [])
             if current:
                 raise _Unsupported(f"{text} is defined twice")
             k = tokens.index(nxt, k + 1) + 1

@@ -4,7 +4,9 @@ The reply becomes output items: a reasoning item (reasoning_text; with reasoning
 summary_text part, the reasoning text itself: there is no summarizer; with include
 ["reasoning.encrypted_content"] its text sealed in encrypted_content, which a later request's
 input opens again), a message (one output_text part), a function_call per tool call (a
-custom_tool_call for a custom tool; namespaced tools as responses_tools.py maps them). A
+custom_tool_call for a custom tool, whose input follows the tool's Lark / regex grammar when it
+has one; tool_choice {"type": "custom", "name"} forces it; namespaced tools as responses_tools.py
+maps them). A
 stream announces each item (output_item.added, then content_part.added for reasoning and
 messages), streams its text or arguments (reasoning_text.delta, output_text.delta,
 function_call_arguments.delta; a custom tool's input goes out whole at its end), closes it in the
