@@ -6,19 +6,28 @@ format's usual markup, the input a string value in it. The input's grammar holds
 
 - In the formats whose string values are JSON string literals (hermes, llama3_json, mistral, and
   pythonic, which writes strings as JSON does), the grammar must hold the *decoded* value while
-  the model writes the escaped one. A regex goes into a JSON schema `pattern` (anchored: the whole
-  input matches), which llguidance JSON-quotes itself. A Lark grammar is rewritten into the Lark
-  grammar of its strings' JSON escapes (`json_escaped_lark`): JSON's escaping is one fixed string
-  per character, so escaping every terminal (string literals and regexes: each atom that can
-  match `"`, `\\` or a control character takes that character's escape, as json.dumps writes it,
-  instead) gives the grammar of the escaped language; the rules are untouched. It is embedded as
-  a nested `%lark { ... }` between the quotes, so its own `%ignore` stays inside the string.
-  Supported: llguidance's Lark with the regex syntax of terminals short of Unicode property
-  classes (\\p, \\P), nested or set-operation character classes, the `x` flag and word-boundary
-  assertions, and of the `%import common` terminals those listed in COMMON; special tokens and
-  `%json` / `%regex` / `%lark` / `%declare` / `%override` / `%if` are refused. What the rewrite
-  does not support is refused (UnenforceableInput: a 400 naming the tool's `format`), never
-  passed through unenforced.
+  the model writes the escaped one. llguidance has no Lark construct for "this rule, JSON-quoted"
+  (its JSON quoting applies to one lexeme, a regex), so:
+  * A regex goes into a JSON schema `pattern`, anchored (OpenAI's regex format: the whole input
+    matches), which llguidance JSON-quotes itself.
+  * A Lark grammar whose rules do not recurse (Codex's apply_patch) is a regular language: its
+    rules and terminals are inlined into one regex (`lark_to_regex`), which then goes the same
+    way. Exact, and the whole input is one lexeme. In both, \\d and \\w take ASCII characters only
+    (llguidance's pattern dialect, as every regex tallow enforces): a subset, never a superset.
+  * A recursive Lark grammar is rewritten into the grammar of its strings' JSON escapes
+    (`json_escaped_lark`: JSON's escaping is one fixed string per character, so escaping every
+    terminal gives the escaped language; rules untouched), embedded as a nested `%lark { ... }`
+    between the quotes (its `%ignore` stays inside the string). llguidance's lexer ends a lexeme
+    on one byte of lookahead, and every escape begins with a backslash: a regex terminal that
+    could take an escaped character would be cut wrong at its end. So this path holds exactly
+    when no regex terminal (nor an `%ignore`d or imported one) matches a quote, backslash or
+    control character (string literals may hold them: a literal is one fixed lexeme); any other
+    recursive grammar is refused.
+  What neither path can hold is UnenforceableInput (a 400 naming the tool's `format`), never
+  passed through unenforced: special tokens, `%json` / `%regex` / `%lark` / `%declare` /
+  `%override` / `%if`, `%import` of anything but the common.lark terminals in COMMON, and in the
+  escaped path regex syntax it does not read (\\p classes, nested or set-operation classes, the x
+  flag, word-boundary assertions).
 - qwen3_coder writes a string parameter as raw text up to "\\n</parameter>": the grammar goes in
   as it is (a regex as a Lark terminal). Limit: a grammar whose language holds "\\n</parameter>"
   can end the value early for the parser.
@@ -398,6 +407,7 @@ def json_escaped_lark(definition: str, exact: bool = True) -> str:
     `definition` (llguidance's Lark) generates. Raises _Unsupported."""
     tokens = _lark_tokens(definition)
     out: list[str] = []
+    literals: set[str] = set()  # the string literals, escaped
     k = 0
     while k < len(tokens):
         kind, text = tokens[k]
@@ -427,6 +437,7 @@ def json_escaped_lark(definition: str, exact: bool = True) -> str:
                     k += 1
             else:
                 out.append(_escaped_string(text))
+                literals.add("".join(json_escape(c) for c in _string_value(text)))
         elif kind == "regex":
             out.append(_escaped_regex(text, exact))
         elif kind == "comment":
@@ -434,6 +445,13 @@ def json_escaped_lark(definition: str, exact: bool = True) -> str:
         else:
             out.append(text)
         k += 1
+    if exact:
+        for short in literals:
+            for long in literals:
+                if long.startswith(short) and long[len(short):].startswith("\\"):
+                    # Where both may come, the lexer cannot end the short one on its next byte.
+                    raise _Unsupported(f"in a recursive grammar, the literals {lit(short)} and {lit(long)} "
+                                       "differ only after an escaped character")
     return "".join(out)
 
 

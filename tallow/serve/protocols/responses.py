@@ -397,8 +397,8 @@ def _tool_choice(choice: Any, tool_set: ToolSet) -> Any:
         return choice
     kind, name = choice.get("type"), choice.get("name")
     if kind not in ("function", "custom") or not isinstance(name, str):
-        return Rejection.invalid("tool_choice: only 'none', 'auto', 'required', {\"type\": \"function\", \"name\": ...} "
-                                 "and {\"type\": \"custom\", \"name\": ...} are supported", "tool_choice")
+        return Rejection.invalid("tool_choice: only 'none', 'auto', 'required', {\"type\": \"function\", "
+                                 "\"name\": ...} and {\"type\": \"custom\", \"name\": ...} are supported", "tool_choice")
     if kind == "custom":
         flat = [f for f, ref in tool_set.refs.items() if ref.kind == "custom" and name in (ref.name, f)]
         if not flat:
