@@ -181,7 +181,7 @@ def test_what_the_json_string_cannot_hold_is_refused(definition):
 
 # ---- every tool-call format ------------------------------------------------------------------
 
-FORMATS = ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+FORMATS = ["hermes", "llama3_json", "mistral", "mistral_named", "pythonic", "qwen3_coder"]
 CUSTOM = {"type": "function", "function": {"name": "apply_patch", "parameters": {
     "type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -203,8 +203,11 @@ def parse_calls(name: str, text: str) -> list[tuple[str, dict]]:
 def test_forced_calls_in_every_format_carry_inputs_that_follow_the_grammar(tok, lltok, name, grammar):
     syntax, definition = GRAMMARS[grammar]
     grammars = {"apply_patch": InputGrammar(syntax, definition, "tools[0]")}
+    template = "... [TOOL_CALLS] ... [ARGS] ..." if name == "mistral_named" else None  # NAME[ARGS]{...}
+    name = name.removesuffix("_named")
     lark = TOOL_PARSERS[name]().call_grammar(grammar_tools([CUSTOM, WEATHER], constrain_all=True,
-                                                           input_grammars=grammars), required=True, max_calls=1)
+                                                           input_grammars=grammars), required=True, max_calls=1,
+                                             chat_template=template)
     rng = random.Random(f"{name}-{grammar}")
     seen = 0
     for _ in range(16):
