@@ -17,8 +17,12 @@ its reason, never a silent fallback to free text.
   arguments valid against each tool's parameters; a named function is called once, "required"
   calls one or more (parallel_tool_calls: false: one). Object schemas that list properties and
   say nothing of other keys are closed to them (engine.grammar.closed_objects).
-  Under "auto", a tool marked strict: true, or an output format, constrains the reply too: free
-  text (or the format's JSON) in which every call the model opens is well-formed.
+  Under "auto", a tool marked strict: true, a Responses custom tool with a grammar (which counts
+  as strict), or an output format, constrains the reply too: free text (or the format's JSON) in
+  which every call the model opens is well-formed.
+- Custom tools' grammars (`input_grammars`): the input string of such a tool's call follows its
+  Lark or regex grammar in every format (tallow/output/tool_parsers/input_grammar.py); one the
+  format cannot hold is a 400 naming the tool's `format`.
 - Reasoning: with a reasoning parser whose block the prompt does not close, the grammar starts
   after the end-of-reasoning tag (start_after): the reasoning is free. A prompt that closes it
   (thinking off: reasoning_effort "none", enable_thinking false) constrains from the first token.
@@ -36,6 +40,7 @@ from tallow.engine.grammar import GrammarError, GrammarSpec, check_grammar, clos
 from tallow.output.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from tallow.output.tool_parsers import TOOL_PARSERS
 from tallow.output.tool_parsers.grammar import JSON_STYLE, UnenforceableSchema, grammar_tools
+from tallow.output.tool_parsers.input_grammar import InputGrammar, UnenforceableInput
 from tallow.serve.plan import Rejection
 
 log = logging.getLogger(__name__)
@@ -143,8 +148,8 @@ def one_format(formats: list[OutputFormat | Rejection | None]) -> OutputFormat |
 def tool_call_grammar(tokenizer, *, tools: list[dict[str, Any]] | None, tool_parser: str | None,
                       tool_choice: str | dict[str, Any] | None, max_calls: int | None,
                       output: OutputFormat | None, chat_template: str | None,
-                      tool_field: str = "function.", schema_field: str = "parameters"
-                      ) -> OutputFormat | Rejection | None:
+                      tool_field: str = "function.", schema_field: str = "parameters",
+                      input_grammars: dict[str, InputGrammar] | None = None) -> OutputFormat | Rejection | None:
     """The grammar of a chat reply with tools: forced calls for "required" or a named function;
     under "auto" (None), the calls constrained when a tool is strict or an output format is set
     (the reply is then that format or calls). None when nothing constrains the reply beyond `output`.
@@ -153,14 +158,26 @@ def tool_call_grammar(tokenizer, *, tools: list[dict[str, Any]] | None, tool_par
     OpenAI's ("required", {"type": "function", "function": {"name"}}). tool_field: where a tool's
     fields are in the request, for a 400's param ("function." in Chat's tools, "" in Responses'
     and Anthropic's), and the name of a tool's schema field ("input_schema" in Anthropic's).
+    input_grammars: Responses custom tools' grammars by the tool's name: such a tool is held to
+    its grammar, and counts as strict under "auto".
     """
     if not tools:
         return output
     forced = tool_choice == "required" or isinstance(tool_choice, dict)
+    input_grammars = input_grammars or {}
     strict = [k for k, t in enumerate(tools) if t.get("function", t).get("strict") is True]
-    if not forced and not strict and output is None:
+    grammar_tools_k = [k for k, t in enumerate(tools) if t.get("function", t).get("name") in input_grammars]
+    if not forced and not strict and not grammar_tools_k and output is None:
         return None
-    param = "tool_choice" if forced else f"tools[{strict[0]}].{tool_field}strict" if strict else output.param
+    if forced:
+        param = "tool_choice"
+    elif strict:
+        param = f"tools[{strict[0]}].{tool_field}strict"
+    elif grammar_tools_k:
+        first = tools[grammar_tools_k[0]]
+        param = input_grammars[first.get("function", first)["name"]].param + ".format"
+    else:
+        param = output.param
     if tool_parser is None:
         return Rejection.invalid(f"{param}: the model's tool-call format is not known (no tool-call parser), "
                                  "so tool calls cannot be enforced", param)
@@ -184,12 +201,16 @@ def tool_call_grammar(tokenizer, *, tools: list[dict[str, Any]] | None, tool_par
     parser = TOOL_PARSERS[tool_parser]()
     special_ids = {text: tokenizer.token_to_id(text) for text in getattr(tokenizer, "special_tokens", ())}
     try:
-        lark = parser.call_grammar(grammar_tools([tools[k] for k in indices], constrain_all=forced), required=forced,
+        lark = parser.call_grammar(grammar_tools([tools[k] for k in indices], constrain_all=forced,
+                                                 input_grammars=input_grammars), required=forced,
                                    max_calls=max_calls, content=content, chat_template=chat_template,
                                    special_ids={t: i for t, i in special_ids.items() if i is not None})
     except UnenforceableSchema as e:
         k = next((k for k, t in enumerate(tools) if t.get("function", t).get("name") == e.tool), 0)
         where = f"tools[{k}].{tool_field}{schema_field}"
+        return Rejection.invalid(f"{where}: {e}", where)
+    except UnenforceableInput as e:
+        where = f"{e.param}.format" if e.param else param
         return Rejection.invalid(f"{where}: {e}", where)
     except NotImplementedError as e:
         return Rejection.invalid(f"{param}: {e}", param)

@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tallow.engine.grammar import closed_objects
+
+if TYPE_CHECKING:
+    from tallow.output.tool_parsers.input_grammar import InputGrammar
 
 # llguidance's JSON options (its "x-guidance" key), as json.dumps(obj) writes JSON.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -44,23 +47,28 @@ class GrammarTool:
     parameters: dict[str, Any]
     constrained: bool = True
     strict: bool = False  # strict: true: a schema the format cannot enforce is an error, not ignored
+    # A custom tool's grammar for its one string argument, "input" (input_grammar.py): always held.
+    input_grammar: InputGrammar | None = None
 
     @property
     def schema(self) -> dict[str, Any]:
         return self.parameters if self.constrained else {"type": "object"}
 
 
-def grammar_tools(tools: list[dict[str, Any]] | None, *, constrain_all: bool) -> list[GrammarTool]:
+def grammar_tools(tools: list[dict[str, Any]] | None, *, constrain_all: bool,
+                  input_grammars: Mapping[str, InputGrammar] | None = None) -> list[GrammarTool]:
     """OpenAI-shaped tool definitions -> GrammarTools. constrain_all: every tool's arguments follow
-    its schema (a forced call); else only those of tools marked strict: true."""
+    its schema (a forced call); else only those of tools marked strict: true, and custom tools
+    with an input grammar (input_grammars: tool name -> its grammar), which are always held."""
     out = []
     for tool in tools or []:
         fn = tool.get("function", tool)
         params = fn.get("parameters")
         if not isinstance(params, dict) or not params:
             params = {"type": "object"}
-        strict = fn.get("strict") is True
-        out.append(GrammarTool(fn["name"], params, constrain_all or strict, strict))
+        custom = (input_grammars or {}).get(fn["name"])
+        strict = fn.get("strict") is True or custom is not None
+        out.append(GrammarTool(fn["name"], params, constrain_all or strict, strict, custom))
     return out
 
 

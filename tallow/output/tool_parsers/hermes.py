@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tallow.output.partial_match import partial_suffix_len
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_calls
-from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar, call_object_schema, json_rule
+from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar
+from tallow.output.tool_parsers.input_grammar import call_object
 from tallow.output.tool_parsers.streaming import PartialCall
 
 
@@ -35,7 +36,7 @@ class HermesParser(ToolParser):
         return [(self._open, self._rest(g, tools))]
 
     def _rest(self, g: LarkGrammar, tools: list[GrammarTool]) -> str:
-        return g.add(f'"\\n" {json_rule(call_object_schema(tools))} "\\n" {g.tag(self._close)}')
+        return g.add(f'"\\n" {call_object(g, tools)} "\\n" {g.tag(self._close)}')
     def partial(self, markup: str) -> list[PartialCall]:
         close = markup.find(self._close, len(self._open))
         limit = close if close != -1 else len(markup) - partial_suffix_len(markup, (self._close,))

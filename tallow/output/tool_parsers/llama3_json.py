@@ -4,7 +4,8 @@ the JSON begins the reply)."""
 from __future__ import annotations
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_call, loads_json, skip_ws, undecided
-from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar, call_object_schema, json_rule
+from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar
+from tallow.output.tool_parsers.input_grammar import call_object
 from tallow.output.tool_parsers.streaming import PartialCall
 
 
@@ -49,7 +50,7 @@ class Llama3JsonParser(ToolParser):
     # the reply (several joined by "; "), or after <|python_tag|> in the middle of text.
     def markup_rule(self, g: LarkGrammar, tools: list[GrammarTool], max_calls: int | None,
                     chat_template: str | None) -> str:
-        call = g.add(json_rule(call_object_schema(tools, args_key="parameters")))
+        call = g.add(call_object(g, tools, args_key="parameters"))
         return g.repeat(call, '"; "', max_calls)
 
     def mid_text_calls(self, g: LarkGrammar, tools: list[GrammarTool],

@@ -6,6 +6,7 @@ import re
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_calls, loads_json, skip_ws, undecided
 from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar, call_object_schema, json_rule, lit
+from tallow.output.tool_parsers.input_grammar import arguments_object, call_object
 from tallow.output.tool_parsers.streaming import JsonArgsStream, PartialCall
 
 
@@ -62,25 +63,27 @@ class MistralParser(ToolParser):
         tag = g.tag(self.start_tags[0])
         if _named_form(chat_template):
             return g.repeat(g.add(f"{tag} {self._named_calls(g, tools)}"), None, max_calls)
+        return g.add(f"{tag} {self._array(g, tools, max_calls)}")
+
+    def mid_text_calls(self, g: LarkGrammar, tools: list[GrammarTool],
+                       chat_template: str | None) -> list[tuple[str, str]]:
+        if _named_form(chat_template):
+            return [(self.start_tags[0], self._named_calls(g, tools))]
+        return [(self.start_tags[0], self._array(g, tools, None))]
+
+    def _array(self, g: LarkGrammar, tools: list[GrammarTool], max_calls: int | None) -> str:
+        if any(tool.input_grammar is not None for tool in tools):  # the array written in Lark
+            return g.add(f'"[" {g.repeat(call_object(g, tools), lit(", "), max_calls)} "]"')
         array = {"type": "array", "items": call_object_schema(tools), "minItems": 1}
         if max_calls is not None:
             array["maxItems"] = max_calls
         items = array["items"]
         if "$defs" in items:  # the references resolve from the array's root
             array["$defs"] = items.pop("$defs")
-        return g.add(f"{tag} {json_rule(array)}")
-
-    def mid_text_calls(self, g: LarkGrammar, tools: list[GrammarTool],
-                       chat_template: str | None) -> list[tuple[str, str]]:
-        if _named_form(chat_template):
-            return [(self.start_tags[0], self._named_calls(g, tools))]
-        array = {"type": "array", "items": call_object_schema(tools), "minItems": 1}
-        if "$defs" in array["items"]:
-            array["$defs"] = array["items"].pop("$defs")
-        return [(self.start_tags[0], g.add(json_rule(array)))]
+        return g.add(json_rule(array))
 
     def _named_calls(self, g: LarkGrammar, tools: list[GrammarTool]) -> str:
-        return g.add(" | ".join(f"{lit(tool.name)} {g.tag('[ARGS]')} {json_rule(tool.schema)}" for tool in tools))
+        return g.add(" | ".join(f"{lit(tool.name)} {g.tag('[ARGS]')} {arguments_object(g, tool)}" for tool in tools))
 
     def partial(self, markup: str) -> list[PartialCall]:
         pos = skip_ws(markup, len(self.start_tags[0]))

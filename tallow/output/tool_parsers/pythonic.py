@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, compact_json, undecided
+from tallow.output.tool_parsers.input_grammar import string_value
 from tallow.output.tool_parsers.grammar import (GrammarTool, LarkGrammar, UnenforceableSchema, json_rule, lit,
                                                 python_literal)
 from tallow.output.tool_parsers.streaming import PartialCall, encode_string
@@ -111,6 +112,9 @@ class _PythonValues:
         self.refs: dict[str, str] = {}  # $ref -> its rule
 
     def call(self) -> str:
+        if self.tool.input_grammar is not None:  # a custom tool: its input, a string as JSON writes it
+            value = string_value(self.g, self.tool.name, self.tool.input_grammar, "json")
+            return self.g.add(f'{lit(self.tool.name + "(input=")} {value} ")"')
         if not self.tool.constrained:
             self._any()
             return self.g.add(f'{lit(self.tool.name + "(")} ({_KWARG} (", " {_KWARG})*)? ")"')

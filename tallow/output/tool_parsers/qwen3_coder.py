@@ -8,6 +8,7 @@ from typing import Any
 
 from tallow.output.partial_match import partial_suffix_len
 from tallow.output.tool_parsers.base import Parsed, ToolParser, compact_json, loads_json
+from tallow.output.tool_parsers.input_grammar import string_value
 from tallow.output.tool_parsers.grammar import (GrammarTool, LarkGrammar, UnenforceableSchema, hoist_defs,
                                                 json_rule, lit, regex_escape)
 from tallow.output.tool_parsers.streaming import PartialCall, encode_string
@@ -86,7 +87,9 @@ class Qwen3CoderParser(ToolParser):
         if not isinstance(schema, dict):
             schema = {}
         types = _schema_types(schema)
-        if types and "string" not in types:
+        if tool.input_grammar is not None and key == "input":  # a custom tool's input, raw
+            value = f'{string_value(g, tool.name, tool.input_grammar, "raw")} "\\n</parameter>"'
+        elif types and "string" not in types:
             value = json_rule({**schema, "$defs": defs} if defs else schema)
             value = f'{value} "\\n</parameter>"'
         else:

@@ -4,7 +4,9 @@ The reply becomes output items: a reasoning item (reasoning_text; with reasoning
 summary_text part, the reasoning text itself: there is no summarizer; with include
 ["reasoning.encrypted_content"] its text sealed in encrypted_content, which a later request's
 input opens again), a message (one output_text part), a function_call per tool call (a
-custom_tool_call for a custom tool; namespaced tools as responses_tools.py maps them). A
+custom_tool_call for a custom tool, whose input follows the tool's Lark / regex grammar when it
+has one; tool_choice {"type": "custom", "name"} forces it; namespaced tools as responses_tools.py
+maps them). A
 stream announces each item (output_item.added, then content_part.added for reasoning and
 messages), streams its text or arguments (reasoning_text.delta, output_text.delta,
 function_call_arguments.delta; a custom tool's input goes out whole at its end), closes it in the
@@ -185,14 +187,17 @@ class OpenAIResponses(StreamProtocol):
             return Rejection.invalid("input must not be empty", "input")
         if len(messages) > config.max_messages:
             return Rejection.invalid(f"the conversation holds at most {config.max_messages} messages", "input")
+        tool_choice = _tool_choice(req.tool_choice, tool_set)
+        if isinstance(tool_choice, Rejection):
+            return tool_choice
         try:
             prompt = render_chat(engine.chat_template, messages, config,
                                  tools=tool_set.chat_tools or None,
-                                 tool_choice=req.tool_choice,
+                                 tool_choice=tool_choice,
                                  reasoning_effort=req.reasoning.effort if req.reasoning else None)
         except TallowError as e:
             return Rejection.from_error(e)
-        grammar = responses_grammar(req, prompt, engine.tokenizer)
+        grammar = responses_grammar(req, prompt, engine.tokenizer, tool_set, tool_choice)
         if isinstance(grammar, Rejection):
             return grammar
         sampling = SamplingFields(model=req.model, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
@@ -385,8 +390,27 @@ class OpenAIResponses(StreamProtocol):
                 **({"speculation": dict(usage.speculation)} if usage.speculation is not None else {})}
 
 
-def responses_grammar(req: ResponsesRequest, prompt, tokenizer):
-    """The request's grammar: text.format and tool_choice, after the reasoning (serve/structured.py)."""
+def _tool_choice(choice: Any, tool_set: ToolSet) -> Any:
+    """Responses' tool_choice as render_chat and the grammar take it: {"type": "function" |
+    "custom", "name"} -> {"type": "function", "function": {"name": <the flat name>}}."""
+    if not isinstance(choice, dict):
+        return choice
+    kind, name = choice.get("type"), choice.get("name")
+    if kind not in ("function", "custom") or not isinstance(name, str):
+        return Rejection.invalid("tool_choice: only 'none', 'auto', 'required', {\"type\": \"function\", "
+                                 "\"name\": ...} and {\"type\": \"custom\", \"name\": ...} are supported", "tool_choice")
+    if kind == "custom":
+        flat = [f for f, ref in tool_set.refs.items() if ref.kind == "custom" and name in (ref.name, f)]
+        if not flat:
+            return Rejection.invalid(f"tool_choice.name: no custom tool is named {name!r}", "tool_choice.name")
+        name = flat[0]
+    return {"type": "function", "function": {"name": name}}
+
+
+def responses_grammar(req: ResponsesRequest, prompt, tokenizer, tool_set: ToolSet | None = None,
+                      choice: Any = None):
+    """The request's grammar: text.format, tool_choice (as _tool_choice maps it) and custom tools'
+    grammars, after the reasoning (serve/structured.py)."""
     fmt = req.text.format if req.text is not None else None
     output = None
     if fmt is not None and fmt.type == "json_object":
@@ -398,16 +422,10 @@ def responses_grammar(req: ResponsesRequest, prompt, tokenizer):
                   structured.json_schema_format(fmt.schema_, "text.format.schema", strict=bool(fmt.strict)))
         if isinstance(output, Rejection):
             return output
-    choice = req.tool_choice
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            return Rejection.invalid("tool_choice: only 'none', 'auto', 'required' and {\"type\": \"function\", "
-                                     "\"name\": ...} are supported", "tool_choice")
-        choice = {"type": "function", "function": {"name": choice["name"]}}
     result = structured.tool_call_grammar(
         tokenizer, tools=prompt.tools, tool_parser=prompt.tool_parser, tool_choice=choice, output=output,
         max_calls=1 if req.parallel_tool_calls is False else None, chat_template=prompt.template_source,
-        tool_field="")
+        tool_field="", input_grammars=tool_set.input_grammars if tool_set is not None else None)
     return structured.grammar_for(result, tokenizer, reasoning_parser=prompt.reasoning_parser,
                                   prompt_text=prompt.text)
 

@@ -6,8 +6,13 @@
   `name`, as OpenAI answers it.
 - `custom`: free-form input. The model sees a function with one string argument, `input`; a call
   comes back as a custom_tool_call item whose `input` is that string. A grammar in the tool's
-  `format` (lark / regex) is accepted but not enforced yet (that needs constrained decoding); the
-  tool's description tells the model the syntax.
+  `format` ({"type": "grammar", "syntax": "lark" | "regex", "definition"}) is compiled here (an
+  invalid one: a 400 naming `tools[i].format.definition`, llguidance's reason) and enforced on
+  the input whenever the reply is constrained: under a forced tool_choice, and under "auto" too,
+  where such a tool counts as strict (free text, and every call the model opens well-formed).
+  How the grammar sits inside each tool-call format, and what cannot be enforced (a 400 naming
+  `tools[i].format`): tallow/output/tool_parsers/input_grammar.py. The description also tells
+  the model the syntax.
 - hosted tools the server cannot run (web_search, file_search, code_interpreter,
   image_generation, computer_use_preview, mcp, local_shell, ...): dropped from what the model
   sees; the names go into the X-Tallow-Dropped-Tools response header and the server log. This is
@@ -21,6 +26,8 @@ import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+from tallow.output.tool_parsers.input_grammar import InputGrammar, check_definition
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,7 @@ class ToolSet:
     chat_tools: list[dict[str, Any]] = field(default_factory=list)
     refs: dict[str, ToolRef] = field(default_factory=dict)  # flat name -> tool
     dropped: list[str] = field(default_factory=list)  # hosted tool types left out
+    input_grammars: dict[str, InputGrammar] = field(default_factory=dict)  # flat name -> custom tool's grammar
 
     def flat_name(self, name: str, namespace: str | None) -> str:
         return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
@@ -92,6 +100,9 @@ def build_tool_set(tools: list[dict[str, Any]], *, strict: bool) -> ToolSet:
             fmt = tool.get("format")
             if fmt is not None and not isinstance(fmt, dict):
                 raise ToolError(f"{param}.format: Input should be an object", f"{param}.format")
+            grammar = _input_grammar(fmt, param)
+            if grammar is not None:
+                out.input_grammars[out.flat_name(name, namespace)] = grammar
             description = _custom_description(description, fmt)
             parameters = _CUSTOM_PARAMETERS
         flat = out.flat_name(name, namespace)
@@ -135,6 +146,29 @@ def build_tool_set(tools: list[dict[str, Any]], *, strict: bool) -> ToolSet:
         log.warning("Responses request: hosted tools dropped (this server cannot run them): %s",
                     ", ".join(out.dropped))
     return out
+
+
+def _input_grammar(fmt: dict[str, Any] | None, tool_param: str) -> InputGrammar | None:
+    """A custom tool's format: None for free text ({"type": "text"} or none), else its grammar,
+    compiled once to refuse an invalid one. Raises ToolError."""
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    param = f"{tool_param}.format"
+    if fmt.get("type") != "grammar":
+        raise ToolError(f"{param}.type: Input should be 'text' or 'grammar'", f"{param}.type")
+    syntax, definition = fmt.get("syntax"), fmt.get("definition")
+    if syntax not in ("lark", "regex"):
+        raise ToolError(f"{param}.syntax: Input should be 'lark' or 'regex'", f"{param}.syntax")
+    if not isinstance(definition, str) or not definition.strip():
+        raise ToolError(f"{param}.definition: a non-empty string is required", f"{param}.definition")
+    try:
+        reason = check_definition(syntax, definition)
+    except ImportError as e:
+        raise ToolError(f"{param}: grammar tools need the llguidance package, which is not installed ({e})",
+                        param) from None
+    if reason is not None:
+        raise ToolError(f"{param}.definition: invalid {syntax} grammar: {reason}", f"{param}.definition")
+    return InputGrammar(syntax, definition, tool_param)
 
 
 def _custom_description(description: str | None, fmt: dict[str, Any] | None) -> str:
