@@ -158,6 +158,7 @@ class EngineCore:
         self._inflight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
         self.num_steps = 0
         self.num_overlapped_steps = 0  # launched while the step before was still pending
+        self.num_verified_steps = 0  # steps with speculative drafts (verified, synchronous)
         self.num_generated_tokens = 0
         # seq_id -> (monotonic time, first position, tokens) of each prefill chunk, kept only for
         # sequences submitted with trace_prefill (request traces); empty otherwise.
@@ -342,10 +343,13 @@ class EngineCore:
         device. A sequence that N finishes (a stop token) has run one step too many in N+1:
         that token is dropped. Penalties read token ids on the host, so while a sequence
         with penalties is queued every step waits for its own tokens (the synchronous step).
+        With speculation, only a step that may carry a draft waits (Scheduler.may_draft: a
+        speculating sequence whose proposer could find something after its pending token);
+        any other step is launched as plain decoding's.
         """
         prev = self._inflight
         self._inflight = None
-        if self.scheduler.num_host_token_seqs:
+        if self.scheduler.num_host_token_seqs or (self.speculator is not None and self.scheduler.may_draft()):
             outputs = self._resolve(*prev) if prev is not None else []
             return outputs + self._step_sync()
         out = self.scheduler.schedule()
@@ -417,6 +421,7 @@ class EngineCore:
         except Exception:
             return self._fail_step(out)
         self.num_steps += 1
+        self.num_verified_steps += out.speculative
         self._fail_invalid_rows(out, res)
         self._gather_prompt_logprobs(res)
         if out.speculative:
@@ -484,7 +489,7 @@ class EngineCore:
         for s in out.scheduled:
             if not s.samples:
                 continue
-            if s.seq.spec is not None and res.runs[i]:
+            if s.seq.spec is not None and res.runs[i] and res.proposed[i]:
                 self.speculator.record(s.seq, res.proposed[i], res.accepted[i])
             i += 1
 
@@ -529,6 +534,8 @@ class EngineCore:
                 self.num_generated_tokens += len(run) - 1
             else:
                 ids = [token_ids[i]]
+                if seq.spec is not None:  # a speculating sequence's row in a step without drafts
+                    spec = (0, 0)
                 if logprobs is not None and k is not None:
                     lp = [logprobs[i]]
                     if k > 0 and top is not None:
@@ -582,6 +589,8 @@ class EngineCore:
             "prefix_cache_hit_rate": (kv.prefix_hits / q) if q else 0.0,
             "num_preemptions": self.scheduler.num_preemptions_total,
             "num_steps": self.num_steps,
+            "num_overlapped_steps": self.num_overlapped_steps,
+            "num_verified_steps": self.num_verified_steps,
             "generation_tokens": self.num_generated_tokens,
             **({"speculative": self.speculator.stats()} if self.speculator is not None else {}),
         }

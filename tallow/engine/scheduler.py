@@ -39,12 +39,17 @@ class ScheduledSeq:
 
 def _place(row: ScheduledSeq, draft, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]) -> None:
     """A scheduled row into the step's decode rows (one token that samples) or its prefill rows
-    (chunks, and rows carrying a speculative draft: their K+1 query rows)."""
+    (chunks, and rows carrying a speculative draft: their K+1 query rows). A speculating
+    sequence's sampling row without a draft uses up one step of its pause (the adaptive
+    off-switch counts its own rows, whichever path the step takes)."""
     if draft:
         row.draft = draft
         prefills.append(row)
-    else:
-        (decodes if row.num_new_tokens == 1 and row.samples else prefills).append(row)
+        return
+    (decodes if row.num_new_tokens == 1 and row.samples else prefills).append(row)
+    spec = row.seq.spec
+    if spec is not None and row.samples:
+        spec.step_without_draft()
 
 
 @dataclass(slots=True)
@@ -54,8 +59,9 @@ class SchedulerOutput:
     num_batched_tokens: int
     # The leading rows that are decode rows (one token that samples); None: not counted.
     num_decodes: int | None = None
-    # Some sampling row belongs to a speculating sequence: the engine verifies the step
-    # (tallow/engine/speculative/verify.py) instead of sampling it plainly.
+    # Some row carries a draft: the engine verifies the step (tallow/engine/speculative/
+    # verify.py) instead of sampling it plainly. A step without drafts is a plain one, whoever
+    # is in it (CUDA graphs, asynchronous scheduling).
     speculative: bool = False
 
     @property
@@ -83,7 +89,8 @@ class Scheduler:
         self.num_host_token_seqs = 0
         # tallow/engine/speculative: set by the engine when the server speculates. Its sequences
         # (seq.spec) get drafts on their sampling rows; their proposals read token ids on the
-        # host, so they count in num_host_token_seqs (their steps are synchronous).
+        # host, so a step that may carry a draft is synchronous (may_draft), any other one
+        # runs as a plain step.
         self.speculator = None
 
     @property
@@ -208,8 +215,33 @@ class Scheduler:
 
         num_decodes = len(decodes)
         decodes.extend(prefills)
-        speculative = self.speculator is not None and any(s.samples and s.seq.spec is not None for s in decodes)
+        speculative = self.speculator is not None and any(s.draft for s in prefills)
         return SchedulerOutput(decodes, preempted, self.max_num_batched_tokens - budget, num_decodes, speculative)
+
+    def may_draft(self) -> bool:
+        """Whether the next schedule() could give some row a draft, judged before the tokens of
+        the step still running are known (asynchronous scheduling): running speculating
+        sequences, and the waiting ones it could admit (as many as there are free slots, those
+        it would hold back skipped). False: the step can be launched as a plain one."""
+        spec = self.speculator
+        if spec is None:
+            return False
+        pool = self.pool_tokens
+        for seq in self.running:
+            if seq.spec is not None and not seq.stopping and spec.may_draft(seq, pool):
+                return True
+        room = self.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            if room <= 0:
+                break
+            if ((seq.prefill_after is not None and self.kv.enable_prefix_caching
+                    and not _prompt_computed(seq.prefill_after))
+                    or (seq.grammar is not None and seq.grammar.matcher is None)):
+                continue
+            room -= 1
+            if seq.spec is not None and spec.may_draft(seq, pool):
+                return True
+        return False
 
     def _draft(self, seq: Sequence, n: int, budget: int) -> tuple[list[int], int] | None:
         """The draft of a speculating sequence's row of n tokens that reaches its end, and the
@@ -433,9 +465,9 @@ class Scheduler:
 def _reads_host_tokens(seq: Sequence) -> bool:
     """The sampler reads the sequence's token ids on the host before its next token: penalties
     count them, a reasoning budget watches them, and a grammar's mask follows them. A speculating
-    sequence's proposals read them there too, and its verified rows emit a variable number of
-    tokens: its steps are synchronous."""
-    return seq.params.needs_host_tokens or seq.grammar is not None or seq.spec is not None
+    sequence is not counted: only its steps that may carry a draft wait for its tokens
+    (Scheduler.may_draft)."""
+    return seq.params.needs_host_tokens or seq.grammar is not None
 
 
 def _prompt_computed(seq: Sequence) -> bool:
