@@ -12,6 +12,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -387,14 +388,17 @@ class EngineCore:
             self.num_steps += 1
             if prev_ids is not None:
                 self.num_overlapped_steps += 1
-        outputs = self._resolve(*prev, following=out) if prev is not None else []
+        # With grammar rows, this step is sampled as soon as the step before is applied (the
+        # matchers advanced); that step's outputs are made after.
+        applied = self._apply(*prev, following=out) if prev is not None else list
+        if out.scheduled and split:
+            self.num_masked_after_resolve += 1
+            try:
+                launched = self.runner.sample(out, fwd)
+            except Exception:
+                return applied() + self._fail_step(out)
+        outputs = applied()
         if out.scheduled:
-            if split:
-                self.num_masked_after_resolve += 1
-                try:
-                    launched = self.runner.sample(out, fwd)
-                except Exception:
-                    return outputs + self._fail_step(out)
             # After the resolve: the blocks this step completes hash the tokens it read.
             sched.update_launched(out)
             if launched is not None:
@@ -409,19 +413,26 @@ class EngineCore:
         Grammar rows' matchers consume the tokens; where a grammar forces tokens next
         (jump-forward), they are appended and the sequence's row in `following` (the step
         launched since, which computes the token just read) is marked dropped."""
+        return self._apply(out, launched, following)()
+
+    def _apply(self, out: SchedulerOutput, launched: LaunchedStep | None,
+               following: SchedulerOutput | None = None) -> Callable[[], list[tuple[Sequence, TokenOutput]]]:
+        """_resolve() up to its outputs, which the returned function makes (so a step can be
+        sampled between the two)."""
         if launched is None:
-            return []
+            return list
         finished = SequenceStatus.FINISHED
         live = [s.samples and not s.dropped and s.seq.status is not finished for s in out.scheduled]
         try:
             res = self.runner.collect(launched)
         except Exception:
-            return self._fail_step(out)
+            failed = self._fail_step(out)
+            return lambda: failed
         self._fail_invalid_rows(out, res)
         self._gather_prompt_logprobs(res)
         self.scheduler.resolve(out, res.token_ids)
         forced = self._advance_grammars(out, following) if self.scheduler.num_grammar_seqs else None
-        return self._outputs(out, res, live, forced=forced)
+        return lambda: self._outputs(out, res, live, forced=forced)
 
     def _fail_step(self, out: SchedulerOutput) -> list[tuple[Sequence, TokenOutput]]:
         shape = [(s.seq.seq_id, s.start, s.num_new_tokens) for s in out.scheduled]
