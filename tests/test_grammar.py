@@ -618,6 +618,14 @@ def test_asynchronous_grammar_steps_with_jump_forward_equal_synchronous(tiny_loa
     assert asyn.num_dropped_rows > 0
 
 
+def test_jump_forward_chunk_limit_is_checked(tiny_loaded):
+    from tallow.errors import TallowError
+
+    with pytest.raises(TallowError, match="jump_forward_chunk_max_seqs"):
+        make_core(tiny_loaded, jump_forward_chunk_max_seqs=-1)
+    assert make_core(tiny_loaded).scheduler.forced_chunk_max_seqs is None  # the CPU: no limit
+
+
 def _fill(seq) -> int:
     return 0 if seq.grammar is None else seq.grammar.fill
 
