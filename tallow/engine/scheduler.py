@@ -98,8 +98,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions_total = 0
         # Queued or running sequences whose sampling reads their token ids on the host
-        # (penalties, a reasoning budget, a grammar): asynchronous scheduling waits for every
-        # step's tokens while any is here.
+        # (penalties, a reasoning budget): asynchronous scheduling waits for every step's tokens
+        # while any is here.
         self.num_host_token_seqs = 0
         # Queued or running sequences with a grammar (their matchers advance after each step).
         self.num_grammar_seqs = 0
