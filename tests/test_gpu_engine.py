@@ -237,9 +237,9 @@ def test_graph_batch_sizes_between_rungs(tiny):
 def test_speculation_on_cuda_equals_plain_greedy(tiny):
     """ngram speculation on the CUDA path: a step with a draft is not decode-only, so it runs
     eagerly (no graph) and synchronously (verified); steps where no draft can come run as plain
-    ones (test_speculation_without_drafts_takes_the_plain_path). Greedy tokens equal plain decoding's (CUDA graphs, asynchronous) up to
-    near-ties: a drafted row's K+1 query rows run the multi-row attention path, not bitwise the
-    one-row decode kernel. The pool's blocks all come back."""
+    ones (test_speculation_without_drafts_takes_the_plain_path). Greedy tokens equal plain
+    decoding's (CUDA graphs, asynchronous) up to near-ties: a drafted row's K+1 query rows run
+    the multi-row attention path, not bitwise the one-row decode kernel. The pool's blocks all come back."""
     spec = make_core(tiny.model, tiny.tokenizer_dir, speculative_method="ngram", num_speculative_tokens=4,
                      speculative_row_cost=0.0)
     assert spec.async_scheduling and spec.runner.graphs is not None
