@@ -191,9 +191,15 @@ def main() -> None:
                 plain_tps = max(plain_tps, tps)
             mid = spec.stats()
             assert mid["num_drafts"] == before["num_drafts"], "a speculative=False request speculated"
+            steps0, overlapped0, verified0 = core.num_steps, core.num_overlapped_steps, core.num_verified_steps
             for _ in range(args.repeat):
                 tps, spec_out, n_spec = run(core, prompts, args.max_tokens, True)
                 spec_tps = max(spec_tps, tps)
+            # How the speculating runs' steps went: asynchronously (launched while the step
+            # before ran), verified (with drafts), or neither (synchronous without drafts).
+            steps = core.num_steps - steps0
+            async_share = (core.num_overlapped_steps - overlapped0) / steps if steps else 0.0
+            verified_share = (core.num_verified_steps - verified0) / steps if steps else 0.0
             after = spec.stats()
             drafts = after["num_drafts"] - mid["num_drafts"]
             proposed = after["num_draft_tokens"] - mid["num_draft_tokens"]
@@ -208,10 +214,11 @@ def main() -> None:
                 "acceptance": round(accepted / proposed, 3) if proposed else 0.0,
                 "mean_accepted_len": round(1 + accepted / drafts, 2) if drafts else 0.0,
                 "accept_per_pos": " ".join(f"{x:.2f}" for x in per_pos),
+                "async_steps": round(async_share, 2), "verified_steps": round(verified_share, 2),
             })
             print(f"{workload} b{batch}: plain {plain_tps:.1f} tok/s, spec {spec_tps:.1f} tok/s", file=sys.stderr)
     cols = ["workload", "batch", "out_tokens", "plain_tok_s", "spec_tok_s", "speedup", "same", "drafts",
-            "acceptance", "mean_accepted_len", "accept_per_pos"]
+            "acceptance", "mean_accepted_len", "accept_per_pos", "async_steps", "verified_steps"]
     print(table(rows, cols))
     write_json(args.json, {"model": args.model, "device": str(core.device), "k": args.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,
                            "row_cost": spec.row_cost,

@@ -5,8 +5,10 @@
 2. decode tok/s at each batch size without a grammar and with a JSON schema (a long array of
    strings, so no row completes before --new-tokens; jump-forward off, so both rows sample every
    token and the ratio is the mask's cost);
-3. jump-forward on and off for a schema with long fixed keys: the time until every request has
-   its complete JSON (finish "stop"), tokens and filled tokens.
+3. jump-forward off, on with forced tokens always as one chunk, and on with the engine's default
+   (on CUDA: one forced token per step while more than 4 sequences run, so decode graphs replay)
+   for a schema with long fixed keys: the time until every request has its complete JSON (finish
+   "stop"), tokens, filled tokens and engine steps.
 
 Targets: cached compile < 1 ms, cold < 100 ms; constrained decode at batch 32 >= 0.9x
 unconstrained; jump-forward faster than without.
@@ -121,22 +123,32 @@ def main() -> None:
 
     long_keys = GrammarSpec("json_schema", canonical(LONG_KEYS))
     jf_rows = []
+    # Jump-forward off; on with forced tokens always computed as one chunk (an eager step on
+    # CUDA); on with the engine's default (config.jump_forward_chunk_max_seqs: one token per
+    # step in decode-graph steps while many sequences run).
+    default_cap = core.scheduler.forced_chunk_max_seqs
+    modes = [("off", False, default_cap), ("chunks", True, None)]
+    if default_cap is not None:
+        modes.append((f"auto(>{default_cap}: 1/step)", True, default_cap))
     for batch in args.batch:
         prompts = [prompt + tok.encode(" " + str(i)) for i in range(batch)]
-        for jump in (False, True):
+        for mode, jump, cap in modes:
             core.jump_forward = jump
+            core.scheduler.forced_chunk_max_seqs = cap
             params = SamplingParams(temperature=0.0, max_tokens=400, grammar=long_keys)
             best = None
             for _ in range(args.repeat):
+                steps0 = core.num_steps
                 t0 = time.perf_counter()
                 _, tokens, fill, seqs = generate(core, prompts, params)
                 elapsed = time.perf_counter() - t0
                 assert all(s.finish_reason == "stop" for s in seqs), [s.finish_reason for s in seqs]
                 if best is None or elapsed < best[0]:
-                    best = (elapsed, sum(s.num_output_tokens for s in seqs), fill)
-            jf_rows.append({"batch": batch, "jump_forward": jump, "seconds": best[0],
-                            "tokens": best[1], "filled": best[2]})
+                    best = (elapsed, sum(s.num_output_tokens for s in seqs), fill, core.num_steps - steps0)
+            jf_rows.append({"batch": batch, "jump_forward": mode, "seconds": best[0],
+                            "tokens": best[1], "filled": best[2], "steps": best[3]})
     core.jump_forward = True
+    core.scheduler.forced_chunk_max_seqs = default_cap
     print(table(jf_rows, list(jf_rows[0])))
     if args.out:
         write_json(args.out, {"benchmark": "structured_output", "model": core.model_name, "device": str(core.device),

@@ -72,6 +72,11 @@ class EngineConfig:
 
     # Structured output: append the tokens a grammar forces without sampling them ("fill").
     grammar_jump_forward: bool = True
+    # While more than this many sequences run, forced tokens are computed one per step (a
+    # single-token row that does not sample, which a decode CUDA graph replays) instead of as a
+    # chunk (which makes the whole step eager). None: 4 where decode CUDA graphs run, no limit
+    # elsewhere (the CPU and eager steps gain from every chunk).
+    jump_forward_chunk_max_seqs: int | None = None
     # Speculative decoding inside the continuous batch (tallow/engine/speculative/): None (off)
     # or "ngram" (prompt lookup: the longest recent suffix of ngram_max down to ngram_min tokens
     # found earlier in the prompt or output proposes the tokens that followed it). A speculating

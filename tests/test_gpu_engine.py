@@ -236,10 +236,10 @@ def test_graph_batch_sizes_between_rungs(tiny):
 
 def test_speculation_on_cuda_equals_plain_greedy(tiny):
     """ngram speculation on the CUDA path: a step with a draft is not decode-only, so it runs
-    eagerly (no graph), and asynchronous scheduling steps synchronously while a speculating
-    sequence is queued. Greedy tokens equal plain decoding's (CUDA graphs, asynchronous) up to
-    near-ties: a drafted row's K+1 query rows run the multi-row attention path, not bitwise the
-    one-row decode kernel. The pool's blocks all come back."""
+    eagerly (no graph) and synchronously (verified); steps where no draft can come run as plain
+    ones (test_speculation_without_drafts_takes_the_plain_path). Greedy tokens equal plain
+    decoding's (CUDA graphs, asynchronous) up to near-ties: a drafted row's K+1 query rows run
+    the multi-row attention path, not bitwise the one-row decode kernel. The pool's blocks all come back."""
     spec = make_core(tiny.model, tiny.tokenizer_dir, speculative_method="ngram", num_speculative_tokens=4,
                      speculative_row_cost=0.0)
     assert spec.async_scheduling and spec.runner.graphs is not None
@@ -247,11 +247,10 @@ def test_speculation_on_cuda_equals_plain_greedy(tiny):
     vocab = spec.model_config.vocab_size
     prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() * 4 for n in (6, 11, 17, 9, 3)]
     want, want_top = generate(tiny.graphs, prompts, PARAMS)
-    overlapped = spec.num_overlapped_steps
     got, _ = generate(spec, prompts, PARAMS)
     stats = spec.stats()["speculative"]
     assert stats["num_draft_tokens"] > 0 and stats["requests"] == len(prompts)
-    assert spec.num_overlapped_steps == overlapped
+    assert spec.num_verified_steps > 0
     for w, o, tops in zip(want, got, want_top):
         assert len(o) == len(w) == PARAMS.max_tokens
         d = first_divergence(w, o)
@@ -259,6 +258,25 @@ def test_speculation_on_cuda_equals_plain_greedy(tiny):
             top = dict(tops[d])
             assert o[d] in top and top[w[d]] - top[o[d]] < NEAR_TIE, (d, w, o)
     assert spec.kv.num_free_blocks == spec.kv.num_blocks
+
+
+def test_speculation_without_drafts_takes_the_plain_path(tiny):
+    """Speculation on but nothing to propose (the dummy-weights benchmark's case): every step is
+    plain decoding's, asynchronously scheduled with CUDA graph replays, so the tokens are
+    bitwise those of the plain engine and the counts of overlapped steps and replays equal its."""
+    spec = make_core(tiny.model, tiny.tokenizer_dir, speculative_method="ngram", num_speculative_tokens=4,
+                     speculative_row_cost=0.0)
+    spec.speculator.proposer.propose = lambda index, token_ids, k: []
+    spec.speculator.proposer.may_propose = lambda index, token_ids, k: False
+    plain = tiny.graphs
+    prompts = random_prompts(spec.model_config.vocab_size, [14, 60, 31, 8, 45], seed=9)
+    overlapped, replays = plain.num_overlapped_steps, plain.runner.graphs.num_replays
+    want, _ = generate(plain, prompts, PARAMS)
+    got, _ = generate(spec, prompts, PARAMS)
+    assert got == want
+    assert spec.num_verified_steps == 0
+    assert spec.num_overlapped_steps == plain.num_overlapped_steps - overlapped > 0
+    assert spec.runner.graphs.num_replays == plain.runner.graphs.num_replays - replays > 0
 
 
 def test_preemption_and_recompute_under_graphs(tiny):

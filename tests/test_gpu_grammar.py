@@ -1,6 +1,8 @@
 """Structured output on CUDA: the bitmasks unpacked on the device equal the CPU path's, and the
-engine's asynchronous CUDA path (graphs, async scheduling: grammar rows make steps synchronous)
-produces outputs the grammar accepts, next to free rows. Marked gpu; skipped without CUDA.
+engine's asynchronous CUDA path (graphs, async scheduling: a grammar step's forward is queued,
+the step before resolved and the masks filled while it runs, then the step sampled) produces
+outputs the grammar accepts, next to free rows, with forced tokens as chunks or one per step in
+decode-graph replays. Marked gpu; skipped without CUDA.
 
 Self-contained for the device machine: a byte-level tokenizer made here (256 byte tokens and an
 end token) and a small random model whose vocabulary is wider than the tokenizer's (ids past it
@@ -54,7 +56,8 @@ def test_bitmasks_unpacked_on_the_device_equal_the_cpu_path():
         assert torch.isinf(cpu).any() and torch.isfinite(cpu).any()
 
 
-def test_engine_on_cuda_follows_grammars_beside_free_rows(tmp_path):
+@pytest.mark.parametrize("chunk_max_seqs", [None, 0])
+def test_engine_on_cuda_follows_grammars_beside_free_rows(tmp_path, chunk_max_seqs):
     import llguidance as llg
 
     from tallow.models.config import ModelConfig
@@ -71,9 +74,10 @@ def test_engine_on_cuda_follows_grammars_beside_free_rows(tmp_path):
     model = model.eval().requires_grad_(False)
     loaded = LoadedModel(config, model, TokenizerSource("hf", byte_tokenizer_dir(tmp_path)), {}, "tiny")
     cfg = dataclasses.replace(EngineConfig(model="tiny", device="cuda", dtype="float32", num_kv_blocks=256,
-                                           max_num_seqs=16))
+                                           max_num_seqs=16, jump_forward_chunk_max_seqs=chunk_max_seqs))
     core = EngineCore(cfg, loaded=loaded)
-    assert core.async_scheduling
+    assert core.async_scheduling and core.runner.graphs is not None
+    assert core.scheduler.forced_chunk_max_seqs == (4 if chunk_max_seqs is None else 0)
     tok = core.tokenizer
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA, separators=(",", ":")))
     prompts = [tok.encode(f"record {i}:") for i in range(6)]
@@ -98,3 +102,6 @@ def test_engine_on_cuda_follows_grammars_beside_free_rows(tmp_path):
         assert set(value) == {"name", "ok", "n"} and 0 <= value["n"] <= 99
         assert s.grammar.fill > 0
     assert all(s.num_output_tokens == 30 for s in free)
+    # Grammar steps ran asynchronously: masks filled after the step before was resolved.
+    assert core.num_overlapped_steps > 10 and core.num_masked_after_resolve > 0
+    assert core.runner.graphs.num_replays > 0

@@ -536,9 +536,10 @@ def test_usage_reports_fill_only_when_not_zero():
 
 
 def test_asynchronous_scheduling_gives_the_same_outputs_with_grammar_rows_joining(tiny_loaded, core):
-    """With async_scheduling the steps turn synchronous while a grammar row is queued (its mask
-    needs its previous token) and asynchronous again after: free rows running asynchronously
-    when grammar rows join mid-run, and after they end, get the tokens of the synchronous loop."""
+    """With async_scheduling grammar rows run in asynchronous steps too (the forward is queued,
+    the step before resolved and the masks filled, then the step sampled): free rows running
+    asynchronously when grammar rows join mid-run, and after they end, get the tokens of the
+    synchronous loop."""
     tok = core.tokenizer
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     schemas = bounded_schemas(3)
@@ -565,6 +566,93 @@ def test_asynchronous_scheduling_gives_the_same_outputs_with_grammar_rows_joinin
     expected, _ = drive(core)
     assert got == expected
     assert overlapped > 0
+
+
+LONG_KEYS = {"type": "object", "additionalProperties": False, "properties": {
+    "customer_account_identification_number": {"type": "integer", "minimum": 0, "maximum": 99},
+    "preferred_shipping_method": {"enum": ["standard", "express"]},
+    "subscribed_to_marketing_newsletter": {"type": "boolean"}},
+    "required": ["customer_account_identification_number", "preferred_shipping_method",
+                 "subscribed_to_marketing_newsletter"]}
+
+
+@pytest.mark.parametrize("chunk_max_seqs", [None, 0])
+def test_asynchronous_grammar_steps_with_jump_forward_equal_synchronous(tiny_loaded, core, chunk_max_seqs):
+    """Grammar rows from the first step, with long forced keys (jump-forward) and free rows beside
+    them: asynchronous steps (the masks of step N+1 filled after step N is resolved, a row
+    launched before its sequence's forced tokens were known dropped) give the synchronous loop's
+    tokens, fill counts and finish reasons; the steps overlap. chunk_max_seqs 0: forced tokens
+    computed one per step (single-token rows that do not sample), with the same tokens."""
+    tok = core.tokenizer
+    spec = schema_spec(LONG_KEYS)
+    schemas = bounded_schemas(3)
+    requests = [SamplingParams(temperature=0.0, max_tokens=120, grammar=spec),
+                SamplingParams(temperature=1.0, seed=7, max_tokens=120, grammar=spec),
+                SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                SamplingParams(temperature=0.0, max_tokens=80, grammar=schema_spec(schemas[2])),
+                SamplingParams(temperature=0.0, max_tokens=120, logprobs=2, grammar=spec)]
+
+    def drive(engine: EngineCore):
+        seqs = [engine.make_sequences(tok.encode(PROMPTS[i % len(PROMPTS)]), r)[0] for i, r in enumerate(requests)]
+        outs = {s.seq_id: [] for s in seqs}
+        for s in seqs:
+            engine.add(s)
+        steps = 0
+        while engine.has_work():
+            for seq, out in engine.step():
+                outs[seq.seq_id].append(out)
+            steps += 1
+            assert steps < 2000
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        return [(s.output_ids, s.finish_reason, _fill(s), [t for o in outs[s.seq_id] for t in o.token_ids])
+                for s in seqs], [lp for o in outs[seqs[-1].seq_id] for lp in (o.logprobs or [])]
+
+    asyn = make_core(tiny_loaded, async_scheduling=True, jump_forward_chunk_max_seqs=chunk_max_seqs)
+    got, got_lp = drive(asyn)
+    expected, expected_lp = drive(core)
+    assert got == expected
+    assert got_lp == pytest.approx(expected_lp, abs=1e-5)
+    for output_ids, reason, fill, streamed in got[:2]:
+        assert reason == "stop" and fill > 10 and streamed == output_ids
+    assert asyn.num_overlapped_steps > 10 and asyn.num_masked_after_resolve > 3
+    assert asyn.num_dropped_rows > 0
+
+
+def test_jump_forward_chunk_limit_is_checked(tiny_loaded):
+    from tallow.errors import TallowError
+
+    with pytest.raises(TallowError, match="jump_forward_chunk_max_seqs"):
+        make_core(tiny_loaded, jump_forward_chunk_max_seqs=-1)
+    assert make_core(tiny_loaded).scheduler.forced_chunk_max_seqs is None  # the CPU: no limit
+
+
+def _fill(seq) -> int:
+    return 0 if seq.grammar is None else seq.grammar.fill
+
+
+def test_parallel_mask_fill_equals_one_matcher_at_a_time(core):
+    """The backend fills many rows' masks in parallel (llguidance's executor): each row equals
+    that matcher's own mask computed alone."""
+    import llguidance as llg
+    from llguidance.numpy import fill_next_token_bitmask
+
+    backend = grammar_backend(core.tokenizer)
+    tok = core.tokenizer
+    matchers = []
+    for i, schema in enumerate(bounded_schemas(5) + [LONG_KEYS]):
+        m = llg.LLMatcher(backend.ll_tokenizer, llg.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False, "item_separator": ", ",
+                                          "key_separator": ": "}))
+        prefix = tok.encode('{"' if i % 2 else "")
+        assert m.consume_tokens(prefix)
+        matchers.append(m)
+    together = np.zeros((len(matchers), backend.words), dtype=np.int32)
+    backend.fill_bitmasks(matchers, together)
+    for j, m in enumerate(matchers):
+        alone = np.zeros((1, backend.words), dtype=np.int32)
+        fill_next_token_bitmask(m, alone, 0)
+        assert np.array_equal(together[j], alone[0]), j
+    assert len({together[j].tobytes() for j in range(len(matchers))}) > 2  # the states differ
 
 
 def test_a_tokenizer_llguidance_cannot_read_gives_a_grammar_error(tmp_path):

@@ -107,6 +107,33 @@ def test_ngram_proposes_what_followed_the_longest_recent_suffix():
         assert p.propose(grown, seq, 4) == p.propose(p.new_index(), seq, 4)
 
 
+@pytest.mark.parametrize("sizes", [(2, 4), (1, 3), (3, 4)])
+def test_may_propose_before_the_last_token_covers_every_proposal(sizes):
+    """may_propose with the last token pending (asynchronous scheduling) is False only when
+    no value of that token would give a proposal: the engine then launches a plain step."""
+    ngram_min, ngram_max = sizes
+    p = NgramProposer(ngram_max=ngram_max, ngram_min=ngram_min)
+    rng = random.Random(ngram_min)
+    vocab = 6
+    said_no = 0
+    for trial in range(60):
+        grown = p.new_index()
+        tokens = [rng.randrange(vocab) for _ in range(3)]
+        for _ in range(rng.randrange(1, 25)):
+            pending = tokens + [-1]
+            may = p.may_propose(grown, pending, 4)
+            proposes = [t for t in range(vocab) if p.propose(p.new_index(), tokens + [t], 4)]
+            if proposes:
+                assert may, (tokens, proposes)
+            said_no += not may
+            tokens.append(rng.randrange(vocab + trial // 10))  # later trials repeat less
+            # With every token known it says whether propose() does.
+            assert p.may_propose(p.new_index(), tokens, 4) == bool(p.propose(p.new_index(), tokens, 4))
+    if ngram_min > 1:
+        assert said_no > 20  # it does rule steps out
+    assert p.may_propose(p.new_index(), [1, 2, -1], 0) is False
+
+
 def test_adaptive_draft_length_pauses_and_resumes():
     state = SpecState(None, k_max=4, row_cost=0.5)
     assert state.draft_length() == 4  # a fresh sequence tries its full draft
@@ -483,6 +510,42 @@ def test_mixed_batch_and_async_scheduling(default_model, prompts, greedy_referen
     for i in (2, 5):
         again = run_all(core, [prompts[i]], sampled)[0]
         assert again.output_ids == seqs[i].output_ids
+
+
+def test_steps_without_drafts_take_the_plain_asynchronous_path(default_model, prompts):
+    """With speculation on, a step in which no row can carry a draft is plain decoding's step:
+    launched before the previous step's tokens are read (asynchronous scheduling), sampled by
+    the Sampler, never verified. Here the proposer never finds anything: the speculating core
+    overlaps exactly the steps a core without speculation overlaps, with the same tokens, and
+    each output still reports its speculation (0 proposed)."""
+    plain = make_core(default_model, async_scheduling=True)
+    spec = make_core(default_model, async_scheduling=True, **SPEC)
+    proposer = spec.speculator.proposer
+    proposer.propose = lambda index, token_ids, k: []
+    proposer.may_propose = lambda index, token_ids, k: False
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+    want = run_all(plain, prompts[:6], params)
+    record = {}
+    got = run_all(spec, prompts[:6], params, record)
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]
+    assert plain.num_overlapped_steps > 0
+    assert (spec.num_steps, spec.num_overlapped_steps) == (plain.num_steps, plain.num_overlapped_steps)
+    assert spec.num_verified_steps == 0
+    assert all(out.speculation == (0, 0) for outs in record.values() for out in outs)
+    assert spec.stats()["speculative"]["requests"] == 6
+
+
+def test_async_steps_wait_only_where_a_draft_may_come(default_model, prompts, greedy_reference):
+    """The real n-gram proposer under asynchronous scheduling: repeating prompts draft (their
+    steps verified, synchronously), random ones mostly cannot, and their steps overlap; the
+    greedy tokens are plain decoding's either way."""
+    core = make_core(default_model, async_scheduling=True, **SPEC)
+    random_ids = prompts[len(REPEATING) + len(PLAIN):]
+    assert [s.output_ids for s in run_all(core, random_ids, GREEDY)] == greedy_reference[-len(random_ids):]
+    assert core.num_overlapped_steps > 0
+    assert [s.output_ids for s in run_all(core, prompts[:4], GREEDY)] == greedy_reference[:4]
+    assert core.num_verified_steps > 0
+    assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
 def test_seeded_sampling_repeats_alone_and_in_a_batch(spec_core, prompts):

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -144,6 +145,13 @@ class EngineCore:
         register_vocab_width(self.tokenizer, self.model_config.vocab_size)
         self._compiling: list[Sequence] = []
         self.jump_forward = config.grammar_jump_forward
+        cap = config.jump_forward_chunk_max_seqs
+        if cap is not None and cap < 0:
+            raise TallowError(f"jump_forward_chunk_max_seqs must be at least 0, got {cap}",
+                              param="jump_forward_chunk_max_seqs")
+        if cap is None and self.runner.graphs is not None:
+            cap = 4
+        self.scheduler.forced_chunk_max_seqs = cap
         self.speculator = None
         if config.speculative_method:
             from tallow.engine.speculative import Speculator
@@ -165,6 +173,10 @@ class EngineCore:
         self._inflight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
         self.num_steps = 0
         self.num_overlapped_steps = 0  # launched while the step before was still pending
+        self.num_verified_steps = 0  # steps with speculative drafts (verified, synchronous)
+        # Asynchronous steps with grammar rows, sampled after the step before was resolved.
+        self.num_masked_after_resolve = 0
+        self.num_dropped_rows = 0  # rows launched before their sequence's forced tokens were known
         self.num_generated_tokens = 0
         # seq_id -> (monotonic time, first position, tokens) of each prefill chunk, kept only for
         # sequences submitted with trace_prefill (request traces); empty otherwise.
@@ -349,49 +361,85 @@ class EngineCore:
         device. A sequence that N finishes (a stop token) has run one step too many in N+1:
         that token is dropped. Penalties read token ids on the host, so while a sequence
         with penalties is queued every step waits for its own tokens (the synchronous step).
+        With speculation, only a step that may carry a draft waits (Scheduler.may_draft: a
+        speculating sequence whose proposer could find something after its pending token);
+        any other step is launched as plain decoding's. Grammar rows do not wait: the step's
+        forward is queued, N resolved (the matchers consume N's tokens) while it runs, then
+        the masks are filled (in parallel over the rows) and N+1 sampled. A sequence whose
+        grammar forces tokens after N's token (jump-forward) has its N+1 row dropped: that
+        row computed N's token, and the next step computes the forced ones.
         """
         prev = self._inflight
         self._inflight = None
-        if self.scheduler.num_host_token_seqs:
+        sched = self.scheduler
+        if sched.num_host_token_seqs or (self.speculator is not None and sched.may_draft()):
             outputs = self._resolve(*prev) if prev is not None else []
             return outputs + self._step_sync()
-        out = self.scheduler.schedule()
-        launched = None
+        out = sched.schedule()
+        launched = fwd = None
+        prev_ids = None if prev is None or prev[1] is None else prev[1].token_ids
+        # A grammar row's mask follows the token the step still running samples: this step's
+        # forward is queued first, that step resolved (its tokens advance the matchers) while
+        # the device computes, then the masks filled and this step sampled.
+        split = sched.num_grammar_seqs > 0 and any(s.samples and s.seq.grammar is not None for s in out.scheduled)
         if out.scheduled:
             if self.prefill_log:
                 self._log_prefill_chunks(out)
             try:
-                launched = self.runner.launch(out, None if prev is None or prev[1] is None else prev[1].token_ids)
+                fwd = self.runner.forward(out, prev_ids)
+                if not split:
+                    launched = self.runner.sample(out, fwd)
             except Exception:
                 outputs = self._resolve(*prev) if prev is not None else []
                 return outputs + self._fail_step(out)
             self.num_steps += 1
-            if prev is not None and prev[1] is not None:
+            if prev_ids is not None:
                 self.num_overlapped_steps += 1
-        outputs = self._resolve(*prev) if prev is not None else []
+        # With grammar rows, this step is sampled as soon as the step before is applied (the
+        # matchers advanced); that step's outputs are made after.
+        applied = self._apply(*prev, following=out) if prev is not None else list
+        if out.scheduled and split:
+            self.num_masked_after_resolve += 1
+            try:
+                launched = self.runner.sample(out, fwd)
+            except Exception:
+                return applied() + self._fail_step(out)
+        outputs = applied()
         if out.scheduled:
             # After the resolve: the blocks this step completes hash the tokens it read.
-            self.scheduler.update_launched(out)
+            sched.update_launched(out)
             if launched is not None:
                 self._inflight = (out, launched)
-        if not self.scheduler.running and self._inflight is None:
+        if not sched.running and self._inflight is None:
             self.runner.sampler.release()
         return outputs
 
-    def _resolve(self, out: SchedulerOutput, launched: LaunchedStep | None) -> list[tuple[Sequence, TokenOutput]]:
-        """Read a launched step's tokens and apply them: the outputs of its live sequences."""
+    def _resolve(self, out: SchedulerOutput, launched: LaunchedStep | None,
+                 following: SchedulerOutput | None = None) -> list[tuple[Sequence, TokenOutput]]:
+        """Read a launched step's tokens and apply them: the outputs of its live sequences.
+        Grammar rows' matchers consume the tokens; where a grammar forces tokens next
+        (jump-forward), they are appended and the sequence's row in `following` (the step
+        launched since, which computes the token just read) is marked dropped."""
+        return self._apply(out, launched, following)()
+
+    def _apply(self, out: SchedulerOutput, launched: LaunchedStep | None,
+               following: SchedulerOutput | None = None) -> Callable[[], list[tuple[Sequence, TokenOutput]]]:
+        """_resolve() up to its outputs, which the returned function makes (so a step can be
+        sampled between the two)."""
         if launched is None:
-            return []
+            return list
         finished = SequenceStatus.FINISHED
-        live = [s.samples and s.seq.status is not finished for s in out.scheduled]
+        live = [s.samples and not s.dropped and s.seq.status is not finished for s in out.scheduled]
         try:
             res = self.runner.collect(launched)
         except Exception:
-            return self._fail_step(out)
+            failed = self._fail_step(out)
+            return lambda: failed
         self._fail_invalid_rows(out, res)
         self._gather_prompt_logprobs(res)
         self.scheduler.resolve(out, res.token_ids)
-        return self._outputs(out, res, live)
+        forced = self._advance_grammars(out, following) if self.scheduler.num_grammar_seqs else None
+        return lambda: self._outputs(out, res, live, forced=forced)
 
     def _fail_step(self, out: SchedulerOutput) -> list[tuple[Sequence, TokenOutput]]:
         shape = [(s.seq.seq_id, s.start, s.num_new_tokens) for s in out.scheduled]
@@ -404,8 +452,8 @@ class EngineCore:
         them): the other rows' tokens stand."""
         if not res.invalid_rows:
             return
-        sampling = [s.seq for s in out.scheduled if s.samples]
-        failed = [sampling[i] for i in res.invalid_rows if not sampling[i].is_finished]
+        sampling = [s for s in out.scheduled if s.samples]
+        failed = [sampling[i].seq for i in res.invalid_rows if not (sampling[i].seq.is_finished or sampling[i].dropped)]
         for seq in failed:
             log.error("request %s: its logits were not finite at output token %d; failing it alone",
                       seq.request_id, seq.num_output_tokens)
@@ -424,6 +472,7 @@ class EngineCore:
         except Exception:
             return self._fail_step(out)
         self.num_steps += 1
+        self.num_verified_steps += out.speculative
         self._fail_invalid_rows(out, res)
         self._gather_prompt_logprobs(res)
         if out.speculative:
@@ -431,9 +480,8 @@ class EngineCore:
             self._record_speculation(out, res)
         else:
             self.scheduler.update(out, res.token_ids)
-        # After either update: steps with grammar rows are synchronous (the scheduler counts them
-        # as reading host tokens), and a grammar row never speculates (one token per row).
-        forced = self._advance_grammars(out) if self.scheduler.num_host_token_seqs else None
+        # After either update (a grammar row never speculates: one token per row).
+        forced = self._advance_grammars(out) if self.scheduler.num_grammar_seqs else None
         if not self.scheduler.running:  # nothing runs on: the sampler's cached batch plan is stale
             self.runner.sampler.release()
         return self._outputs(out, res, forced=forced)
@@ -445,17 +493,20 @@ class EngineCore:
             if not seq.prompt_logprobs_sent:
                 seq.prompt_logprobs.extend(entries)
 
-    def _advance_grammars(self, out: SchedulerOutput) -> dict[int, list[int]] | None:
+    def _advance_grammars(self, out: SchedulerOutput,
+                          following: SchedulerOutput | None = None) -> dict[int, list[int]] | None:
         """Each grammar row's matcher consumes the token just sampled; a complete grammar ends
         its sequence ("stop"); tokens the grammar forces next are appended (jump-forward, within
-        the length limits): seq_id -> those tokens."""
+        the length limits): seq_id -> those tokens. following: the step launched since
+        (asynchronous scheduling), whose row of a sequence given forced tokens is dropped."""
         forced: dict[int, list[int]] = {}
         ended: dict[str, list[Sequence]] = {}
         pool_tokens = self.scheduler.pool_tokens
+        next_rows = None
         for s in out.scheduled:
             seq = s.seq
             g = seq.grammar
-            if g is None or not s.samples or seq.is_finished:
+            if g is None or not s.samples or s.dropped or seq.is_finished:
                 continue
             reason, tokens = g.advance(seq.token_ids, seq.num_prompt_tokens, self.jump_forward)
             if tokens:
@@ -464,6 +515,13 @@ class EngineCore:
                 seq.token_ids.extend(take)
                 g.fill += len(take)
                 forced[seq.seq_id] = take
+                if take and following is not None:
+                    if next_rows is None:
+                        next_rows = {r.seq.seq_id: r for r in following.scheduled if r.samples}
+                    row = next_rows.get(seq.seq_id)
+                    if row is not None:
+                        row.dropped = True
+                        self.num_dropped_rows += 1
                 if len(take) < len(tokens) or (reason is None and seq.num_output_tokens >= seq.max_output_tokens):
                     reason = "length"
             if reason == "error":
@@ -491,7 +549,7 @@ class EngineCore:
         for s in out.scheduled:
             if not s.samples:
                 continue
-            if s.seq.spec is not None and res.runs[i]:
+            if s.seq.spec is not None and res.runs[i] and res.proposed[i]:
                 self.speculator.record(s.seq, res.proposed[i], res.accepted[i])
             i += 1
 
@@ -536,6 +594,8 @@ class EngineCore:
                 self.num_generated_tokens += len(run) - 1
             else:
                 ids = [token_ids[i]]
+                if seq.spec is not None:  # a speculating sequence's row in a step without drafts
+                    spec = (0, 0)
                 if logprobs is not None and k is not None:
                     lp = [logprobs[i]]
                     if k > 0 and top is not None:
@@ -589,6 +649,9 @@ class EngineCore:
             "prefix_cache_hit_rate": (kv.prefix_hits / q) if q else 0.0,
             "num_preemptions": self.scheduler.num_preemptions_total,
             "num_steps": self.num_steps,
+            "num_overlapped_steps": self.num_overlapped_steps,
+            "num_verified_steps": self.num_verified_steps,
+            "num_masked_after_resolve": self.num_masked_after_resolve,
             "generation_tokens": self.num_generated_tokens,
             **({"speculative": self.speculator.stats()} if self.speculator is not None else {}),
         }

@@ -23,10 +23,12 @@ What a request carries is a GrammarSpec (SamplingParams.grammar). The engine sid
   masked sampling without jump-forward, where the model may spell a fixed key in other tokens.
   A chunk of k forced tokens costs about one decode step where decoding is memory-bound (GPU,
   CPU at batch 1); at larger CPU batches the forward is compute-bound and the gain is smaller.
-- Asynchronous scheduling: a grammar row's mask needs its previous token, so while a grammar
-  sequence is queued the engine runs synchronous steps (as for penalties); the mask is still
-  filled on the host while the device runs the step's forward (launch queues the forward
-  before the sampler runs).
+- Asynchronous scheduling: a grammar row's mask needs its previous token, which the step still
+  running samples. The engine queues the step's forward, resolves the step before (the matchers
+  consume its tokens) while the device computes, then fills the masks and samples (vLLM's
+  order: EngineCore._step_async). Forced tokens found then are appended and the row launched
+  for the sequence is dropped; the next step computes them (one chunk, or one token per step
+  in decode-graph steps while many sequences run: config.jump_forward_chunk_max_seqs).
 
 Backend choice: llguidance (no dependencies, native mask computation) over xgrammar (pulls
 transformers and triton); benchmarks/grammar_backends.py has the measurements.

@@ -77,6 +77,15 @@ class LaunchedStep:
 
 
 @dataclass
+class ForwardStep:
+    """A step whose forward was queued (ModelRunner.forward), not sampled yet."""
+
+    logits: torch.Tensor | None  # the sampling rows' logits (None: no row samples)
+    prompt_rows: PromptRows | None = None
+    prompt_out: list[torch.Tensor] | None = None
+
+
+@dataclass
 class StepResult:
     """What one step sampled, one entry per sampling row (in scheduler order)."""
 
@@ -87,6 +96,20 @@ class StepResult:
     invalid_rows: list[int] = field(default_factory=list)
     # (sequence, its PromptLogprobs of this step), for sequences that asked for prompt logprobs.
     prompt_logprobs: list[tuple[object, list]] = field(default_factory=list)
+
+
+_DROPPED = None
+
+
+def _dropped_row():
+    """The stand-in sequence the sampler sees for a dropped row: greedy, nothing else."""
+    global _DROPPED
+    if _DROPPED is None:
+        from tallow.engine.request import Sequence
+        from tallow.engine.sampling import SamplingParams
+
+        _DROPPED = Sequence([0], SamplingParams(temperature=0.0, max_tokens=1))
+    return _DROPPED
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -334,16 +357,34 @@ class ModelRunner:
         """Queue the step's forward and sampling and the copies of its tokens to the host,
         without waiting for them (on CUDA). prev_ids: the sampled ids of the step still
         running, where this step's pending tokens are read. None when no row samples."""
+        return self.sample(out, self.forward(out, prev_ids))
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput, prev_ids: torch.Tensor | None = None) -> ForwardStep:
+        """The first half of launch(): queue the step's forward (on CUDA without waiting for
+        it). The engine may then do host work that the sampling needs (a grammar row's mask
+        follows the token the step before samples) while the device runs the forward, and
+        call sample()."""
         logits = self.logits(out, prev_ids)
-        prompt_rows, prompt_out = self._prompt_rows, self._prompt_out
+        step = ForwardStep(logits, self._prompt_rows, self._prompt_out)
         self._prompt_rows = self._prompt_out = None
+        return step
+
+    @torch.inference_mode()
+    def sample(self, out: SchedulerOutput, step: ForwardStep) -> LaunchedStep | None:
+        """The second half of launch(): sample the forward's logits (grammar masks filled on the
+        host now, from the matchers as they are) and queue the copies of the tokens to the host."""
+        logits, prompt_rows, prompt_out = step.logits, step.prompt_rows, step.prompt_out
         if logits is None and prompt_out is None:
             return None
         if logits is None:  # prompt-logprob rows only (prefill chunks that end before their prompt does)
             empty = torch.empty(0, dtype=torch.int64, device=prompt_out[0].device)
             sampled = SamplerOutput(empty, None, None, None, empty.bool())
         else:
-            sampled = self.sampler(logits, [s.seq for s in out.scheduled if s.samples])
+            # A dropped row's token is thrown away (asynchronous jump-forward): it is sampled as a
+            # plain greedy row, so it draws nothing from a seeded sequence's generator.
+            sampled = self.sampler(logits, [_dropped_row() if s.dropped else s.seq
+                                            for s in out.scheduled if s.samples])
         # Logprobs travel in their own dtype: tolist() widens each to the same Python float
         # that a float64 copy would give.
         tensors = [sampled.token_ids, sampled.invalid]
@@ -396,9 +437,17 @@ class ModelRunner:
             # A preempted sequence can come back in a later decode-only step (its prompt all
             # but one token cached) in the same staged row, with other block ids: restage all.
             graphs.forget_tables()
-        # A decode-only step samples every row.
+        # A decode-only step: one token per row; rows of forced tokens (jump-forward one token
+        # per step) are computed and not sampled.
         if graphs is not None and out.is_decode_only and len(out.scheduled) <= graphs.max_batch:
-            return graphs.run(out.scheduled, prev_ids)
+            logits = graphs.run(out.scheduled, prev_ids)
+            sampling = [i for i, s in enumerate(out.scheduled) if s.samples]
+            if len(sampling) == len(out.scheduled):
+                return logits
+            if not sampling:
+                return None
+            index = torch.tensor(sampling, dtype=torch.int64).pin_memory().to(logits.device, non_blocking=True)
+            return logits.index_select(0, index)
         if graphs is not None:
             graphs.forget_tables()
         pending = None if prev_ids is None else [[], []]

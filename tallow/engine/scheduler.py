@@ -32,6 +32,11 @@ class ScheduledSeq:
     # Speculation: tokens proposed after the row's last one, computed in the same step (their
     # query rows follow the row's own; the verifier keeps the logits of all of them).
     draft: list[int] = field(default_factory=list)
+    # Asynchronous jump-forward: tokens its grammar forced were appended to the sequence after
+    # this row was launched (the step before sampled the token the grammar forces them after).
+    # The row still computes that token's K/V; what it samples is not the sequence's, and is
+    # dropped (the next step computes the forced tokens).
+    dropped: bool = False
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_new_tokens == len(self.seq.token_ids)
@@ -39,12 +44,20 @@ class ScheduledSeq:
 
 def _place(row: ScheduledSeq, draft, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]) -> None:
     """A scheduled row into the step's decode rows (one token that samples) or its prefill rows
-    (chunks, and rows carrying a speculative draft: their K+1 query rows)."""
+    (chunks, and rows carrying a speculative draft: their K+1 query rows). A one-token row of a
+    forced output token that does not sample (jump-forward, one token per step) counts as a
+    decode row too: a decode CUDA graph computes it, and its logits are not sampled. A speculating
+    sequence's sampling row without a draft uses up one step of its pause (the adaptive
+    off-switch counts its own rows, whichever path the step takes)."""
     if draft:
         row.draft = draft
         prefills.append(row)
-    else:
-        (decodes if row.num_new_tokens == 1 and row.samples else prefills).append(row)
+        return
+    one = row.num_new_tokens == 1 and (row.samples or row.start >= row.seq.num_prompt_tokens)
+    (decodes if one else prefills).append(row)
+    spec = row.seq.spec
+    if spec is not None and row.samples:
+        spec.step_without_draft()
 
 
 @dataclass(slots=True)
@@ -52,15 +65,18 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # decode rows first, then prefill chunks
     preempted: list[Sequence]
     num_batched_tokens: int
-    # The leading rows that are decode rows (one token that samples); None: not counted.
+    # The leading rows that are decode rows (one token: it samples, or it is a forced output
+    # token, see _place); None: not counted.
     num_decodes: int | None = None
-    # Some sampling row belongs to a speculating sequence: the engine verifies the step
-    # (tallow/engine/speculative/verify.py) instead of sampling it plainly.
+    # Some row carries a draft: the engine verifies the step (tallow/engine/speculative/
+    # verify.py) instead of sampling it plainly. A step without drafts is a plain one, whoever
+    # is in it (CUDA graphs, asynchronous scheduling).
     speculative: bool = False
 
     @property
     def is_decode_only(self) -> bool:
-        """Every row is one token that samples (a step that CUDA graphs can replay)."""
+        """Every row is one token (a step that CUDA graphs can replay); with num_decodes not
+        counted, one that samples."""
         if self.num_decodes is not None:
             return 0 < self.num_decodes == len(self.scheduled)
         return bool(self.scheduled) and all(s.num_new_tokens == 1 and s.samples and not s.draft for s in self.scheduled)
@@ -73,17 +89,24 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_chunk = config.long_prefill_token_threshold or config.max_num_batched_tokens
+        # Jump-forward: while more sequences than this run, a sequence's forced output tokens
+        # are computed one per step (None: as one chunk). EngineCore sets it (config's
+        # jump_forward_chunk_max_seqs, resolved for the device).
+        self.forced_chunk_max_seqs: int | None = None
         self.pool_tokens = kv.num_blocks * kv.block_size  # no context can outgrow this
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions_total = 0
         # Queued or running sequences whose sampling reads their token ids on the host
-        # (penalties, a reasoning budget, a grammar): asynchronous scheduling waits for every
-        # step's tokens while any is here.
+        # (penalties, a reasoning budget): asynchronous scheduling waits for every step's tokens
+        # while any is here.
         self.num_host_token_seqs = 0
+        # Queued or running sequences with a grammar (their matchers advance after each step).
+        self.num_grammar_seqs = 0
         # tallow/engine/speculative: set by the engine when the server speculates. Its sequences
         # (seq.spec) get drafts on their sampling rows; their proposals read token ids on the
-        # host, so they count in num_host_token_seqs (their steps are synchronous).
+        # host, so a step that may carry a draft is synchronous (may_draft), any other one
+        # runs as a plain step.
         self.speculator = None
 
     @property
@@ -115,6 +138,8 @@ class Scheduler:
             self.speculator.attach(seq)
         if _reads_host_tokens(seq):
             self.num_host_token_seqs += 1
+        if seq.grammar is not None:
+            self.num_grammar_seqs += 1
 
     def abort(self, seq: Sequence) -> None:
         """Finish seq with "abort" wherever it is, freeing its blocks."""
@@ -149,6 +174,9 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             n = min(len(seq.token_ids) - computed, budget, self.max_chunk)
+            if (n > 1 and seq.grammar is not None and computed >= seq.num_prompt_tokens
+                    and self.forced_chunk_max_seqs is not None and len(running) > self.forced_chunk_max_seqs):
+                n = 1  # forced tokens, one per step: the step stays one a decode graph replays
             draft = ()
             if seq.spec is not None and computed + n == len(seq.token_ids):
                 drafted = self._draft(seq, n, budget)
@@ -208,8 +236,33 @@ class Scheduler:
 
         num_decodes = len(decodes)
         decodes.extend(prefills)
-        speculative = self.speculator is not None and any(s.samples and s.seq.spec is not None for s in decodes)
+        speculative = self.speculator is not None and any(s.draft for s in prefills)
         return SchedulerOutput(decodes, preempted, self.max_num_batched_tokens - budget, num_decodes, speculative)
+
+    def may_draft(self) -> bool:
+        """Whether the next schedule() could give some row a draft, judged before the tokens of
+        the step still running are known (asynchronous scheduling): running speculating
+        sequences, and the waiting ones it could admit (as many as there are free slots, those
+        it would hold back skipped). False: the step can be launched as a plain one."""
+        spec = self.speculator
+        if spec is None:
+            return False
+        pool = self.pool_tokens
+        for seq in self.running:
+            if seq.spec is not None and not seq.stopping and spec.may_draft(seq, pool):
+                return True
+        room = self.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            if room <= 0:
+                break
+            if ((seq.prefill_after is not None and self.kv.enable_prefix_caching
+                    and not _prompt_computed(seq.prefill_after))
+                    or (seq.grammar is not None and seq.grammar.matcher is None)):
+                continue
+            room -= 1
+            if seq.spec is not None and spec.may_draft(seq, pool):
+                return True
+        return False
 
     def _draft(self, seq: Sequence, n: int, budget: int) -> tuple[list[int], int] | None:
         """The draft of a speculating sequence's row of n tokens that reaches its end, and the
@@ -341,6 +394,9 @@ class Scheduler:
                 kv.cache_full_blocks(seq)
             if not s.samples:
                 continue
+            if s.dropped:
+                k += 1
+                continue
             seq.token_ids.append(PENDING_TOKEN)
             seq.pending_row = k
             k += 1
@@ -361,7 +417,7 @@ class Scheduler:
                 continue
             seq, token = s.seq, sampled[k]
             k += 1
-            if seq.status is FINISHED:
+            if seq.status is FINISHED or s.dropped:
                 continue
             pos = s.start + s.num_new_tokens
             seq.token_ids[pos] = token
@@ -425,6 +481,7 @@ class Scheduler:
         if _reads_host_tokens(seq):
             self.num_host_token_seqs -= 1
         if seq.grammar is not None:
+            self.num_grammar_seqs -= 1
             seq.grammar.release()
         if seq.spec is not None and self.speculator is not None:
             self.speculator.release(seq)
@@ -432,10 +489,12 @@ class Scheduler:
 
 def _reads_host_tokens(seq: Sequence) -> bool:
     """The sampler reads the sequence's token ids on the host before its next token: penalties
-    count them, a reasoning budget watches them, and a grammar's mask follows them. A speculating
-    sequence's proposals read them there too, and its verified rows emit a variable number of
-    tokens: its steps are synchronous."""
-    return seq.params.needs_host_tokens or seq.grammar is not None or seq.spec is not None
+    count them, a reasoning budget watches them. A grammar's mask follows them too, but the
+    engine fills it after the step before is resolved, while the device runs this step's forward
+    (EngineCore._step_async), so grammar rows do not make steps synchronous. A speculating
+    sequence is not counted either: only its steps that may carry a draft wait for its tokens
+    (Scheduler.may_draft)."""
+    return seq.params.needs_host_tokens
 
 
 def _prompt_computed(seq: Sequence) -> bool:

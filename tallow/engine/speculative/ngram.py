@@ -4,7 +4,13 @@ the tokens that followed it.
 Per sequence an index maps each n-gram (ngram_min <= n <= ngram_max) to the position after
 its latest occurrence; it grows with the tokens (each new token adds one n-gram per n), so
 a step's lookup is a few dict reads, not a scan of the context. A match close to the end
-(a loop of a few tokens) proposes the loop continued for the whole draft."""
+(a loop of a few tokens) proposes the loop continued for the whole draft.
+
+may_propose answers, before a sequence's last token is known on the host (asynchronous
+scheduling: it is still being sampled), whether a proposal could follow it at all: a proposal
+needs the last ngram_min tokens to have occurred before, so their first ngram_min - 1 tokens
+(all known) must have occurred followed by some token. When they have not, no last token can
+give a draft, and the step need not wait for it."""
 
 from __future__ import annotations
 
@@ -12,11 +18,14 @@ from tallow.errors import TallowError
 
 
 class NgramIndex:
-    __slots__ = ("tables", "indexed")
+    __slots__ = ("tables", "indexed", "heads", "heads_indexed")
 
     def __init__(self, sizes: range):
         self.tables = {n: {} for n in sizes}
         self.indexed = 0  # n-grams ending before this position are in the tables
+        # The (ngram_min - 1)-grams that some token followed (may_propose), by their end position.
+        self.heads: set[tuple[int, ...]] = set()
+        self.heads_indexed = 0  # heads ending before this position are in the set
 
 
 class NgramProposer:
@@ -53,3 +62,26 @@ class NgramProposer:
                     draft.append(draft[len(draft) - period])
                 return draft
         return []
+
+    def may_propose(self, index: NgramIndex, token_ids: list[int], k: int) -> bool:
+        """Whether propose() could give a draft for token_ids once its last token is known.
+        With every token known, whether it does; with the last one pending (negative), whether
+        its ngram_min - 1 known predecessors occurred earlier followed by a token, which any
+        match of the ngram_min-gram suffix needs."""
+        end = len(token_ids)
+        if k <= 0 or end < 2:
+            return False
+        if token_ids[-1] >= 0:
+            return bool(self.propose(index, token_ids, k))
+        m = self.sizes[0] - 1
+        if m == 0:
+            return True
+        known = end - 1  # tokens 0 .. known - 1 are known; the suffix of m of them ends at known - 1
+        if known < m + 1:
+            return False
+        # A head followed by a token ends at e <= known - 2 (the token after it is known too).
+        heads = index.heads
+        for e in range(max(index.heads_indexed, m - 1), known - 1):
+            heads.add(tuple(token_ids[e + 1 - m:e + 1]))
+        index.heads_indexed = max(index.heads_indexed, known - 1)
+        return tuple(token_ids[known - m:known]) in heads

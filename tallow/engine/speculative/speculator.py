@@ -81,14 +81,28 @@ class Speculator:
 
     def propose(self, seq: Sequence, pool_tokens: int) -> list[int]:
         """The draft of seq's next sampling row: at most k tokens, fewer where its output limit
-        or the pool would end it first (never fewer because of the batch)."""
+        or the pool would end it first (never fewer because of the batch). Nothing while its last
+        token is pending (asynchronous scheduling): the engine runs such a step only when
+        may_draft() said no draft could come."""
         k = self.draft_length(seq, pool_tokens)
-        if k <= 0:
+        if k <= 0 or seq.token_ids[-1] < 0:
             return []
         return self.proposer.propose(seq.spec.index, seq.token_ids, k)
 
+    def may_draft(self, seq: Sequence, pool_tokens: int) -> bool:
+        """Whether seq's next sampling row could carry a draft, known before its last token is
+        (asynchronous scheduling: it may still be sampled on the device). False means propose()
+        gives nothing whatever that token is, so the step can run as a plain one without waiting
+        for it. A proposer without may_propose (a draft model) could always draft."""
+        k = self.draft_length(seq, pool_tokens)
+        if k <= 0:
+            return False
+        may = getattr(self.proposer, "may_propose", None)
+        return True if may is None else may(seq.spec.index, seq.token_ids, k)
+
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        """One verified sampling row of a speculating sequence (proposed 0: no draft)."""
+        """One verified sampling row of a speculating sequence (proposed 0: no draft; the
+        scheduler counts those itself, as a plain step never comes here)."""
         spec = seq.spec
         if proposed == 0:
             spec.step_without_draft()

@@ -15,7 +15,9 @@ Randomness is drawn per emitted token, always the same amount (one uniform for t
 test and one noise vector for a draw, used or not), from the sequence's own generator when
 seeded: its text depends on its seed and its drafts, not on the batch.
 
-Rows of sequences that do not speculate go through the Sampler as usual. Logprobs and top
+Rows without a draft (of sequences that do not speculate, or that proposed nothing this step)
+go through the Sampler as usual, as they would in a step without drafts: a seeded sequence
+draws the same noise for such a row whatever the rest of the batch drafted. Logprobs and top
 logprobs of each emitted token are read from its row's log_softmax of the processed logits
 (the Sampler's "processed" logprobs).
 """
@@ -69,7 +71,7 @@ def verify_step(sampler: Sampler, logits: Tensor, out: SchedulerOutput) -> SpecS
     for s in out.scheduled:
         if not s.samples:
             continue
-        if s.seq.spec is None:
+        if not s.draft:  # sampled as a plain step samples it, speculating sequence or not
             plain_rows.append(r)
             plain_at.append(i)
             plain_seqs.append(s.seq)
