@@ -209,6 +209,28 @@ def test_quant_gemm_matches_float64(where, fmt):
 
 
 @pytest.mark.parametrize("where", [INTERP, CUDA])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kq_gemm_matches_float64(where, fmt):
+    """The swap-AB K-quant GEMM (weight tile dequantized in registers as the left bf16 operand):
+    bf16 tolerance for 17 rows and for 3 (a padded row tile) with K split, and the layer's
+    opt-in path above gemv_max_rows."""
+    from tallow.ops.triton_quant import TritonQuantLinear, kq_gemm
+
+    w, reference, g = _case(fmt, where)
+    x = torch.randn(17, w.K, generator=g).to(where)
+    _check(kq_gemm(x, w, block_n=32), x, reference, GEMM_TOL)
+    x3 = torch.randn(3, w.K, generator=g).to(where)
+    _check(kq_gemm(x3, w, block_n=16, split_k=2), x3, reference, GEMM_TOL)
+    if where == "cuda":  # the default tiles, 16-bit activations
+        for dtype in (torch.bfloat16, torch.float16):
+            xd = torch.randn(130, w.K, generator=g).to(where, dtype)
+            _check(kq_gemm(xd, w), xd, reference, GEMM_TOL)
+    layer = TritonQuantLinear(w)
+    layer.kq_gemm = True
+    _check(layer(x), x, reference, GEMM_TOL)
+
+
+@pytest.mark.parametrize("where", [INTERP, CUDA])
 def test_triton_quant_linear_dispatches_by_rows(where):
     """Up to gemv_max_rows rows take the float32 GEMV (tight tolerance), more the bf16 GEMM; the
     layer takes the GGUF bytes directly and keeps leading dimensions."""
@@ -326,6 +348,14 @@ def test_kernels_compile_for_hopper(fmt):
         aligned = [n for n in k.arg_names if n.endswith("_ptr") or n in ("NB", "K")]
         deq = compile_sm90(k, types, consts, 4, 1, aligned=aligned)
         assert "ld.global.v4.b32" in deq.asm["ptx"]
+    if fmt in tq._KQ_GEMM_FORMATS:  # kq_gemm: wgmma at 128 and 16 rows, shared memory that fits
+        kind, qh = tq._KQ_GEMM_FORMATS[fmt]
+        aligned = [n for n in tq._kq_gemm_kernel.arg_names
+                   if n.endswith("_ptr") or n in ("NB", "stride_xm", "stride_ym")]
+        for bm in (128, 16):
+            consts = dict(KIND=kind, QH=qh, BLOCK_M=bm, BLOCK_N=64, SPLIT=False)
+            kq = compile_sm90(tq._kq_gemm_kernel, types, consts, 4, 2, aligned=aligned)
+            assert "wgmma.mma_async" in kq.asm["ptx"] and kq.metadata.shared <= 227 * 1024
     gemm = compile_(tq._quant_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=64, SPLIT=False), 4, 3)
     assert "wgmma.mma_async" in gemm.asm["ptx"]
     assert gemm.metadata.shared <= 227 * 1024

@@ -753,6 +753,106 @@ def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, b
     return sum_splits(y, split, x.dtype)
 
 
+# --- kq_gemm: K-quant GEMM with the weight as the MMA's left operand (many rows) -------------
+
+@triton.jit
+def _kq_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, M, N, NB, stride_xm, stride_ym,
+                    blocks_per_split, KIND: tl.constexpr, QH: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """y^T[n, m] = W[n, :] . x[m, :] for Q4_K / Q5_K (KIND 2) and Q6_K (KIND 3), "swap AB": the
+    weight tile [BLOCK_N, 64] dequantized in registers (codes through their bits, float32
+    scales, rounded to bf16) is the left operand of a bf16 tl.dot, the activation tile
+    [64, BLOCK_M] the right one (wgmma takes any BLOCK_M of 16..256 there, so a few rows waste
+    little), float32 accumulation. Each super-block is 2 halves x 2 nibbles of 64 columns:
+    half t, nibble s, tile position p = 32u + i holds column 128t + 64u + 32s + i for Q4_K/Q5_K
+    (u: group 2t + u), 128t + 64s + 32u + i for Q6_K (u: v). Programs that share a weight tile are launched together (M
+    tiles vary fastest); axis 1 splits K (SPLIT: float32 partials [split, M, N])."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r1 = tl.where(rmask, rows, 0).to(tl.int64)
+    r4 = r1[:, None, None, None]
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    u1 = tl.arange(0, 2)
+    u4 = u1[None, :, None, None]
+    i4 = (tl.arange(0, 2)[:, None] * 16 + tl.arange(0, 16)[None, :])[None, None, :, :]  # i = 16 i16 + il
+    u3 = u1[None, :, None]
+    p = tl.arange(0, 64)
+    x_rows = x_ptr + ms.to(tl.int64)[None, :] * stride_xm
+    col = 64 * (p // 32) + p % 32  # + 128 t + 32 s
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    b_start = pid_k * blocks_per_split
+    b_end = tl.minimum(b_start + blocks_per_split, NB)
+    for b in range(b_start, b_end):
+        d = tl.load(d_ptr + r1 * NB + b).to(tl.float32)[:, None, None, None]
+        if KIND == 2:
+            dmin = tl.load(m_ptr + r1 * NB + b).to(tl.float32)[:, None, None, None]
+        for t in tl.static_range(2):
+            q8 = tl.load(qs_ptr + r4 * (NB * 128) + b * 128 + 64 * t + 32 * u4 + i4).to(tl.int32)
+            if KIND == 3:
+                qh = tl.load(qh_ptr + r4 * (NB * 64) + b * 64 + 32 * t + i4 + u4 * 0).to(tl.int32)
+            if KIND == 2 and QH:
+                qh = tl.load(qh_ptr + r4 * (NB * 32) + b * 32 + i4 + u4 * 0).to(tl.int32)
+            for s in tl.static_range(2):
+                if KIND == 2:
+                    q = (q8 >> (4 * s)) & 0xF
+                    if QH:
+                        q = q | (((qh >> (2 * (2 * t + u4) + s)) & 1) << 4)
+                    sub = 2 * (2 * t + u3) + s  # [1, 2, 1]
+                    sc = tl.load(sc_ptr + r1[:, None, None] * (NB * 8) + b * 8 + sub).to(tl.float32)
+                    mn = tl.load(mn_ptr + r1[:, None, None] * (NB * 8) + b * 8 + sub).to(tl.float32)
+                    w = _code_f32(q, 0, True) * (d * sc[:, :, :, None]) - dmin * mn[:, :, :, None]
+                else:
+                    q = ((q8 >> (4 * s)) & 0xF) | (((qh >> (2 * (2 * s + u4))) & 3) << 4)
+                    # sub-block of 16: 8t + 4s + 2v + i // 16
+                    sub = 8 * t + 4 * s + 2 * u3 + tl.arange(0, 2)[None, None, :]  # [1, 2, 2]
+                    sc = tl.load(sc_ptr + r1[:, None, None] * (NB * 16) + b * 16 + sub).to(tl.float32)
+                    w = _code_f32(q, 32, True) * (d * sc[:, :, :, None])
+                a = tl.reshape(w, [BLOCK_N, 64]).to(tl.bfloat16)
+                if KIND == 2:
+                    xcol = b * 256 + 128 * t + 32 * s + col
+                else:
+                    xcol = b * 256 + 128 * t + 64 * s + p
+                xt = tl.load(x_rows + xcol[:, None], mask=mmask[None, :], other=0.0)
+                acc = tl.dot(a, xt.to(tl.bfloat16), acc)
+    out_mask = rmask[:, None] & mmask[None, :]
+    if SPLIT:
+        tl.store(y_ptr + (pid_k * M + ms.to(tl.int64))[None, :] * N + rows[:, None], acc, mask=out_mask)
+    else:
+        tl.store(y_ptr + ms.to(tl.int64)[None, :] * stride_ym + rows[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=out_mask)
+
+
+_KQ_GEMM_FORMATS = {"Q4_K": (2, False), "Q5_K": (2, True), "Q6_K": (3, False)}
+
+
+def kq_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, block_n: int = 64,
+            split_k: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """x[M, K] @ W^T for Q4_K / Q5_K / Q6_K and any M (_kq_gemm_kernel): bf16 tensor-core products
+    of the activation and the weight dequantized in registers, float32 accumulation, output in
+    x's dtype. K is split (float32 partials summed after) when the tiles are too few."""
+    x = _check(x, w)
+    if w.fmt not in _KQ_GEMM_FORMATS:
+        raise ValueError(f"kq_gemm takes {', '.join(_KQ_GEMM_FORMATS)}")
+    M, N = x.shape[0], w.N
+    if block_m is None:
+        block_m = 128 if M >= 128 else max(16, triton.next_power_of_2(M))
+    n_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split, blocks_per_split = _split_plan(w.blocks_per_row, 1, n_tiles, split_k, x.device)
+    y = split_output(split, M, N, x.dtype, x.device)
+    kind, qh = _KQ_GEMM_FORMATS[w.fmt]
+    _kq_gemm_kernel[(n_tiles, split)](
+        x, y, *_planes(w), M, N, w.blocks_per_row, x.stride(0), N, blocks_per_split,
+        KIND=kind, QH=qh, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split > 1,
+        num_warps=num_warps, num_stages=num_stages)
+    return sum_splits(y, split, x.dtype)
+
+
 class TritonQuantLinear(torch.nn.Module):
     """A bias-free Linear whose weight [N, K] is GGUF blocks in planes: `quant_gemv` up to
     `gemv_max_rows` rows, `quant_gemm` above."""
@@ -767,6 +867,10 @@ class TritonQuantLinear(torch.nn.Module):
     # Opt-in (TALLOW_QUANT_GEMV2=1): quant_gemv2 for 1..GEMV2_MAX_ROWS rows of the K-quants,
     # until a GPU run shows it ahead of quant_gemv1 / quant_gemv (benchmarks/gpu_gguf_model.py kernels).
     gemv2 = os.environ.get("TALLOW_QUANT_GEMV2") == "1"
+    # Opt-in (TALLOW_QUANT_KQ_GEMM=1): kq_gemm (weight as the MMA's left operand, dequantized in
+    # registers) above gemv_max_rows rows of Q4_K / Q5_K / Q6_K, instead of quant_gemm and the
+    # bf16 temporary + cuBLAS of DEQUANT_MIN_ROWS rows on.
+    kq_gemm = os.environ.get("TALLOW_QUANT_KQ_GEMM") == "1"
 
     def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8, bias: torch.Tensor | None = None,
                  dequant_min_rows: int | None = None):
@@ -801,6 +905,8 @@ class TritonQuantLinear(torch.nn.Module):
             y = quant_gemv1(x2, self.weight)
         elif x2.shape[0] <= self.gemv_max_rows:
             y = quant_gemv(x2, self.weight)
+        elif self.kq_gemm and self.weight.fmt in _KQ_GEMM_FORMATS:
+            y = kq_gemm(x2, self.weight)
         elif (x2.shape[0] >= self.dequant_min_rows and self.weight.fmt in _GEMV1_FORMATS
               and self.weight.N * self.weight.K * x2.element_size() <= self.DEQUANT_MAX_BYTES):
             # bf16 operands as quant_gemm's (the same numbers whichever path a row count takes)
@@ -819,4 +925,4 @@ class TritonQuantLinear(torch.nn.Module):
         return f"{self.weight.fmt}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-__all__ = ["TritonQuantLinear", "dequantize_weight", "quant_gemm", "quant_gemv", "quant_gemv1", "quant_gemv2"]
+__all__ = ["TritonQuantLinear", "dequantize_weight", "quant_gemm", "quant_gemv", "quant_gemv1", "quant_gemv2", "kq_gemm"]
