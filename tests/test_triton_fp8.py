@@ -358,6 +358,33 @@ def test_fp8_gemm_weight_only_matches_float64(where):
 
 
 @pytest.mark.parametrize("where", [INTERPRETER, CUDA])
+def test_fp8_gemm_swap_matches_float64(where):
+    """The weight-only GEMM with the weight as the MMA's left operand: 16-bit activations
+    (exact products, float32 sums: the output's rounding), a padded row tile, K split with a
+    masked tail, and Fp8Linear's opt-in path."""
+    from tallow.ops.triton_fp8 import Fp8Linear, fp8_gemm_swap
+
+    K = 96
+    q, s, reference, g = _weights(N, K, seed=2, device=where)
+    cases = [(3, torch.float16, {}), (17, torch.bfloat16, dict(block_n=16, block_k=32, split_k=2))]
+    if where == "cuda":
+        cases += [(64, torch.bfloat16, {}), (300, torch.bfloat16, {})]
+    for M, dtype, kwargs in cases:
+        x = torch.randn(M, K, generator=g).to(where, dtype)
+        y = fp8_gemm_swap(x, q, s, **kwargs)
+        assert y.dtype == dtype
+        _check(y, x, reference, 8e-3 if dtype == torch.bfloat16 else 1e-3)
+    with pytest.raises(ValueError, match="activations"):
+        fp8_gemm_swap(torch.randn(2, K).to(where), q, s)
+    if where == "cuda":
+        layer = Fp8Linear(K, N, device=where)
+        layer.weight.data, layer.weight_scale.data = q, s
+        layer.swap_ab = True
+        x = torch.randn(5, K, generator=g).to(where, torch.bfloat16)
+        _check(layer(x), x, reference, 8e-3)
+
+
+@pytest.mark.parametrize("where", [INTERPRETER, CUDA])
 def test_quantize_rows_and_w8a8_gemm(where):
     from tallow.ops.triton_fp8 import fp8_gemm, quantize_rows
 
@@ -656,6 +683,10 @@ def test_fp8_kernels_compile_for_hopper():
                                                               "w_scale_ptr": f32, "y_ptr": bf},
                                 dict(A_FP8=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, SPLIT=True, A16=True), 4, 3)
     assert "wgmma.mma_async" in weight_only.asm["ptx"] and weight_only.metadata.shared <= 227 * 1024
+    for bm in (16, 128):  # the weight as wgmma's left operand, from registers (no shared round trip)
+        swap = compile_sm90(triton_fp8._fp8_swap_kernel, {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "y_ptr": bf},
+                            dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=False), 4, 3)
+        assert "wgmma.mma_async" in swap.asm["ptx"] and swap.metadata.shared <= 227 * 1024
     assert "async_copy_global_to_local" in weight_only.asm["ttgir"]
     rows = compile_sm90(triton_fp8._quant_rows_kernel, {"x_ptr": bf, "q_ptr": f8, "s_ptr": f32},
                          dict(BLOCK_K=1024), 4)

@@ -238,6 +238,85 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, x_sc
     return sum_splits(y, split, out_dtype)
 
 
+@triton.jit
+def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     SPLIT: tl.constexpr):
+    """Weight-only y^T = (W * s) x^T with the weight as the MMA's left operand ("swap AB"): the
+    fp8 tile [BLOCK_N, BLOCK_K] is widened to x's 16-bit type in registers and used from there
+    (wgmma reads its left operand from registers: no shared-memory round trip of the widened
+    tile), the activation tile [BLOCK_K, BLOCK_M] is the right operand (any BLOCK_M of 16..256,
+    so a few rows waste little). Float32 accumulation; M tiles vary fastest; axis 1 splits K
+    (SPLIT: float32 partials [split, M, N])."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + rk[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0)
+        else:
+            k_mask = (k0 + rk) < k_end
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        acc = tl.dot(w.to(x_ptr.dtype.element_ty), x, acc)
+    acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT:
+        tl.store(y_ptr + (pid_k * M + rm.to(tl.int64))[None, :] * N + rn[:, None], acc, mask=out_mask)
+    else:
+        tl.store(y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=out_mask)
+
+
+def fp8_gemm_swap(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, block_m: int | None = None,
+                  block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 4,
+                  num_stages: int = 3) -> torch.Tensor:
+    """Weight-only x [M, K] (bfloat16 / float16) @ (weight * scale[:, None])^T -> [M, N] in x's
+    dtype, the weight as the MMA's left operand (_fp8_swap_kernel): the same products and
+    float32 sums as fp8_gemm's weight-only path. K is split (float32 partials summed after)
+    until there are about as many programs as SMs."""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert weight.shape[1] == K and weight.stride(1) == 1 and weight.dtype == FP8_DTYPE
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8_gemm_swap takes bfloat16 / float16 activations, got {x.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if M == 0:
+        return torch.empty(0, N, dtype=x.dtype, device=x.device)
+    if block_m is None:
+        block_m = min(128, max(16, triton.next_power_of_2(M)))
+    block_k = min(block_k, max(32, triton.next_power_of_2(K)))
+    n_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    steps = triton.cdiv(K, block_k)
+    if split_k is None:
+        split_k = 1
+        if x.device.type == "cuda":
+            split_k = triton.cdiv(torch.cuda.get_device_properties(x.device).multi_processor_count, n_tiles)
+    split_k = max(1, min(split_k, steps))
+    k_per_split = triton.cdiv(steps, split_k) * block_k
+    split = triton.cdiv(K, k_per_split)
+    y = split_output(split, M, N, x.dtype, x.device)
+    _fp8_swap_kernel[(n_tiles, split)](
+        x, weight, scale, y, M, N, K, x.stride(0), weight.stride(0), N, k_per_split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k_per_split % block_k == 0 and K % block_k == 0,
+        SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages)
+    return sum_splits(y, split, x.dtype)
+
+
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """quantize_rows + torch._scaled_mm (cuBLASLt fp8 GEMM, row-wise scales; sm_89+, K and N
     multiples of 16)."""
@@ -258,6 +337,10 @@ class Fp8Linear(torch.nn.Module):
     w8a8_min_rows = 64
     large_batch = "weight_only"
     gemv_config: dict = {}
+    # Opt-in (TALLOW_FP8_SWAP=1): bf16 / fp16 batches that take the weight-only GEMM use
+    # fp8_gemm_swap (the weight as the MMA's left operand) instead of fp8_gemm, until a GPU run
+    # shows it ahead (benchmarks/gpu_fp8_linear.py times both).
+    swap_ab = os.environ.get("TALLOW_FP8_SWAP") == "1"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
                  dtype: torch.dtype = torch.bfloat16):
@@ -294,7 +377,10 @@ class Fp8Linear(torch.nn.Module):
         elif M == 1:
             y = fp8_gemv(x2, self.weight, self.weight_scale, **self.gemv_config)
         elif M < self.w8a8_min_rows or self.large_batch == "weight_only":
-            y = fp8_gemm(x2, self.weight, self.weight_scale)
+            if self.swap_ab and x2.dtype in (torch.bfloat16, torch.float16):
+                y = fp8_gemm_swap(x2, self.weight, self.weight_scale)
+            else:
+                y = fp8_gemm(x2, self.weight, self.weight_scale)
         elif self.large_batch == "scaled_mm":
             y = scaled_mm(x2, self.weight, self.weight_scale, x.dtype)
         else:
@@ -308,5 +394,5 @@ class Fp8Linear(torch.nn.Module):
         return f"fp8_e4m3, in_features={self.in_features}, out_features={self.out_features}"
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "Fp8Linear", "dequantize", "fp8_gemm", "fp8_gemv", "quantize_per_channel",
-           "quantize_rows", "scaled_mm"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "Fp8Linear", "dequantize", "fp8_gemm", "fp8_gemm_swap", "fp8_gemv",
+           "quantize_per_channel", "quantize_rows", "scaled_mm"]
