@@ -472,7 +472,16 @@ _GEMV1_FORMATS = {"Q8_0": (0, False), "Q4_K": (2, False), "Q5_K": (2, True), "Q6
 # conversions of stop 29 back, the same results: benchmarks/gpu_gguf_model.py kernels times both).
 GEMV1_DEFAULTS = dict(block_n=16, num_stages=3, waves=8, unroll=2,
                       fastcvt=os.environ.get("TALLOW_GEMV1_FASTCVT", "1") != "0")
-GEMV1_TUNED: dict[tuple[str, int, int], dict] = {}
+# The stop 30 H200 tune of the Q4_K_M 8B model's shapes (`gpu_gguf_model.py decode --tune-gemv`,
+# I2F kernel; benchmarks/results/stop30/gpu/decode_q4km.log): where the best beat the defaults by
+# 5% or more. (Q4_K 28672 x 4096 and Q6_K 4096 x 14336 / 128256 x 4096: the defaults.)
+GEMV1_TUNED: dict[tuple[str, int, int], dict] = {
+    ("Q4_K", 4096, 4096): dict(block_n=8, num_warps=4, num_stages=3, waves=2),      # 13.16 -> 10.60 us
+    ("Q4_K", 5120, 4096): dict(block_n=8, num_warps=4, num_stages=3, waves=2),      # 14.84 -> 12.64
+    ("Q4_K", 6144, 4096): dict(block_n=16, num_warps=8, num_stages=3, waves=2),     # 16.32 -> 14.12
+    ("Q4_K", 4096, 14336): dict(block_n=32, num_warps=8, num_stages=3, waves=2),    # 28.19 -> 26.56
+    ("Q6_K", 1024, 4096): dict(block_n=8, num_warps=8, num_stages=3, waves=2),      # 8.26 -> 6.76
+}
 
 
 def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, split_k: int | None = None,
