@@ -6,7 +6,10 @@ held as N equal ones: a fused q/k/v layer carries each part's). Three kernels:
 - `fp8_gemv` (decode, one row): each program streams BLOCK_N whole rows of the weight (1 byte
   a weight: half of bf16's), widens them to float32 in registers, multiplies by x in float32
   and applies the row's scale once at the end. At batch 1 a step only streams weights, so
-  this is where fp8 halves the bytes read.
+  this is where fp8 halves the bytes read. The bytes become float32 through their bits
+  (`_widen_fp8`), not conversion instructions.
+- `fp8_gemm_swap` (weight-only, opt-in in Fp8Linear): the fp8 tile widened in registers as the
+  MMA's left operand, the activation the right one.
 - `fp8_gemm` with bfloat16 / float16 activations (weight-only): tiles of the weight widened to
   the activations' type in registers (e4m3 values are exact in both) and multiplied on tensor
   cores with `tl.dot`; float32 accumulation (float32 activations: float32 products); the per-channel scale applied to the accumulator. K is split

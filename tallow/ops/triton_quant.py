@@ -22,6 +22,9 @@ float32 partials summed after. `quant_gemm` (prefill): tiles of BLOCK_M x BLOCK_
 dequantized in registers, cast to bfloat16 and multiplied by the activation piece with tl.dot
 (tensor cores), float32 accumulation, one piece per K step (so the software pipeline buffers
 one activation tile per stage), K split the same way when the tiles are few.
+`quant_gemv1` (one row) widens codes through their bits instead of int-to-float conversions
+(`_code_f32`); `quant_gemv2` (1-4 rows) and `kq_gemm` (the weight tile as the MMA's left
+operand) are opt-in until a GPU run times them (`TritonQuantLinear.gemv2` / `.kq_gemm`).
 `TritonQuantLinear` holds the planes and picks one by M.
 
 Checked on the CPU only so far (interpreter; sm_90 compiles: 16-byte weight loads in the GEMV,
