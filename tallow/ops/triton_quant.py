@@ -569,7 +569,7 @@ def _gemv2_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N,
         j1 = tl.arange(0, 8)
         g3 = g1[None, :, None]
         w_off = r1[:, None, None] * (NB * 32) + g3 * 8 + j1[None, None, :]
-        xg = g1[:, None] * 64 + j1[None, :] * 4  # [4, 8]: the column of byte 0's low nibble
+        xg4 = (g1[:, None] * 64 + j1[None, :] * 4)[:, :, None] + tl.arange(0, 4)[None, None, :]  # [4, 8, 4]
         s_off = r1[:, None] * (NB * 8) + 2 * g1[None, :]
         for mi in tl.static_range(BLOCK_M):
             if mi == 0:
@@ -597,11 +597,23 @@ def _gemv2_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N,
                         A = (d * sc * 16.0)[:, :, None]
                     AB = A + (dmin * mn)[:, :, None]
                     for mi in tl.static_range(BLOCK_M):
-                        xrow = x_ptr + mi * stride_xm + b * 256 + 32 * h + xg
+                        # x[64g + 32h + 4j + p] as one [4, 8, 4] tile (16 contiguous elements a
+                        # thread: vector loads), split into its four p planes in registers
+                        x4 = tl.load(x_ptr + mi * stride_xm + b * 256 + 32 * h + xg4).to(tl.float32)
+                        xa, xb = tl.split(tl.reshape(x4, [4, 8, 2, 2]))  # p = 2k and p = 2k + 1
+                        xa0, xa2 = tl.split(xa)
+                        xb1, xb3 = tl.split(xb)
                         P = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
                         X = tl.zeros([4, 8], dtype=tl.float32)
                         for p in tl.static_range(4):
-                            xv = tl.load(xrow + p).to(tl.float32)
+                            if p == 0:
+                                xv = xa0
+                            elif p == 1:
+                                xv = xb1
+                            elif p == 2:
+                                xv = xa2
+                            else:
+                                xv = xb3
                             if QH:
                                 bits = _bits(w, 8 * p + 4 * h, 4, 18) | (((qh >> (8 * p + 2 * g3 + h)) & 1) << 22)
                             else:
@@ -633,7 +645,7 @@ def _gemv2_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N,
         vshift = 2 * (c4 % 2)
         c2 = c1[:, None, None]
         j3 = jh1[None, :, None] * 4 + jl1[None, None, :]
-        xg = (c2 // 2) * 128 + (c2 % 2) * 32 + j3 * 4  # [4, 2, 4]
+        xg4 = ((c2 // 2) * 128 + (c2 % 2) * 32 + j3 * 4)[:, :, :, None] + tl.arange(0, 4)[None, None, None, :]
         s_off = r1[:, None, None] * (NB * 16) + (c1 // 2 * 8 + (c1 % 2) * 2)[None, :, None] + jh1[None, None, :]
         for mi in tl.static_range(BLOCK_M):
             if mi == 0:
@@ -654,11 +666,21 @@ def _gemv2_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N,
                     sc = tl.load(sc_ptr + s_off + b * 16 + 4 * s).to(tl.float32)
                     A = (d * sc * 64.0)[:, :, :, None]  # (q - 32) d sc = 64 d sc (q' - 1) - 32 d sc
                     for mi in tl.static_range(BLOCK_M):
-                        xrow = x_ptr + mi * stride_xm + b * 256 + 64 * s + xg
+                        x4 = tl.load(x_ptr + mi * stride_xm + b * 256 + 64 * s + xg4).to(tl.float32)
+                        xa, xb = tl.split(tl.reshape(x4, [4, 2, 4, 2, 2]))  # p = 2k and p = 2k + 1
+                        xa0, xa2 = tl.split(xa)
+                        xb1, xb3 = tl.split(xb)
                         P = tl.zeros([BLOCK_N, 4, 2, 4], dtype=tl.float32)
                         X = tl.zeros([4, 2, 4], dtype=tl.float32)
                         for p in tl.static_range(4):
-                            xv = tl.load(xrow + p).to(tl.float32)
+                            if p == 0:
+                                xv = xa0
+                            elif p == 1:
+                                xv = xb1
+                            elif p == 2:
+                                xv = xa2
+                            else:
+                                xv = xb3
                             bits = _bits(w, 8 * p + 4 * s, 4, 17) | (((qh >> (vshift + (8 * p + 4 * s))) & 3) << 21)
                             P += _one_plus(bits) * xv[None, :, :, :]
                             X += xv
