@@ -259,7 +259,7 @@ def _variants(tq, w, M: int) -> dict:
     if M >= 9 and w.fmt in tq._KQ_GEMM_FORMATS:
         v["kq_gemm"] = lambda x: tq.kq_gemm(x, w)
         v["kq_gemm_n128w8"] = lambda x: tq.kq_gemm(x, w, block_n=128, num_warps=8)
-        v["kq_gemm_st3"] = lambda x: tq.kq_gemm(x, w, num_stages=3)
+        v["kq_gemm_m64"] = lambda x: tq.kq_gemm(x, w, block_m=64)  # (3 stages at 128 rows: over 227 KB)
         v["kq_gemm_st1"] = lambda x: tq.kq_gemm(x, w, num_stages=1)
     return v
 
