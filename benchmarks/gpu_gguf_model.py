@@ -256,6 +256,9 @@ def _variants(tq, w, M: int) -> dict:
         v["gemv2_n64"] = lambda x: tq.quant_gemv2(x, w, block_n=64)
         v["gemv2_n16"] = lambda x: tq.quant_gemv2(x, w, block_n=16)
         v["gemv2_n32w8"] = lambda x: tq.quant_gemv2(x, w, block_n=32, num_warps=8)
+    if M <= 8 and w.fmt in tq._KQ_GEMM_FORMATS:  # tensor cores for a few rows (a padded 16-row tile)
+        v["kq_gemm"] = lambda x: tq.kq_gemm(x, w)
+        v["kq_gemm_n128"] = lambda x: tq.kq_gemm(x, w, block_n=128)
     if M >= 9 and w.fmt in tq._KQ_GEMM_FORMATS:
         v["kq_gemm"] = lambda x: tq.kq_gemm(x, w)
         v["kq_gemm_n128w8"] = lambda x: tq.kq_gemm(x, w, block_n=128, num_warps=8)

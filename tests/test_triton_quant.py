@@ -226,8 +226,13 @@ def test_kq_gemm_matches_float64(where, fmt):
             xd = torch.randn(130, w.K, generator=g).to(where, dtype)
             _check(kq_gemm(xd, w), xd, reference, GEMM_TOL)
     layer = TritonQuantLinear(w)
-    layer.kq_gemm = True
+    layer.kq_gemm = "1"
     _check(layer(x), x, reference, GEMM_TOL)
+    layer.kq_gemm = "all"  # one row too (a padded 16-row tile): bf16 operands, so the GEMM bound
+    x1 = x[:1]
+    y1 = layer(x1)
+    _check(y1, x1, reference, GEMM_TOL)
+    assert torch.equal(y1, kq_gemm(x1, w))
 
 
 @pytest.mark.parametrize("where", [INTERP, CUDA])

@@ -903,8 +903,10 @@ class TritonQuantLinear(torch.nn.Module):
     gemv2 = os.environ.get("TALLOW_QUANT_GEMV2") == "1"
     # Opt-in (TALLOW_QUANT_KQ_GEMM=1): kq_gemm (weight as the MMA's left operand, dequantized in
     # registers) above gemv_max_rows rows of Q4_K / Q5_K / Q6_K, instead of quant_gemm and the
-    # bf16 temporary + cuBLAS of DEQUANT_MIN_ROWS rows on.
-    kq_gemm = os.environ.get("TALLOW_QUANT_KQ_GEMM") == "1"
+    # bf16 temporary + cuBLAS of DEQUANT_MIN_ROWS rows on; "all": for every row count (one row
+    # padded to a 16-row tile: the products on tensor cores, the GEMVs' float32 work per weight
+    # left to the dequantization alone).
+    kq_gemm = os.environ.get("TALLOW_QUANT_KQ_GEMM", "")
 
     def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8, bias: torch.Tensor | None = None,
                  dequant_min_rows: int | None = None):
@@ -933,7 +935,9 @@ class TritonQuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.gemv2 and x2.shape[0] <= GEMV2_MAX_ROWS and self.weight.fmt in _GEMV2_FORMATS:
+        if self.kq_gemm == "all" and self.weight.fmt in _KQ_GEMM_FORMATS:
+            y = kq_gemm(x2, self.weight)
+        elif self.gemv2 and x2.shape[0] <= GEMV2_MAX_ROWS and self.weight.fmt in _GEMV2_FORMATS:
             y = quant_gemv2(x2, self.weight)
         elif x2.shape[0] == 1 and self.weight.fmt in _GEMV1_FORMATS:
             y = quant_gemv1(x2, self.weight)
