@@ -26,12 +26,21 @@ left fp8_linear && timeout 70 python3 benchmarks/gpu_fp8_linear.py --m 1 32 128 
   | tee "$OUT/fp8_linear.log" | tail -16
 
 # Which opt-in paths won their kernel comparisons (the model runs below take them only then)
-read -r KQ SWAP < <(python3 - "$OUT" <<'EOF'
+read -r KQ SWAP ONE < <(python3 - "$OUT" <<'EOF'
 import json, sys
 out = sys.argv[1]
 kq = swap = 0
+one = "gemv1"
 try:
     rows = json.load(open(f"{out}/kquant_compare.json"))["results"]
+    # one row: the family whose default setting costs least over a decode step's layers
+    # (each layer shape 32 times, the LM head once)
+    ones = [r for r in rows if r["M"] == 1]
+    cost = {f: sum(r[f] * (1 if r["shape"] == "lm_head" else 32) for r in ones)
+            for f in ("gemv1", "gemv2", "kq_gemm") if ones and all(f in r for r in ones)}
+    if cost:
+        one = min(cost, key=cost.get)
+        print("one row, us per step-equivalent: " + ", ".join(f"{f} {c:.0f}" for f, c in cost.items()), file=sys.stderr)
     big = [r for r in rows if r["M"] >= 128 and "dequant_cublas" in r]
     kq_t = sum(min(v for k, v in r.items() if k.startswith("kq_gemm")) for r in big if any(k.startswith("kq_gemm") for k in r))
     old_t = sum(r["dequant_cublas"] for r in big if any(k.startswith("kq_gemm") for k in r))
@@ -47,13 +56,19 @@ try:
           f"{sum(r['fp8_weight_only_us'] for r in r32):.1f} us", file=sys.stderr)
 except Exception as e:  # noqa: BLE001
     print(f"no fp8 result: {e}", file=sys.stderr)
-print(kq, swap)
+print(kq, swap, one)
 EOF
 )
-echo "model runs: TALLOW_QUANT_KQ_GEMM=${KQ:-0} TALLOW_FP8_SWAP=${SWAP:-0}" | tee "$OUT/kquant_choices.txt"
+# the one-row path for the decode run: gemv1 (default), quant_gemv2 or kq_gemm on every row count
+DECODE_ENV=""
+[ "$ONE" = gemv2 ] && DECODE_ENV="TALLOW_QUANT_GEMV2=1"
+[ "$ONE" = kq_gemm ] && DECODE_ENV="TALLOW_QUANT_KQ_GEMM=all"
+echo "model runs: offline TALLOW_QUANT_KQ_GEMM=${KQ:-0}, fp8 TALLOW_FP8_SWAP=${SWAP:-0}, decode one row: ${ONE:-gemv1} ${DECODE_ENV}" \
+  | tee "$OUT/kquant_choices.txt"
 
-# 3. batch-1 decode of the Q4_K_M 8B (new defaults: fastcvt GEMV, the stop 30 tuned tiles)
-left decode_q4km && timeout 110 python3 benchmarks/gpu_gguf_model.py decode --model $MODEL --batch 1 --prompt-len 512 \
+# 3. batch-1 decode of the Q4_K_M 8B with the one-row family that won above (gemv1: the new
+# default, codes widened without I2F, the stop 30 tuned tiles)
+left decode_q4km && env $DECODE_ENV timeout 110 python3 benchmarks/gpu_gguf_model.py decode --model $MODEL --batch 1 --prompt-len 512 \
   --new-tokens 128 --repeats 3 --cuda-graph-max-batch 1 --out "$OUT/decode_q4km.json" 2>&1 \
   | tee "$OUT/decode_q4km.log" | tail -4
 
