@@ -7,7 +7,10 @@ triton.testing.do_bench, L2 flushed between runs):
 
 - bf16 cuBLAS (F.linear on the bf16 weight) and, at M=1, tallow's bf16 Triton GEMV;
 - fp8_gemv (M=1; GB/s = weight bytes / time against --peak-gbs);
-- weight-only fp8_gemm (bf16 activations, weights widened in registers, bf16 MMA);
+- fp8_gemv_old (M=1): the stop 30 default (Triton's e4m3 conversions, block_k 2048), and
+  fp8_gemv_cvt1024 (the conversions at block_k 1024), for comparison with fp8_gemv;
+- weight-only fp8_gemm (bf16 activations, weights widened in registers, bf16 MMA) and
+  fp8_gemm_swap (the weight as the MMA's left operand; block_k 128 and 256);
 - W8A8: quantize_rows + fp8_gemm (fp8 MMA), and quantize_rows + torch._scaled_mm (cuBLASLt).
 
 --sweep-gemv times fp8_gemv's tile settings at M=1 on every shape (the best is the default to
@@ -43,7 +46,7 @@ def run_shape(name: str, N: int, K: int, ms: list[int], peak_gbs: float, failure
     import torch
     import torch.nn.functional as F
 
-    from tallow.ops.triton_fp8 import fp8_gemm, fp8_gemv, quantize_per_channel, quantize_rows, scaled_mm
+    from tallow.ops.triton_fp8 import fp8_gemm, fp8_gemm_swap, fp8_gemv, quantize_per_channel, quantize_rows, scaled_mm
     from tallow.ops.triton_gemv import triton_gemv
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -58,7 +61,12 @@ def run_shape(name: str, N: int, K: int, ms: list[int], peak_gbs: float, failure
         if M == 1:
             paths["bf16_triton_gemv"] = (lambda: triton_gemv(x, wd), 2e-2)
             paths["fp8_gemv"] = (lambda: fp8_gemv(x, q, s), 1e-2)
+            # stop 30's default (Triton's e4m3 conversions, block_k 2048), for comparison
+            paths["fp8_gemv_old"] = (lambda: fp8_gemv(x, q, s, fastcvt=False, block_k=2048), 1e-2)
+            paths["fp8_gemv_cvt1024"] = (lambda: fp8_gemv(x, q, s, fastcvt=False, block_k=1024), 1e-2)
         paths["fp8_weight_only"] = (lambda: fp8_gemm(x, q, s), 2e-2)
+        paths["fp8_swap"] = (lambda: fp8_gemm_swap(x, q, s), 2e-2)
+        paths["fp8_swap_k256"] = (lambda: fp8_gemm_swap(x, q, s, block_k=256), 2e-2)
         def w8a8(x=x):
             xq, xs = quantize_rows(x)
             return fp8_gemm(xq, q, s, x_scale=xs, out_dtype=torch.bfloat16)
@@ -84,8 +92,8 @@ def run_shape(name: str, N: int, K: int, ms: list[int], peak_gbs: float, failure
             except Exception as e:  # a kernel that fails to compile or run: reported, the rest go on
                 failures.append(f"{name} M={M} {label}: {type(e).__name__}: {e}")
                 traceback.print_exc()
-        fp8 = [row[k] for k in ("fp8_gemv_us", "fp8_weight_only_us", "fp8_w8a8_triton_us", "fp8_w8a8_scaled_mm_us")
-               if k in row]
+        fp8 = [row[k] for k in ("fp8_gemv_us", "fp8_weight_only_us", "fp8_swap_us", "fp8_swap_k256_us",
+                                "fp8_w8a8_triton_us", "fp8_w8a8_scaled_mm_us") if k in row]
         if fp8 and "bf16_cublas_us" in row:
             best_bf16 = min(row[k] for k in ("bf16_cublas_us", "bf16_triton_gemv_us") if k in row)
             row["best_fp8_speedup"] = best_bf16 / min(fp8)

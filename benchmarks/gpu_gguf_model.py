@@ -9,6 +9,7 @@ llama.cpp's Q4_K_M mix (Q4_K everywhere; attn_v and ffn_down Q6_K on the layers 
 use_more_bits picks, the LM head Q6_K), else every projection in <type> (Q8_0, Q4_K, ...).
 
     python benchmarks/gpu_gguf_model.py kernels --out k.json        # the one-row GEMV per layer shape: GB/s, configs
+    python benchmarks/gpu_gguf_model.py compare --rows 1,4,128      # old and new kernels per shape and M, one table
     python benchmarks/gpu_gguf_model.py decode --model gguf_random:llama-3-8b --batch 1 --prompt-len 512
     python benchmarks/gpu_gguf_model.py offline --model gguf_random:llama-3-8b --num-seqs 128
 
@@ -235,6 +236,104 @@ def kernels(args) -> None:
     write_json(args.out, {"benchmark": "gpu_gguf_kernels", "results": rows})
 
 
+def _variants(tq, w, M: int) -> dict:
+    """name -> fn(x) of the kernels that serve M rows of w, old and new side by side."""
+    import torch
+
+    v = {}
+    if M == 1:
+        if w.fmt in tq._GEMV1_FORMATS:
+            v["gemv1_i2f"] = lambda x: tq.quant_gemv1(x, w, fastcvt=False)
+            v["gemv1"] = lambda x: tq.quant_gemv1(x, w, fastcvt=True)
+    elif M <= 8:
+        v["quant_gemv"] = lambda x: tq.quant_gemv(x, w)
+    else:
+        if w.fmt in tq._GEMV1_FORMATS:
+            v["dequant_cublas"] = lambda x: torch.matmul(x, tq.dequantize_weight(w, x.dtype).T)
+        v["quant_gemm"] = lambda x: tq.quant_gemm(x, w)
+    if M <= tq.GEMV2_MAX_ROWS and w.fmt in tq._GEMV2_FORMATS:
+        v["gemv2"] = lambda x: tq.quant_gemv2(x, w)
+        v["gemv2_n64"] = lambda x: tq.quant_gemv2(x, w, block_n=64)
+        v["gemv2_n16"] = lambda x: tq.quant_gemv2(x, w, block_n=16)
+        v["gemv2_n32w8"] = lambda x: tq.quant_gemv2(x, w, block_n=32, num_warps=8)
+    if M <= 8 and w.fmt in tq._KQ_GEMM_FORMATS:  # tensor cores for a few rows (a padded 16-row tile)
+        v["kq_gemm"] = lambda x: tq.kq_gemm(x, w)
+        v["kq_gemm_n128"] = lambda x: tq.kq_gemm(x, w, block_n=128)
+    if M >= 9 and w.fmt in tq._KQ_GEMM_FORMATS:
+        v["kq_gemm"] = lambda x: tq.kq_gemm(x, w)
+        v["kq_gemm_n128w8"] = lambda x: tq.kq_gemm(x, w, block_n=128, num_warps=8)
+        v["kq_gemm_m64"] = lambda x: tq.kq_gemm(x, w, block_m=64)  # (3 stages at 128 rows: over 227 KB)
+        v["kq_gemm_st1"] = lambda x: tq.kq_gemm(x, w, num_stages=1)
+    return v
+
+
+def compare(args) -> None:
+    """Old and new block kernels per layer shape and row count, side by side (one table), each
+    output checked against x @ dequantize(w).T first (a variant off by more than 2e-2 of the
+    largest output, or failing, is reported and not timed); bf16 cuBLAS on a dense weight of
+    the same shape for reference."""
+    import torch
+
+    from tallow.ops import triton_quant as tq
+    from tallow.ops.triton_quant_layout import dequantize, repack
+
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows, failures, t_start = [], [], time.perf_counter()
+    shapes = args.shapes.split(",") if args.shapes else list(SHAPES)
+    timer = time_graph
+    if args.smoke:  # the script's own check on the CPU (TRITON_INTERPRET=1): small shapes, wall time
+        shapes = ["smoke"]
+        SHAPES["smoke"] = (40, 512, ["Q4_K", "Q6_K"])
+
+        def timer(fn):
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+    for name in shapes:
+        N, K, fmts = SHAPES[name]
+        for fmt in fmts:
+            if args.formats and fmt not in args.formats.split(","):
+                continue
+            w = repack(random_gguf_blocks(fmt, N, K, g, dev), fmt, K)
+            wd = dequantize(w)
+            dense = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+            for M in (int(m) for m in args.rows.split(",")):
+                if time.perf_counter() - t_start > args.budget_s:
+                    print(f"budget spent: skipping {name} {fmt} M={M}", flush=True)
+                    continue
+                x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+                want = x.float() @ wd.T
+                row = {"shape": name, "fmt": fmt, "N": N, "K": K, "M": M, "MB": round(w.nbytes() / 1e6, 2),
+                       "cublas_bf16": timer(lambda: torch.nn.functional.linear(x, dense))}
+                for vname, fn in _variants(tq, w, M).items():
+                    try:
+                        err = ((fn(x).float() - want).abs().max() / want.abs().max()).item()
+                        if not err <= 2e-2:
+                            raise AssertionError(f"rel err {err:.3g}")
+                        row[vname] = timer(lambda: fn(x))
+                    except Exception as e:  # noqa: BLE001 (reported, the others still timed)
+                        failures.append(f"{name} {fmt} M={M} {vname}: {type(e).__name__}: {str(e)[:200]}")
+                        print("FAIL", failures[-1], flush=True)
+                timed = {k: v for k, v in row.items() if k not in ("shape", "fmt", "N", "K", "M", "MB", "cublas_bf16")}
+                if timed:
+                    best = min(timed, key=timed.get)
+                    row["best"], row["best_GBs"] = best, round(w.nbytes() / timed[best] / 1e3, 1)
+                rows.append(row)
+                print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            del w, wd, dense
+            torch.cuda.empty_cache()
+    names = ["shape", "fmt", "M", "MB", "cublas_bf16"]
+    for r in rows:
+        names += [k for k in r if k not in names and k not in ("N", "K", "best", "best_GBs")]
+    print(table(rows, names + ["best", "best_GBs"]))
+    if failures:
+        print("FAILURES:\n" + "\n".join(failures))
+    write_json(args.out, {"benchmark": "gpu_gguf_compare", "results": rows, "failures": failures})
+    if failures:
+        sys.exit(1)
+
+
 TUNE_CONFIGS = [dict(block_n=bn, num_warps=w, num_stages=3, waves=wv)
                 for bn in (8, 16, 32) for w in (4, 8) for wv in (2, 8)]
 
@@ -287,7 +386,7 @@ def _tuned_make_core(make_core, budget_s: float):
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("kernels", "decode", "offline"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("kernels", "compare", "decode", "offline"):
         print(__doc__)
         sys.exit(2)
     mode = sys.argv.pop(1)
@@ -312,9 +411,11 @@ def main() -> None:
         ap.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)}")
         ap.add_argument("--formats", default=None, help="comma-separated: only these formats")
         ap.add_argument("--sweep", action="store_true", help="time every config of CONFIGS too")
+        ap.add_argument("--rows", default="1,4,128", help="compare: the row counts M")
+        ap.add_argument("--smoke", action="store_true", help="compare on the CPU (TRITON_INTERPRET=1), tiny shapes")
         ap.add_argument("--budget-s", type=float, default=200.0)
         ap.add_argument("--out", default=None)
-        kernels(ap.parse_args())
+        (compare if mode == "compare" else kernels)(ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -307,6 +307,38 @@ def test_fp8_gemv_matches_float64(where, K):
 
 
 @pytest.mark.parametrize("where", [INTERPRETER, CUDA])
+def test_fp8_gemv_widens_every_e4m3_code_exactly(where):
+    """fastcvt (the bytes' bits under float32's exponent, sums times 2^120) against Triton's own
+    conversion and float64: a weight holding each of the 254 finite e4m3 codes (subnormals,
+    both zeros, +-448) once per row, rotated across 3 rows, one-hot and random activations."""
+    from tallow.ops.fp8 import FP8_DTYPE
+    from tallow.ops.triton_fp8 import fp8_gemv
+
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    K = 256
+    rows = torch.zeros(3, K, dtype=torch.uint8)
+    for r in range(3):
+        rows[r, :254] = codes.roll(17 * r)
+    q = rows.view(FP8_DTYPE)
+    s = torch.tensor([1.0, 0.5, 3.0])
+    reference = q.double() * s.double()[:, None]
+    g = torch.Generator().manual_seed(4)
+    qd, sd = q.to(where), s.to(where)
+    for x in (torch.eye(K)[[0, 3, 200]], torch.randn(1, K, generator=g)):
+        for row in x:
+            row = row[None].to(where)
+            fast = fp8_gemv(row, qd, sd, fastcvt=True, block_k=64)
+            _check(fast, row, reference, 1e-6)
+            _check(fp8_gemv(row, qd, sd, fastcvt=False, block_k=64), row, reference, 1e-6)
+    # one-hot activations pick single weights: equal to float64 exactly (subnormals included)
+    for j in range(0, 254, 37):
+        onehot = torch.zeros(1, K)
+        onehot[0, j] = 1.0
+        y = fp8_gemv(onehot.to(where), qd, sd, fastcvt=True, block_k=64).double().cpu()
+        assert torch.equal(y[0], reference[:, j]), (j, y, reference[:, j])
+
+
+@pytest.mark.parametrize("where", [INTERPRETER, CUDA])
 def test_fp8_gemm_weight_only_matches_float64(where):
     from tallow.ops.triton_fp8 import fp8_gemm
 
@@ -323,6 +355,33 @@ def test_fp8_gemm_weight_only_matches_float64(where):
         y = fp8_gemm(x, q, s)
         assert y.dtype == dtype
         _check(y, x, reference, 8e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize("where", [INTERPRETER, CUDA])
+def test_fp8_gemm_swap_matches_float64(where):
+    """The weight-only GEMM with the weight as the MMA's left operand: 16-bit activations
+    (exact products, float32 sums: the output's rounding), a padded row tile, K split with a
+    masked tail, and Fp8Linear's opt-in path."""
+    from tallow.ops.triton_fp8 import Fp8Linear, fp8_gemm_swap
+
+    K = 96
+    q, s, reference, g = _weights(N, K, seed=2, device=where)
+    cases = [(3, torch.float16, {}), (17, torch.bfloat16, dict(block_n=16, block_k=32, split_k=2))]
+    if where == "cuda":
+        cases += [(64, torch.bfloat16, {}), (300, torch.bfloat16, {})]
+    for M, dtype, kwargs in cases:
+        x = torch.randn(M, K, generator=g).to(where, dtype)
+        y = fp8_gemm_swap(x, q, s, **kwargs)
+        assert y.dtype == dtype
+        _check(y, x, reference, 8e-3 if dtype == torch.bfloat16 else 1e-3)
+    with pytest.raises(ValueError, match="activations"):
+        fp8_gemm_swap(torch.randn(2, K).to(where), q, s)
+    if where == "cuda":
+        layer = Fp8Linear(K, N, device=where)
+        layer.weight.data, layer.weight_scale.data = q, s
+        layer.swap_ab = True
+        x = torch.randn(5, K, generator=g).to(where, torch.bfloat16)
+        _check(layer(x), x, reference, 8e-3)
 
 
 @pytest.mark.parametrize("where", [INTERPRETER, CUDA])
@@ -604,8 +663,14 @@ def test_fp8_kernels_compile_for_hopper():
 
     f8, bf, f32 = "*fp8e4nv", "*bf16", "*fp32"
     gemv = compile_sm90(triton_fp8._fp8_gemv_kernel, {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "y_ptr": bf},
-                         dict(BLOCK_N=4, BLOCK_K=2048, EVEN_K=True), 4)
+                         dict(BLOCK_N=4, BLOCK_K=2048, EVEN_K=True, FASTCVT=False), 4)
     assert "ld.global.v4.b32" in gemv.asm["ptx"] and "e4m3x2" in gemv.asm["ptx"]
+    # fastcvt: the bytes widened by integer ops, no conversion of weights left, and float32
+    # arithmetic that keeps subnormals (e4m3 subnormals become float32 ones: no .ftz)
+    fast = compile_sm90(triton_fp8._fp8_gemv_kernel, {"x_ptr": bf, "w_ptr": "*i8", "s_ptr": f32, "y_ptr": bf},
+                        dict(BLOCK_N=4, BLOCK_K=1024, EVEN_K=True, FASTCVT=True), 4)
+    ptx = fast.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "e4m3" not in ptx and "cvt.f32.f16" not in ptx and ".ftz" not in ptx
     w8a8 = compile_sm90(triton_fp8._fp8_gemm_kernel, {"a_ptr": f8, "a_scale_ptr": f32, "w_ptr": f8,
                                                        "w_scale_ptr": f32, "y_ptr": bf},
                          dict(A_FP8=True, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=False, A16=False), 4, 3)
@@ -618,6 +683,10 @@ def test_fp8_kernels_compile_for_hopper():
                                                               "w_scale_ptr": f32, "y_ptr": bf},
                                 dict(A_FP8=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, SPLIT=True, A16=True), 4, 3)
     assert "wgmma.mma_async" in weight_only.asm["ptx"] and weight_only.metadata.shared <= 227 * 1024
+    for bm in (16, 128):  # the weight as wgmma's left operand, from registers (no shared round trip)
+        swap = compile_sm90(triton_fp8._fp8_swap_kernel, {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "y_ptr": bf},
+                            dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=False), 4, 3)
+        assert "wgmma.mma_async" in swap.asm["ptx"] and swap.metadata.shared <= 227 * 1024
     assert "async_copy_global_to_local" in weight_only.asm["ttgir"]
     rows = compile_sm90(triton_fp8._quant_rows_kernel, {"x_ptr": bf, "q_ptr": f8, "s_ptr": f32},
                          dict(BLOCK_K=1024), 4)

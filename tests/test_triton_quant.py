@@ -148,6 +148,9 @@ def test_quant_gemv1_matches_float64(where, fmt):
     _check(quant_gemv1(x, w), x, reference, GEMV_TOL[torch.float32])
     _check(quant_gemv1(x, w, split_k=2, block_n=8), x, reference, GEMV_TOL[torch.float32])
     _check(quant_gemv1(x, w, split_k=1, block_n=32, num_warps=2), x, reference, GEMV_TOL[torch.float32])
+    # the codes widened through their bits (fastcvt) or by int-to-float conversions: the same
+    # float32 values, so the same outputs bit for bit
+    assert torch.equal(quant_gemv1(x, w, fastcvt=True), quant_gemv1(x, w, fastcvt=False))
     if where == "cuda":
         for dtype in (torch.bfloat16, torch.float16):
             xd = torch.randn(1, w.K, generator=g).to(where, dtype)
@@ -166,6 +169,29 @@ def test_quant_gemv1_matches_float64(where, fmt):
 
 
 @pytest.mark.parametrize("where", [INTERP, CUDA])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+def test_quant_gemv2_matches_float64(where, fmt):
+    """The K-quant GEMV for 1..4 rows (codes as int32 words widened through their bits, per-
+    word sums with the scales applied after): float32 tolerance, a partial row tile, K split
+    with a ragged last split, and the layer's opt-in path."""
+    from tallow.ops.triton_quant import GEMV2_MAX_ROWS, TritonQuantLinear, quant_gemv2
+
+    w, reference, g = _case(fmt, where)
+    for M, kwargs in ((1, {}), (3, dict(split_k=2, block_n=16)), (GEMV2_MAX_ROWS, dict(block_n=64, unroll=1))):
+        x = torch.randn(M, w.K, generator=g).to(where)
+        _check(quant_gemv2(x, w, **kwargs), x, reference, GEMV_TOL[torch.float32])
+    if where == "cuda":
+        xd = torch.randn(2, w.K, generator=g).to(where, torch.bfloat16)
+        _check(quant_gemv2(xd, w), xd, reference, GEMV_TOL[torch.bfloat16])
+    layer = TritonQuantLinear(w)
+    layer.gemv2 = True
+    x = torch.randn(2, w.K, generator=g).to(where)
+    _check(layer(x), x, reference, GEMV_TOL[torch.float32])
+    with pytest.raises(ValueError, match="rows"):
+        quant_gemv2(torch.randn(GEMV2_MAX_ROWS + 1, w.K).to(where), w)
+
+
+@pytest.mark.parametrize("where", [INTERP, CUDA])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quant_gemm_matches_float64(where, fmt):
     from tallow.ops.triton_quant import quant_gemm
@@ -180,6 +206,33 @@ def test_quant_gemm_matches_float64(where, fmt):
         for dtype in (torch.bfloat16, torch.float16):
             x = torch.randn(17, w.K, generator=g).to(where, dtype)
             _check(quant_gemm(x, w), x, reference, GEMM_TOL)
+
+
+@pytest.mark.parametrize("where", [INTERP, CUDA])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kq_gemm_matches_float64(where, fmt):
+    """The swap-AB K-quant GEMM (weight tile dequantized in registers as the left bf16 operand):
+    bf16 tolerance for 17 rows and for 3 (a padded row tile) with K split, and the layer's
+    opt-in path above gemv_max_rows."""
+    from tallow.ops.triton_quant import TritonQuantLinear, kq_gemm
+
+    w, reference, g = _case(fmt, where)
+    x = torch.randn(17, w.K, generator=g).to(where)
+    _check(kq_gemm(x, w, block_n=32), x, reference, GEMM_TOL)
+    x3 = torch.randn(3, w.K, generator=g).to(where)
+    _check(kq_gemm(x3, w, block_n=16, split_k=2), x3, reference, GEMM_TOL)
+    if where == "cuda":  # the default tiles, 16-bit activations
+        for dtype in (torch.bfloat16, torch.float16):
+            xd = torch.randn(130, w.K, generator=g).to(where, dtype)
+            _check(kq_gemm(xd, w), xd, reference, GEMM_TOL)
+    layer = TritonQuantLinear(w)
+    layer.kq_gemm = "1"
+    _check(layer(x), x, reference, GEMM_TOL)
+    layer.kq_gemm = "all"  # one row too (a padded 16-row tile): bf16 operands, so the GEMM bound
+    x1 = x[:1]
+    y1 = layer(x1)
+    _check(y1, x1, reference, GEMM_TOL)
+    assert torch.equal(y1, kq_gemm(x1, w))
 
 
 @pytest.mark.parametrize("where", [INTERP, CUDA])
@@ -273,19 +326,41 @@ def test_kernels_compile_for_hopper(fmt):
     assert "ld.global.v4.b32" in gemv.asm["ptx"]
     if fmt in tq._GEMV1_FORMATS:  # the one-row kernel: whole blocks in 16-byte loads
         kind, qh = tq._GEMV1_FORMATS[fmt]
-        consts = dict(KIND=kind, QH=qh, BB=4 if kind == 0 else 2, BLOCK_N=16, SPLIT=True)
         aligned = [n for n in tq._gemv1_kernel.arg_names if n.endswith("_ptr") or n == "NB"]
-        gemv1 = compile_sm90(tq._gemv1_kernel, {**types, "y_ptr": "*fp32"}, consts, 4, 3, aligned=aligned)
-        ptx = gemv1.asm["ptx"]
-        loop = "".join(re.findall(r"Inner Loop Header.*?\n(.*?)bra\s+\$L__BB0_\d+;", ptx, re.S))
-        # the weights in 16-byte loads, and no layout conversion through shared memory per block
-        assert "ld.global.v4.b32" in loop and "bar.sync" not in loop and "st.shared" not in loop
+        i2f = {}
+        for fastcvt in (False, True):
+            consts = dict(KIND=kind, QH=qh, BB=4 if kind == 0 else 2, BLOCK_N=16, SPLIT=True, FASTCVT=fastcvt)
+            gemv1 = compile_sm90(tq._gemv1_kernel, {**types, "y_ptr": "*fp32"}, consts, 4, 3, aligned=aligned)
+            ptx = gemv1.asm["ptx"]
+            loop = "".join(re.findall(r"Inner Loop Header.*?\n(.*?)bra\s+\$L__BB0_\d+;", ptx, re.S))
+            # the weights in 16-byte loads, and no layout conversion through shared memory per block
+            assert "ld.global.v4.b32" in loop and "bar.sync" not in loop and "st.shared" not in loop
+            # fastcvt: the codes leave no int-to-float conversion in the loop (the K-quants' few
+            # left are the per-block scales)
+            i2f[fastcvt] = len(re.findall(r"cvt\.rn\.f32\.[su]", loop))
+        assert i2f[True] * 4 <= i2f[False] and i2f[False] >= 16, i2f
+    if fmt in ("Q4_K", "Q5_K", "Q6_K"):  # quant_gemv2: 16-byte code loads, 1 and 4 rows
+        words = {**types, "y_ptr": "*fp32", "qs_ptr": "*i32", "qh_ptr": "*i32"}
+        aligned = [n for n in tq._gemv2_kernel.arg_names if n.endswith("_ptr") or n in ("NB", "stride_xm")]
+        kind, qh = tq._GEMV2_FORMATS[fmt]
+        for bm in (1, 4):
+            consts = dict(KIND=kind, QH=qh, BLOCK_M=bm, BB=2, BLOCK_N=32, SPLIT=True)
+            gemv2 = compile_sm90(tq._gemv2_kernel, words, consts, 4, 3, aligned=aligned)
+            assert "ld.global.v4.b32" in gemv2.asm["ptx"]
         # and the kernel that writes the weight out for the cuBLAS path (bf16)
         consts = dict(KIND=kind, QH=qh, BB=4 if kind == 0 else 2, BLOCK_N=16)
         k = tq._dequant_kernel
         aligned = [n for n in k.arg_names if n.endswith("_ptr") or n in ("NB", "K")]
         deq = compile_sm90(k, types, consts, 4, 1, aligned=aligned)
         assert "ld.global.v4.b32" in deq.asm["ptx"]
+    if fmt in tq._KQ_GEMM_FORMATS:  # kq_gemm: wgmma at 128 and 16 rows, shared memory that fits
+        kind, qh = tq._KQ_GEMM_FORMATS[fmt]
+        aligned = [n for n in tq._kq_gemm_kernel.arg_names
+                   if n.endswith("_ptr") or n in ("NB", "stride_xm", "stride_ym")]
+        for bm in (128, 16):
+            consts = dict(KIND=kind, QH=qh, BLOCK_M=bm, BLOCK_N=64, SPLIT=False)
+            kq = compile_sm90(tq._kq_gemm_kernel, types, consts, 4, 2, aligned=aligned)
+            assert "wgmma.mma_async" in kq.asm["ptx"] and kq.metadata.shared <= 227 * 1024
     gemm = compile_(tq._quant_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=64, SPLIT=False), 4, 3)
     assert "wgmma.mma_async" in gemm.asm["ptx"]
     assert gemm.metadata.shared <= 227 * 1024

@@ -22,6 +22,9 @@ float32 partials summed after. `quant_gemm` (prefill): tiles of BLOCK_M x BLOCK_
 dequantized in registers, cast to bfloat16 and multiplied by the activation piece with tl.dot
 (tensor cores), float32 accumulation, one piece per K step (so the software pipeline buffers
 one activation tile per stage), K split the same way when the tiles are few.
+`quant_gemv1` (one row) widens codes through their bits instead of int-to-float conversions
+(`_code_f32`); `quant_gemv2` (1-4 rows) and `kq_gemm` (the weight tile as the MMA's left
+operand) are opt-in until a GPU run times them (`TritonQuantLinear.gemv2` / `.kq_gemm`).
 `TritonQuantLinear` holds the planes and picks one by M.
 
 Checked on the CPU only so far (interpreter; sm_90 compiles: 16-byte weight loads in the GEMV,
@@ -32,6 +35,7 @@ wgmma in the GEMM); the defaults are reasoned, not tuned: benchmarks/gpu_quant_l
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -166,9 +170,21 @@ def _quant_gemv_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
 
 
 @triton.jit
+def _code_f32(q, OFFSET: tl.constexpr, FASTCVT: tl.constexpr):
+    """Non-negative int32 codes q (< 2^23) -> float32 q - OFFSET, exactly. FASTCVT: through the
+    bits, float(2^23 + q) is (q | 0x4B000000) as a float, minus 2^23 + OFFSET (two full-rate ops;
+    an int-to-float conversion runs at 16 per clock per SM on sm_80/90, an eighth of the FMA
+    rate); else (q - OFFSET).to(float32)."""
+    if FASTCVT:
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+    else:
+        return (q - OFFSET).to(tl.float32)
+
+
+@triton.jit
 def _gemv1_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N, NB, blocks_per_split,
                   KIND: tl.constexpr, QH: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLIT: tl.constexpr):
+                  SPLIT: tl.constexpr, FASTCVT: tl.constexpr = False):
     """One activation row (decode at batch 1) for Q8_0 (KIND 0), Q4_K / Q5_K (2) and Q6_K (3):
     each step loads whole blocks of BLOCK_N rows as one 3-D tile (a row's block bytes
     contiguous: 16-byte loads; BB blocks per step), block scales as [BLOCK_N] and sub-block
@@ -177,7 +193,8 @@ def _gemv1_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N,
     products w * x per element in float32 (one cross-thread reduction at the end). Loading x
     and the scales in these shapes keeps every tensor in the weight tile's layout: no shared-
     memory conversion in the loop (sm_90 PTX checked with BLOCK_N = 4 * num_warps, one
-    16-byte weight load per thread and block). Rows past N read row 0 and are not stored."""
+    16-byte weight load per thread and block). Rows past N read row 0 and are not stored.
+    FASTCVT: the codes become float32 through their bits (_code_f32), not I2F."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -194,7 +211,7 @@ def _gemv1_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N,
         i3 = tl.arange(0, 32)[None, None, :]
         acc = tl.zeros([BLOCK_N, BB, 32], dtype=tl.float32)
         for b in range(b_start, b_end, BB):
-            q = tl.load(qs_ptr + r3 * (NB * 32) + (b + jb) * 32 + i3).to(tl.float32)
+            q = _code_f32(tl.load(qs_ptr + r3 * (NB * 32) + (b + jb) * 32 + i3).to(tl.int32) + 128, 128, FASTCVT)
             d = tl.load(d_ptr + r2 * NB + b + jb2).to(tl.float32)
             x = tl.load(x_ptr + (b + jb) * 32 + i3 + z3).to(tl.float32)
             acc += q * d[:, :, None] * x
@@ -222,7 +239,7 @@ def _gemv1_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N,
                 mn_hi = (tl.load(mn_ptr + s_base + 1).to(tl.float32) * dmin)[:, :, None]
                 x_lo = tl.load(x_ptr + b * 256 + g3 * 64 + i3 + z3).to(tl.float32)
                 x_hi = tl.load(x_ptr + b * 256 + g3 * 64 + 32 + i3 + z3).to(tl.float32)
-                acc += (lo.to(tl.float32) * sc_lo - mn_lo) * x_lo + (hi.to(tl.float32) * sc_hi - mn_hi) * x_hi
+                acc += (_code_f32(lo, 0, FASTCVT) * sc_lo - mn_lo) * x_lo + (_code_f32(hi, 0, FASTCVT) * sc_hi - mn_hi) * x_hi
     else:  # Q6_K: 16-byte chunk c of ql: chunk c of element e0 = 128(c//4) + 32((c//2)%2) + 16(c%2) + i (low
         # nibble; high nibble e0 + 64); high bits in qh byte 32(c//4) + 16(c%2) + i; a scale per 16.
         c2 = tl.arange(0, 8)[None, :]
@@ -242,11 +259,11 @@ def _gemv1_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N,
                 s_base = r2 * (NB * 16) + b * 16 + s0
                 sc_lo = (tl.load(sc_ptr + s_base).to(tl.float32) * d)[:, :, None]
                 sc_hi = (tl.load(sc_ptr + s_base + 4).to(tl.float32) * d)[:, :, None]
-                lo = ((ql & 0xF) | (((qh >> sh) & 3) << 4)) - 32
-                hi = ((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)) - 32
+                lo = (ql & 0xF) | (((qh >> sh) & 3) << 4)
+                hi = (ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)
                 x_lo = tl.load(x_ptr + b * 256 + e0 + i3 + z3).to(tl.float32)
                 x_hi = tl.load(x_ptr + b * 256 + e0 + 64 + i3 + z3).to(tl.float32)
-                acc += lo.to(tl.float32) * sc_lo * x_lo + hi.to(tl.float32) * sc_hi * x_hi
+                acc += _code_f32(lo, 32, FASTCVT) * sc_lo * x_lo + _code_f32(hi, 32, FASTCVT) * sc_hi * x_hi
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if SPLIT:
         tl.store(y_ptr + pid_k * N + rows, y, mask=rmask)
@@ -454,13 +471,25 @@ _GEMV1_FORMATS = {"Q8_0": (0, False), "Q4_K": (2, False), "Q5_K": (2, True), "Q6
 # num_warps = block_n / 4 gives one 16-byte weight load per thread and block (the layout the
 # loop keeps without conversions); unroll: K-quant super-blocks per loop step (Q8_0: up to 4
 # blocks of 32 per step).
-GEMV1_DEFAULTS = dict(block_n=16, num_stages=3, waves=8, unroll=2)
-GEMV1_TUNED: dict[tuple[str, int, int], dict] = {}
+# fastcvt: codes widened through their bits (_code_f32; TALLOW_GEMV1_FASTCVT=0 takes the I2F
+# conversions of stop 29 back, the same results: benchmarks/gpu_gguf_model.py kernels times both).
+GEMV1_DEFAULTS = dict(block_n=16, num_stages=3, waves=8, unroll=2,
+                      fastcvt=os.environ.get("TALLOW_GEMV1_FASTCVT", "1") != "0")
+# The stop 30 H200 tune of the Q4_K_M 8B model's shapes (`gpu_gguf_model.py decode --tune-gemv`,
+# I2F kernel; benchmarks/results/stop30/gpu/decode_q4km.log): where the best beat the defaults by
+# 5% or more. (Q4_K 28672 x 4096 and Q6_K 4096 x 14336 / 128256 x 4096: the defaults.)
+GEMV1_TUNED: dict[tuple[str, int, int], dict] = {
+    ("Q4_K", 4096, 4096): dict(block_n=8, num_warps=4, num_stages=3, waves=2),      # 13.16 -> 10.60 us
+    ("Q4_K", 5120, 4096): dict(block_n=8, num_warps=4, num_stages=3, waves=2),      # 14.84 -> 12.64
+    ("Q4_K", 6144, 4096): dict(block_n=16, num_warps=8, num_stages=3, waves=2),     # 16.32 -> 14.12
+    ("Q4_K", 4096, 14336): dict(block_n=32, num_warps=8, num_stages=3, waves=2),    # 28.19 -> 26.56
+    ("Q6_K", 1024, 4096): dict(block_n=8, num_warps=8, num_stages=3, waves=2),      # 8.26 -> 6.76
+}
 
 
 def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, split_k: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
-                unroll: int | None = None) -> torch.Tensor:
+                unroll: int | None = None, fastcvt: bool | None = None) -> torch.Tensor:
     """x[1, K] @ W^T for Q8_0 / Q4_K / Q5_K / Q6_K: whole blocks per load (_gemv1_kernel),
     float32 products and sums. K is split over programs (float32 partials summed in a second
     pass) until there are `waves` programs per SM."""
@@ -472,6 +501,8 @@ def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, 
     opts = {**GEMV1_DEFAULTS, **GEMV1_TUNED.get((w.fmt, w.N, w.K), {})}
     if unroll is not None:
         opts["unroll"] = unroll
+    if fastcvt is not None:
+        opts["fastcvt"] = fastcvt
     block_n = block_n or opts["block_n"]
     num_warps = num_warps or opts.get("num_warps") or max(1, min(8, block_n // 4))
     num_stages = num_stages or opts["num_stages"]
@@ -486,6 +517,238 @@ def quant_gemv1(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, 
     y = split_output(split, 1, N, x.dtype, x.device)
     _gemv1_kernel[(n_tiles, split)](
         x, y, *_planes(w), N, NB, blocks_per_split, KIND=kind, QH=qh, BB=bb, BLOCK_N=block_n,
+        SPLIT=split > 1, FASTCVT=bool(opts["fastcvt"]), num_warps=num_warps, num_stages=num_stages)
+    return sum_splits(y, split, x.dtype)
+
+
+# --- gemv2: K-quant GEMV for 1..8 rows without int-to-float conversions ----------------------
+# A nibble (or 5- / 6-bit code) q becomes a float32 with integer ops only: its bits are moved
+# into the top of a float's mantissa under the exponent of 1.0, giving 1 + q / 2^bits exactly
+# (no I2F, which runs at 16 per clock per SM on sm_80/90 against 128 FMAs: the old kernels'
+# limit). Per sub-block, sum (1 + q/2^b) x = sum x + (sum q x) / 2^b, so
+#     sum (q * d*sc - dmin*mn) x = 2^b d*sc (P - X) - dmin*mn X,   P = sum q' x, X = sum x,
+# P, X per thread and 32-bit word of codes (4 columns): one FMA per weight, the scales applied
+# per word. Codes are read as int32 words (16-byte loads), the activation as [words] tiles
+# broadcast over the rows (a slice of the weight tile's layout: loaded once per program, reused
+# by every row a thread holds), float32 throughout.
+
+@triton.jit
+def _bits(w, lsb: tl.constexpr, width: tl.constexpr, dst: tl.constexpr):
+    """Bits [lsb, lsb + width) of the int32 words w moved to [dst, dst + width), others zero."""
+    mask: tl.constexpr = ((1 << width) - 1) << dst
+    if lsb >= dst:
+        return (w >> (lsb - dst)) & mask
+    else:
+        return (w << (dst - lsb)) & mask
+
+
+@triton.jit
+def _one_plus(bits):
+    """int32 bits (a code under 2^23 already shifted into the mantissa) -> 1 + bits / 2^23."""
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv2_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, N, NB, stride_xm,
+                  blocks_per_split, KIND: tl.constexpr, QH: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BB: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """y[m, n] for the BLOCK_M (1..4) rows of x of Q4_K / Q5_K (KIND 2) or Q6_K (KIND 3); qs_ptr
+    (and Q5_K / Q6_K's qh_ptr) are the code planes as int32 words. Rows past N read row 0 and
+    are not stored. SPLIT: float32 partials [split, M, N] (summed by sum_splits)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r1 = tl.where(rmask, rows, 0).to(tl.int64)
+    b_start = pid_k * blocks_per_split
+    b_end = tl.minimum(b_start + blocks_per_split, NB)
+    if KIND == 2:
+        # word j of group g (bytes 32g + 4j .. +3): byte p's low nibble is column 64g + 4j + p
+        # (sub-block 2g), its high nibble column 64g + 32 + 4j + p (sub-block 2g + 1).
+        g1 = tl.arange(0, 4)
+        j1 = tl.arange(0, 8)
+        g3 = g1[None, :, None]
+        w_off = r1[:, None, None] * (NB * 32) + g3 * 8 + j1[None, None, :]
+        xg4 = (g1[:, None] * 64 + j1[None, :] * 4)[:, :, None] + tl.arange(0, 4)[None, None, :]  # [4, 8, 4]
+        s_off = r1[:, None] * (NB * 8) + 2 * g1[None, :]
+        for mi in tl.static_range(BLOCK_M):
+            if mi == 0:
+                acc0 = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
+            elif mi == 1:
+                acc1 = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
+            elif mi == 2:
+                acc2 = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
+            elif mi == 3:
+                acc3 = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
+        for b0 in range(b_start, b_end, BB):
+            for u in tl.static_range(BB):
+                b = b0 + u
+                w = tl.load(qs_ptr + w_off + b * 32)
+                if QH:  # Q5_K: qh byte i (= 4j + p) bit 2g + h is the fifth bit of sub-block 2g + h
+                    qh = tl.load(qh_ptr + r1[:, None, None] * (NB * 8) + b * 8 + j1[None, None, :] + g3 * 0)
+                d = tl.load(d_ptr + r1 * NB + b).to(tl.float32)[:, None]
+                dmin = tl.load(m_ptr + r1 * NB + b).to(tl.float32)[:, None]
+                for h in tl.static_range(2):
+                    sc = tl.load(sc_ptr + s_off + b * 8 + h).to(tl.float32)
+                    mn = tl.load(mn_ptr + s_off + b * 8 + h).to(tl.float32)
+                    if QH:
+                        A = (d * sc * 32.0)[:, :, None]
+                    else:
+                        A = (d * sc * 16.0)[:, :, None]
+                    AB = A + (dmin * mn)[:, :, None]
+                    for mi in tl.static_range(BLOCK_M):
+                        # x[64g + 32h + 4j + p] as one [4, 8, 4] tile (16 contiguous elements a
+                        # thread: vector loads), split into its four p planes in registers
+                        x4 = tl.load(x_ptr + mi * stride_xm + b * 256 + 32 * h + xg4).to(tl.float32)
+                        xa, xb = tl.split(tl.reshape(x4, [4, 8, 2, 2]))  # p = 2k and p = 2k + 1
+                        xa0, xa2 = tl.split(xa)
+                        xb1, xb3 = tl.split(xb)
+                        P = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
+                        X = tl.zeros([4, 8], dtype=tl.float32)
+                        for p in tl.static_range(4):
+                            if p == 0:
+                                xv = xa0
+                            elif p == 1:
+                                xv = xb1
+                            elif p == 2:
+                                xv = xa2
+                            else:
+                                xv = xb3
+                            if QH:
+                                bits = _bits(w, 8 * p + 4 * h, 4, 18) | (((qh >> (8 * p + 2 * g3 + h)) & 1) << 22)
+                            else:
+                                bits = _bits(w, 8 * p + 4 * h, 4, 19)
+                            P += _one_plus(bits) * xv[None, :, :]
+                            X += xv
+                        t = A * P - AB * X[None, :, :]
+                        if mi == 0:
+                            acc0 += t
+                        elif mi == 1:
+                            acc1 += t
+                        elif mi == 2:
+                            acc2 += t
+                        else:
+                            acc3 += t
+    else:
+        # Q6_K: ql word 8c + j (c = 2hh + v: bytes 64hh + 32v + 4j .. +3), byte p: low nibble
+        # (s = 0) is column 128hh + 32v + 4j + p, high nibble (s = 1) that + 64; their top two
+        # bits are bits 2(2s + v) of qh byte 32hh + 4j + p (qh word 8hh + j). Sub-block of 16:
+        # 8hh + 4s + 2v + j // 4, so j is split into jh (4 words each side) and jl.
+        c1 = tl.arange(0, 4)
+        jh1 = tl.arange(0, 2)
+        jl1 = tl.arange(0, 4)
+        c4 = c1[None, :, None, None]
+        j4 = jh1[None, None, :, None] * 4 + jl1[None, None, None, :]
+        r4 = r1[:, None, None, None]
+        w_off = r4 * (NB * 32) + c4 * 8 + j4
+        h_off = r4 * (NB * 16) + (c4 // 2) * 8 + j4
+        vshift = 2 * (c4 % 2)
+        c2 = c1[:, None, None]
+        j3 = jh1[None, :, None] * 4 + jl1[None, None, :]
+        xg4 = ((c2 // 2) * 128 + (c2 % 2) * 32 + j3 * 4)[:, :, :, None] + tl.arange(0, 4)[None, None, None, :]
+        s_off = r1[:, None, None] * (NB * 16) + (c1 // 2 * 8 + (c1 % 2) * 2)[None, :, None] + jh1[None, None, :]
+        for mi in tl.static_range(BLOCK_M):
+            if mi == 0:
+                acc0 = tl.zeros([BLOCK_N, 4, 2, 4], dtype=tl.float32)
+            elif mi == 1:
+                acc1 = tl.zeros([BLOCK_N, 4, 2, 4], dtype=tl.float32)
+            elif mi == 2:
+                acc2 = tl.zeros([BLOCK_N, 4, 2, 4], dtype=tl.float32)
+            elif mi == 3:
+                acc3 = tl.zeros([BLOCK_N, 4, 2, 4], dtype=tl.float32)
+        for b0 in range(b_start, b_end, BB):
+            for u in tl.static_range(BB):
+                b = b0 + u
+                w = tl.load(qs_ptr + w_off + b * 32)
+                qh = tl.load(qh_ptr + h_off + b * 16)
+                d = tl.load(d_ptr + r1 * NB + b).to(tl.float32)[:, None, None]
+                for s in tl.static_range(2):
+                    sc = tl.load(sc_ptr + s_off + b * 16 + 4 * s).to(tl.float32)
+                    A = (d * sc * 64.0)[:, :, :, None]  # (q - 32) d sc = 64 d sc (q' - 1) - 32 d sc
+                    for mi in tl.static_range(BLOCK_M):
+                        x4 = tl.load(x_ptr + mi * stride_xm + b * 256 + 64 * s + xg4).to(tl.float32)
+                        xa, xb = tl.split(tl.reshape(x4, [4, 2, 4, 2, 2]))  # p = 2k and p = 2k + 1
+                        xa0, xa2 = tl.split(xa)
+                        xb1, xb3 = tl.split(xb)
+                        P = tl.zeros([BLOCK_N, 4, 2, 4], dtype=tl.float32)
+                        X = tl.zeros([4, 2, 4], dtype=tl.float32)
+                        for p in tl.static_range(4):
+                            if p == 0:
+                                xv = xa0
+                            elif p == 1:
+                                xv = xb1
+                            elif p == 2:
+                                xv = xa2
+                            else:
+                                xv = xb3
+                            bits = _bits(w, 8 * p + 4 * s, 4, 17) | (((qh >> (vshift + (8 * p + 4 * s))) & 3) << 21)
+                            P += _one_plus(bits) * xv[None, :, :, :]
+                            X += xv
+                        t = A * (P - 1.5 * X[None, :, :, :])
+                        if mi == 0:
+                            acc0 += t
+                        elif mi == 1:
+                            acc1 += t
+                        elif mi == 2:
+                            acc2 += t
+                        else:
+                            acc3 += t
+    for mi in tl.static_range(BLOCK_M):
+        if mi == 0:
+            acc = acc0
+        elif mi == 1:
+            acc = acc1
+        elif mi == 2:
+            acc = acc2
+        else:
+            acc = acc3
+        if KIND == 2:
+            y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        else:
+            y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+        if SPLIT:
+            tl.store(y_ptr + (pid_k * BLOCK_M + mi) * N + rows, y, mask=rmask)
+        else:
+            tl.store(y_ptr + mi * N + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+# Formats of gemv2 -> (KIND, QH); its defaults (like GEMV1_DEFAULTS) and per-shape overrides.
+_GEMV2_FORMATS = {"Q4_K": (2, False), "Q5_K": (2, True), "Q6_K": (3, False)}
+GEMV2_MAX_ROWS = 4
+GEMV2_DEFAULTS = dict(block_n=32, num_warps=4, num_stages=3, waves=4, unroll=2)
+GEMV2_TUNED: dict[tuple[str, int, int, int], dict] = {}
+
+
+def quant_gemv2(x: torch.Tensor, w: QuantWeight, *, block_n: int | None = None, split_k: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, waves: int | None = None,
+                unroll: int | None = None) -> torch.Tensor:
+    """x[M, K] @ W^T for M <= GEMV2_MAX_ROWS rows of Q4_K / Q5_K / Q6_K (_gemv2_kernel): codes
+    read once as int32 words for all rows, widened without int-to-float conversions, float32
+    sums. K is split over programs (float32 partials summed after) until there are `waves`
+    programs per SM. Output [M, N] in x's dtype."""
+    x = _check(x, w)
+    M = x.shape[0]
+    if w.fmt not in _GEMV2_FORMATS or not 1 <= M <= GEMV2_MAX_ROWS:
+        raise ValueError(f"quant_gemv2 takes 1..{GEMV2_MAX_ROWS} rows of {', '.join(_GEMV2_FORMATS)}")
+    opts = {**GEMV2_DEFAULTS, **GEMV2_TUNED.get((w.fmt, w.N, w.K, M), {})}
+    block_n = block_n or opts["block_n"]
+    num_warps = num_warps or opts["num_warps"]
+    num_stages = num_stages or opts["num_stages"]
+    waves = waves or opts["waves"]
+    unroll = unroll or opts["unroll"]
+    N, NB = w.N, w.blocks_per_row
+    kind, qh = _GEMV2_FORMATS[w.fmt]
+    bb = unroll if NB % unroll == 0 else 1
+    n_tiles = triton.cdiv(N, block_n)
+    if split_k is None and x.device.type == "cuda":
+        split_k = triton.cdiv(waves * _sm_count(x.device), n_tiles)
+    split, blocks_per_split = _split_plan(NB, bb, n_tiles, split_k or 1, x.device)
+    y = split_output(split, M, N, x.dtype, x.device)
+    qs = w.qs.view(torch.int32)
+    qhw = w.qh.view(torch.int32) if w.qh is not None else qs
+    _gemv2_kernel[(n_tiles, split)](
+        x, y, qs, qhw, w.d, w.m if w.m is not None else w.d, w.sc, w.mn if w.mn is not None else w.sc,
+        N, NB, x.stride(0), blocks_per_split, KIND=kind, QH=qh, BLOCK_M=M, BB=bb, BLOCK_N=block_n,
         SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages)
     return sum_splits(y, split, x.dtype)
 
@@ -524,6 +787,106 @@ def quant_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, b
     return sum_splits(y, split, x.dtype)
 
 
+# --- kq_gemm: K-quant GEMM with the weight as the MMA's left operand (many rows) -------------
+
+@triton.jit
+def _kq_gemm_kernel(x_ptr, y_ptr, qs_ptr, qh_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, M, N, NB, stride_xm, stride_ym,
+                    blocks_per_split, KIND: tl.constexpr, QH: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """y^T[n, m] = W[n, :] . x[m, :] for Q4_K / Q5_K (KIND 2) and Q6_K (KIND 3), "swap AB": the
+    weight tile [BLOCK_N, 64] dequantized in registers (codes through their bits, float32
+    scales, rounded to bf16) is the left operand of a bf16 tl.dot, the activation tile
+    [64, BLOCK_M] the right one (wgmma takes any BLOCK_M of 16..256 there, so a few rows waste
+    little), float32 accumulation. Each super-block is 2 halves x 2 nibbles of 64 columns:
+    half t, nibble s, tile position p = 32u + i holds column 128t + 64u + 32s + i for Q4_K/Q5_K
+    (u: group 2t + u), 128t + 64s + 32u + i for Q6_K (u: v). Programs that share a weight tile are launched together (M
+    tiles vary fastest); axis 1 splits K (SPLIT: float32 partials [split, M, N])."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r1 = tl.where(rmask, rows, 0).to(tl.int64)
+    r4 = r1[:, None, None, None]
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    u1 = tl.arange(0, 2)
+    u4 = u1[None, :, None, None]
+    i4 = (tl.arange(0, 2)[:, None] * 16 + tl.arange(0, 16)[None, :])[None, None, :, :]  # i = 16 i16 + il
+    u3 = u1[None, :, None]
+    p = tl.arange(0, 64)
+    x_rows = x_ptr + ms.to(tl.int64)[None, :] * stride_xm
+    col = 64 * (p // 32) + p % 32  # + 128 t + 32 s
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    b_start = pid_k * blocks_per_split
+    b_end = tl.minimum(b_start + blocks_per_split, NB)
+    for b in range(b_start, b_end):
+        d = tl.load(d_ptr + r1 * NB + b).to(tl.float32)[:, None, None, None]
+        if KIND == 2:
+            dmin = tl.load(m_ptr + r1 * NB + b).to(tl.float32)[:, None, None, None]
+        for t in tl.static_range(2):
+            q8 = tl.load(qs_ptr + r4 * (NB * 128) + b * 128 + 64 * t + 32 * u4 + i4).to(tl.int32)
+            if KIND == 3:
+                qh = tl.load(qh_ptr + r4 * (NB * 64) + b * 64 + 32 * t + i4 + u4 * 0).to(tl.int32)
+            if KIND == 2 and QH:
+                qh = tl.load(qh_ptr + r4 * (NB * 32) + b * 32 + i4 + u4 * 0).to(tl.int32)
+            for s in tl.static_range(2):
+                if KIND == 2:
+                    q = (q8 >> (4 * s)) & 0xF
+                    if QH:
+                        q = q | (((qh >> (2 * (2 * t + u4) + s)) & 1) << 4)
+                    sub = 2 * (2 * t + u3) + s  # [1, 2, 1]
+                    sc = tl.load(sc_ptr + r1[:, None, None] * (NB * 8) + b * 8 + sub).to(tl.float32)
+                    mn = tl.load(mn_ptr + r1[:, None, None] * (NB * 8) + b * 8 + sub).to(tl.float32)
+                    w = _code_f32(q, 0, True) * (d * sc[:, :, :, None]) - dmin * mn[:, :, :, None]
+                else:
+                    q = ((q8 >> (4 * s)) & 0xF) | (((qh >> (2 * (2 * s + u4))) & 3) << 4)
+                    # sub-block of 16: 8t + 4s + 2v + i // 16
+                    sub = 8 * t + 4 * s + 2 * u3 + tl.arange(0, 2)[None, None, :]  # [1, 2, 2]
+                    sc = tl.load(sc_ptr + r1[:, None, None] * (NB * 16) + b * 16 + sub).to(tl.float32)
+                    w = _code_f32(q, 32, True) * (d * sc[:, :, :, None])
+                a = tl.reshape(w, [BLOCK_N, 64]).to(tl.bfloat16)
+                if KIND == 2:
+                    xcol = b * 256 + 128 * t + 32 * s + col
+                else:
+                    xcol = b * 256 + 128 * t + 64 * s + p
+                xt = tl.load(x_rows + xcol[:, None], mask=mmask[None, :], other=0.0)
+                acc = tl.dot(a, xt.to(tl.bfloat16), acc)
+    out_mask = rmask[:, None] & mmask[None, :]
+    if SPLIT:
+        tl.store(y_ptr + (pid_k * M + ms.to(tl.int64))[None, :] * N + rows[:, None], acc, mask=out_mask)
+    else:
+        tl.store(y_ptr + ms.to(tl.int64)[None, :] * stride_ym + rows[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=out_mask)
+
+
+_KQ_GEMM_FORMATS = {"Q4_K": (2, False), "Q5_K": (2, True), "Q6_K": (3, False)}
+
+
+def kq_gemm(x: torch.Tensor, w: QuantWeight, *, block_m: int | None = None, block_n: int = 64,
+            split_k: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """x[M, K] @ W^T for Q4_K / Q5_K / Q6_K and any M (_kq_gemm_kernel): bf16 tensor-core products
+    of the activation and the weight dequantized in registers, float32 accumulation, output in
+    x's dtype. K is split (float32 partials summed after) when the tiles are too few."""
+    x = _check(x, w)
+    if w.fmt not in _KQ_GEMM_FORMATS:
+        raise ValueError(f"kq_gemm takes {', '.join(_KQ_GEMM_FORMATS)}")
+    M, N = x.shape[0], w.N
+    if block_m is None:
+        block_m = 128 if M >= 128 else max(16, triton.next_power_of_2(M))
+    n_tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split, blocks_per_split = _split_plan(w.blocks_per_row, 1, n_tiles, split_k, x.device)
+    y = split_output(split, M, N, x.dtype, x.device)
+    kind, qh = _KQ_GEMM_FORMATS[w.fmt]
+    _kq_gemm_kernel[(n_tiles, split)](
+        x, y, *_planes(w), M, N, w.blocks_per_row, x.stride(0), N, blocks_per_split,
+        KIND=kind, QH=qh, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split > 1,
+        num_warps=num_warps, num_stages=num_stages)
+    return sum_splits(y, split, x.dtype)
+
+
 class TritonQuantLinear(torch.nn.Module):
     """A bias-free Linear whose weight [N, K] is GGUF blocks in planes: `quant_gemv` up to
     `gemv_max_rows` rows, `quant_gemm` above."""
@@ -535,6 +898,15 @@ class TritonQuantLinear(torch.nn.Module):
     # temporary (a large LM head keeps quant_gemm). Operands are rounded to bf16 on both paths.
     DEQUANT_MIN_ROWS = 128
     DEQUANT_MAX_BYTES = 512 << 20
+    # Opt-in (TALLOW_QUANT_GEMV2=1): quant_gemv2 for 1..GEMV2_MAX_ROWS rows of the K-quants,
+    # until a GPU run shows it ahead of quant_gemv1 / quant_gemv (benchmarks/gpu_gguf_model.py kernels).
+    gemv2 = os.environ.get("TALLOW_QUANT_GEMV2") == "1"
+    # Opt-in (TALLOW_QUANT_KQ_GEMM=1): kq_gemm (weight as the MMA's left operand, dequantized in
+    # registers) above gemv_max_rows rows of Q4_K / Q5_K / Q6_K, instead of quant_gemm and the
+    # bf16 temporary + cuBLAS of DEQUANT_MIN_ROWS rows on; "all": for every row count (one row
+    # padded to a 16-row tile: the products on tensor cores, the GEMVs' float32 work per weight
+    # left to the dequantization alone).
+    kq_gemm = os.environ.get("TALLOW_QUANT_KQ_GEMM", "")
 
     def __init__(self, weight: QuantWeight, gemv_max_rows: int = 8, bias: torch.Tensor | None = None,
                  dequant_min_rows: int | None = None):
@@ -563,10 +935,16 @@ class TritonQuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] == 1 and self.weight.fmt in _GEMV1_FORMATS:
+        if self.kq_gemm == "all" and self.weight.fmt in _KQ_GEMM_FORMATS:
+            y = kq_gemm(x2, self.weight)
+        elif self.gemv2 and x2.shape[0] <= GEMV2_MAX_ROWS and self.weight.fmt in _GEMV2_FORMATS:
+            y = quant_gemv2(x2, self.weight)
+        elif x2.shape[0] == 1 and self.weight.fmt in _GEMV1_FORMATS:
             y = quant_gemv1(x2, self.weight)
         elif x2.shape[0] <= self.gemv_max_rows:
             y = quant_gemv(x2, self.weight)
+        elif self.kq_gemm and self.weight.fmt in _KQ_GEMM_FORMATS:
+            y = kq_gemm(x2, self.weight)
         elif (x2.shape[0] >= self.dequant_min_rows and self.weight.fmt in _GEMV1_FORMATS
               and self.weight.N * self.weight.K * x2.element_size() <= self.DEQUANT_MAX_BYTES):
             # bf16 operands as quant_gemm's (the same numbers whichever path a row count takes)
@@ -585,4 +963,4 @@ class TritonQuantLinear(torch.nn.Module):
         return f"{self.weight.fmt}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-__all__ = ["TritonQuantLinear", "dequantize_weight", "quant_gemm", "quant_gemv", "quant_gemv1"]
+__all__ = ["TritonQuantLinear", "dequantize_weight", "quant_gemm", "quant_gemv", "quant_gemv1", "quant_gemv2", "kq_gemm"]
