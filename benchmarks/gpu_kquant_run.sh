@@ -72,9 +72,9 @@ left decode_q4km && env $DECODE_ENV timeout 110 python3 benchmarks/gpu_gguf_mode
   --new-tokens 128 --repeats 3 --cuda-graph-max-batch 1 --out "$OUT/decode_q4km.json" 2>&1 \
   | tee "$OUT/decode_q4km.log" | tail -4
 
-# 4. fp8 8B decode at 1 and 32 sequences (fastcvt GEMV; fp8_gemm_swap at 32 when it won above)
-left decode_fp8 && TALLOW_FP8_SWAP=${SWAP:-0} timeout 90 python3 benchmarks/decode_latency.py --model dummy:llama-3-8b \
-  --batch 1 32 --prompt-len 512 --new-tokens 128 --repeats 3 --variants fp8/auto --out "$OUT/decode_fp8.json" 2>&1 \
+# 4. bf16 and fp8 8B decode at 1 and 32 sequences, side by side (fastcvt GEMV; fp8_gemm_swap at 32 when it won above)
+left decode_fp8 && TALLOW_FP8_SWAP=${SWAP:-0} timeout 150 python3 benchmarks/decode_latency.py --model dummy:llama-3-8b \
+  --batch 1 32 --prompt-len 512 --new-tokens 128 --repeats 3 --variants auto/auto fp8/auto --out "$OUT/decode_fp8.json" 2>&1 \
   | tee "$OUT/decode_fp8.log" | tail -4
 
 # 5. the gpu tests of what changed (odd shapes, 16-bit activations, K splits; the compare and
