@@ -121,7 +121,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
 # (12.0 / 45.5 us against 14.4 / 59.1 at 2048; fp8_linear.log); fastcvt: _widen_fp8 through the
 # bits (TALLOW_FP8_FASTCVT=0: Triton's conversions, as before).
 FP8_GEMV_DEFAULTS = dict(block_n=4, block_k=1024, num_warps=4, num_stages=2,
-                         fastcvt=os.environ.get("TALLOW_FP8_FASTCVT", "1") != "0")
+                         fastcvt=os.environ.get("TALLOW_FP8_FASTCVT", "0") == "1")
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, block_n: int | None = None,
