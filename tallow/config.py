@@ -74,8 +74,8 @@ class EngineConfig:
     grammar_jump_forward: bool = True
     # While more than this many sequences run, forced tokens are computed one per step (a
     # single-token row that does not sample, which a decode CUDA graph replays) instead of as a
-    # chunk (which makes the whole step eager). None: 4 where decode CUDA graphs run, no limit
-    # elsewhere (the CPU and eager steps gain from every chunk).
+    # chunk (which makes the whole step eager). None: no limit (on an H200, stop 30, chunks won
+    # at 8 and 32 sequences: 0.14 / 0.17 s against 0.34 / 0.36 s with a limit of 4).
     jump_forward_chunk_max_seqs: int | None = None
     # Speculative decoding inside the continuous batch (tallow/engine/speculative/): None (off)
     # or "ngram" (prompt lookup: the longest recent suffix of ngram_max down to ngram_min tokens

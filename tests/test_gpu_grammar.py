@@ -56,7 +56,7 @@ def test_bitmasks_unpacked_on_the_device_equal_the_cpu_path():
         assert torch.isinf(cpu).any() and torch.isfinite(cpu).any()
 
 
-@pytest.mark.parametrize("chunk_max_seqs", [None, 0])
+@pytest.mark.parametrize("chunk_max_seqs", [None, 4, 0])
 def test_engine_on_cuda_follows_grammars_beside_free_rows(tmp_path, chunk_max_seqs):
     import llguidance as llg
 
@@ -77,7 +77,7 @@ def test_engine_on_cuda_follows_grammars_beside_free_rows(tmp_path, chunk_max_se
                                            max_num_seqs=16, jump_forward_chunk_max_seqs=chunk_max_seqs))
     core = EngineCore(cfg, loaded=loaded)
     assert core.async_scheduling and core.runner.graphs is not None
-    assert core.scheduler.forced_chunk_max_seqs == (4 if chunk_max_seqs is None else 0)
+    assert core.scheduler.forced_chunk_max_seqs == chunk_max_seqs  # None: chunks at any batch
     tok = core.tokenizer
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA, separators=(",", ":")))
     prompts = [tok.encode(f"record {i}:") for i in range(6)]

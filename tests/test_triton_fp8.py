@@ -752,21 +752,29 @@ def test_quantize_model_fp8_replaces_the_projections_only():
 def test_gguf_file_with_quantization_fp8_is_quantized(tmp_path, where):
     """`--quantization fp8` on a GGUF of block types on CUDA: the blocks are dequantized and the
     projections quantized to fp8 (not kept as blocks while the engine reports fp8); logits within
-    2% of the same file served in bf16."""
-    from gguf_files import write_llama_gguf
+    15% of the same file served in bf16 (prefill, decode of one row and of three): e4m3 rounds
+    each of these random, wide-ranged weights by up to 6%, and an H100 measured 6-9%; keeping
+    the blocks or a wrong scale gives errors of order 1."""
+    from test_gguf_cuda import PROMPTS, run_steps, steps_of, write
     from tallow.config import EngineConfig
     from tallow.models.engine_model import load_engine_model
     from tallow.ops.triton_fp8 import Fp8Linear
 
-    path = str(tmp_path / "q.gguf")
-    write_llama_gguf(path, {k: "Q4_K" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                                 "ffn_up", "ffn_down")}, hidden=256, inter=512)
+    path = write(tmp_path, "Q4_K_M")
     device = torch.device("cuda")
     fp8 = load_engine_model(EngineConfig(model=path, quantization="fp8", dtype="bfloat16"), device)
     ref = load_engine_model(EngineConfig(model=path, quantization="none", dtype="bfloat16"), device)
     assert fp8.quantization == "fp8"
     assert isinstance(fp8.loaded.model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
-    steps = _steps(fp8.loaded.config.vocab_size)
-    errors = _relative_errors(_logits(fp8.loaded.model, fp8.loaded.config, steps),
-                              _logits(ref.loaded.model, ref.loaded.config, steps))
-    assert max(errors) < 0.02, errors
+    from tallow.attention.triton_backend import TritonAttentionBackend
+    from tallow.engine.runner import set_attention_backend
+
+    config = ref.loaded.config
+    for m in (fp8.loaded.model, ref.loaded.model):
+        set_attention_backend(m, TritonAttentionBackend(config.num_attention_heads, config.num_key_value_heads,
+                                                        config.head_dim, max_num_seqs=8, device="cuda"))
+    steps = steps_of(PROMPTS)
+    want = run_steps(ref.loaded.model, ref.loaded.config, device, torch.bfloat16, steps)
+    assert all(torch.isfinite(w).all() for w in want)
+    errors = _relative_errors(run_steps(fp8.loaded.model, fp8.loaded.config, device, torch.bfloat16, steps), want)
+    assert max(errors) < 0.15, errors

@@ -149,8 +149,6 @@ class EngineCore:
         if cap is not None and cap < 0:
             raise TallowError(f"jump_forward_chunk_max_seqs must be at least 0, got {cap}",
                               param="jump_forward_chunk_max_seqs")
-        if cap is None and self.runner.graphs is not None:
-            cap = 4
         self.scheduler.forced_chunk_max_seqs = cap
         self.speculator = None
         if config.speculative_method:
