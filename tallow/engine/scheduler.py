@@ -91,7 +91,7 @@ class Scheduler:
         self.max_chunk = config.long_prefill_token_threshold or config.max_num_batched_tokens
         # Jump-forward: while more sequences than this run, a sequence's forced output tokens
         # are computed one per step (None: as one chunk). EngineCore sets it (config's
-        # jump_forward_chunk_max_seqs, resolved for the device).
+        # jump_forward_chunk_max_seqs).
         self.forced_chunk_max_seqs: int | None = None
         self.pool_tokens = kv.num_blocks * kv.block_size  # no context can outgrow this
         self.waiting: deque[Sequence] = deque()
