@@ -211,6 +211,7 @@ def test_async_engine_streams_with_async_core(loaded):
     assert stats["running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_llm_stop_strings_with_async_core():
     """A stop string aborts the sequence while its next token is pending: the text and the
     token ids end where the synchronous engine's do."""
@@ -231,6 +232,7 @@ def test_llm_stop_strings_with_async_core():
     assert again == want
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_async_random_mix_with_aborts_and_preemption(loaded):
     """Random requests (greedy, seeded sampling, logprobs, stop tokens, n=2, penalties that
     switch the engine to synchronous steps and back) over a KV pool small enough to preempt,

@@ -98,6 +98,7 @@ def test_kv_cache_is_float16_with_quantized_weights_and_keeps_the_answers(loaded
         assert [s.output_ids for s in run_all(core, ids, params)] == [s.output_ids for s in run_all(full, ids, params)]
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_preemption_keeps_outputs(dense_loaded):
     dense = make_core(dense_loaded, quantization="none")
     ids = [dense.tokenizer.encode(p) for p in PROMPTS]

@@ -116,6 +116,7 @@ def test_a_fault_confined_to_one_request_fails_only_that_one(engine):
 GRACE_S = 4.0
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_serve_answers_503_then_exits_non_zero_when_the_engine_fails(script, tmp_path):
     fault = tmp_path / "fault"
     log = open(tmp_path / "serve.log", "w+")

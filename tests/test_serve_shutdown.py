@@ -29,6 +29,7 @@ def serve(tmp_path):
     stop(proc)
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_sigterm_drains_then_exits_zero(serve):
     proc, url, log = serve
     short, long = StreamReader(url, max_tokens=40), StreamReader(url, max_tokens=4000)

@@ -486,6 +486,7 @@ def test_abort_and_n_siblings_free_blocks(spec_core, prompts):
     assert spec_core.kv.num_free_blocks == spec_core.kv.num_blocks
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_mixed_batch_and_async_scheduling(default_model, prompts, greedy_reference):
     """Speculating and plain sequences (speculative=False, sampled ones) share steps; with
     asynchronous scheduling forced on, steps with speculating sequences run synchronously."""

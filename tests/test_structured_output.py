@@ -113,6 +113,7 @@ def run_schemas(client: openai.OpenAI, schemas: list[dict]) -> None:
         jsonschema.validate(json.loads(choice.message.content), schema)
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_generated_schemas(client):
     run_schemas(client, SCHEMAS)
 
