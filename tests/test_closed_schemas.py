@@ -17,10 +17,9 @@ from pydantic import BaseModel, Field
 
 llguidance = pytest.importorskip("llguidance")
 
+from grammar_walk import lltok, tok  # noqa: E402,F401  (fixtures)
 from tallow.engine.grammar import closed_objects, grammar_text  # noqa: E402
-from tallow.models.loader import default_model_path  # noqa: E402
 from tallow.serve.structured import json_schema_format, tool_call_grammar  # noqa: E402
-from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata  # noqa: E402
 
 
 class Person(BaseModel):
@@ -45,16 +44,6 @@ def with_extra(path: tuple) -> dict:
         node = node[step]
     node["extra"] = 1
     return value
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(default_model_path()))
-
-
-@pytest.fixture(scope="module")
-def lltok(tok):
-    return llguidance.LLTokenizer(tok.backend.to_str(), eos_token=tok.eos_token_id)
 
 
 def accepts(lltok, tok, grammar: str, text: str) -> bool:

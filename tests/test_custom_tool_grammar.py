@@ -16,21 +16,19 @@ import random
 import re
 
 import httpx
-import numpy as np
 import pytest
 
 llguidance = pytest.importorskip("llguidance")
 
+from grammar_walk import lltok, matcher, random_walk, tok  # noqa: E402,F401  (fixtures)
 from serve_utils import LiveServer, replay_engine  # noqa: E402
 from test_agent_clients import check_responses_stream, sse_events  # noqa: E402
 
-from tallow.models.loader import default_model_path  # noqa: E402
 from tallow.output.tool_parsers import TOOL_PARSERS  # noqa: E402
 from tallow.output.tool_parsers.grammar import LarkGrammar, grammar_tools  # noqa: E402
 from tallow.output.tool_parsers.input_grammar import (InputGrammar, UnenforceableInput,  # noqa: E402
                                                       string_value)
 from tallow.serve.protocols.responses_tools import ToolError, build_tool_set  # noqa: E402
-from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata  # noqa: E402
 
 # Codex's apply_patch grammar (openai/codex, codex-rs/core/src/tools/handlers/tool_apply_patch.lark,
 # Apache-2.0), as Codex sends it in the tool's format.definition.
@@ -80,22 +78,6 @@ GRAMMARS = {"small_patch": ("lark", SMALL_PATCH_LARK), "arithmetic": ("lark", AR
             "quoted_list": ("lark", QUOTED_LIST_LARK), "code_regex": ("regex", CODE_REGEX)}
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(default_model_path()))
-
-
-@pytest.fixture(scope="module")
-def lltok(tok):
-    return llguidance.LLTokenizer(tok.backend.to_str(), eos_token=tok.eos_token_id)
-
-
-def matcher(lltok, kind: str, text: str):
-    m = llguidance.LLMatcher(lltok, llguidance.grammar_from(kind, text), log_level=0)
-    assert not m.is_error(), m.get_error()
-    return m
-
-
 def follows(lltok, tok, syntax: str, definition: str, text: str) -> bool:
     """The client's own grammar takes the whole text (llguidance, as the reference)."""
     if syntax == "regex":
@@ -105,27 +87,8 @@ def follows(lltok, tok, syntax: str, definition: str, text: str) -> bool:
 
 
 def random_text(lltok, tok, kind: str, grammar: str, rng: random.Random, max_steps: int = 200) -> str | None:
-    """A random text the grammar allows (a random allowed token at each step, short ones often),
-    or None when the walk does not end in max_steps."""
-    m = matcher(lltok, kind, grammar)
-    eos = tok.eos_token_id
-    ids: list[int] = []
-    for _ in range(max_steps):
-        if m.is_stopped():
-            break
-        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = np.flatnonzero(bits[:lltok.vocab_size]).tolist()
-        if eos in allowed and (rng.random() < 0.4 or allowed == [eos]):
-            break
-        allowed = [i for i in allowed if i != eos]
-        short = sorted(allowed, key=lambda i: len(tok.token_bytes(i)))[:6]
-        token = rng.choice(allowed if rng.random() < 0.5 else short)
-        assert m.consume_token(token), m.get_error()
-        ids.append(token)
-    else:
-        return None
-    assert m.is_accepting()
-    return tok.decode(ids, skip_special_tokens=False)
+    """A random text the grammar allows, or None when the walk does not end in max_steps."""
+    return random_walk(lltok, tok, kind, grammar, rng, max_steps=max_steps, eos_p=0.4, short=6)
 
 
 def value_grammar(syntax: str, definition: str, quoting: str = "json") -> str:

@@ -9,15 +9,14 @@ import json
 import random
 
 import jsonschema
-import numpy as np
 import pytest
 
 llguidance = pytest.importorskip("llguidance")
 
-from tallow.models.loader import default_model_path  # noqa: E402
+import grammar_walk  # noqa: E402
+from grammar_walk import lltok, random_walk, tok  # noqa: E402,F401  (fixtures)
 from tallow.output.tool_parsers import TOOL_PARSERS  # noqa: E402
 from tallow.output.tool_parsers.grammar import UnenforceableSchema, grammar_tools  # noqa: E402
-from tallow.tokenizer import Tokenizer, read_gguf_tokenizer_metadata  # noqa: E402
 
 WEATHER_PARAMS = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},
@@ -54,20 +53,8 @@ WRITTEN = {
 BAD_DAYS = {name: text.replace("3", "9") for name, text in WRITTEN.items()}
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(default_model_path()))
-
-
-@pytest.fixture(scope="module")
-def lltok(tok):
-    return llguidance.LLTokenizer(tok.backend.to_str(), eos_token=tok.eos_token_id)
-
-
 def matcher(lltok, lark: str):
-    m = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", lark), log_level=0)
-    assert not m.is_error(), m.get_error()
-    return m
+    return grammar_walk.matcher(lltok, "lark", lark)
 
 
 def accepts(lltok, tok, lark: str, text: str) -> bool:
@@ -89,27 +76,11 @@ def parse(name: str, text: str) -> tuple[list[tuple[str, dict]], str]:
 
 
 def random_reply(lltok, tok, lark: str, rng: random.Random, max_steps: int = 300) -> str:
-    """A reply the grammar allows: a random allowed token at each step; the walk ends where the
-    grammar lets it (with eos, a third of the time) or must."""
-    m = matcher(lltok, lark)
-    eos = tok.eos_token_id
-    ids: list[int] = []
-    for _ in range(max_steps):
-        if m.is_stopped():
-            break
-        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = np.flatnonzero(bits[:lltok.vocab_size]).tolist()
-        if eos in allowed and (rng.random() < 0.35 or allowed == [eos]):
-            break
-        allowed = [i for i in allowed if i != eos]
-        # Prefer short tokens now and then, so strings and numbers end before the step limit.
-        token = rng.choice(allowed if rng.random() < 0.5 else sorted(allowed, key=lambda i: len(tok.token_bytes(i)))[:8])
-        assert m.consume_token(token), m.get_error()
-        ids.append(token)
-    else:
-        pytest.fail(f"the random walk did not end in {max_steps} tokens: {tok.decode(ids)!r}")
-    assert m.is_accepting()
-    return tok.decode(ids, skip_special_tokens=False)
+    """A reply the grammar allows (grammar_walk.random_walk: eos a third of the time)."""
+    reply = random_walk(lltok, tok, "lark", lark, rng, max_steps=max_steps)
+    if reply is None:
+        pytest.fail(f"the random walk did not end in {max_steps} tokens")
+    return reply
 
 
 def assert_valid_calls(calls, names=("get_weather", "add_note")) -> None:
