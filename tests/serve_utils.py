@@ -11,6 +11,7 @@ import re
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import uvicorn
@@ -251,3 +252,12 @@ def replay_engine(script, **overrides):
             json.dump(script, f)
         script = f.name
     return AsyncEngine.from_config(EngineConfig(model=f"replay:{script}", **{"quantization": "none", **overrides}))
+
+
+@contextmanager
+def replay_server(script, **overrides):
+    """A LiveServer over replay_engine(script); the engine is shut down when the block ends."""
+    engine = replay_engine(script, **overrides)
+    with LiveServer(engine) as live:
+        yield live
+    asyncio.run(engine.shutdown())

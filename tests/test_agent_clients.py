@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from openapi_schemas import validate, validate_event
-from serve_utils import AGENT_REPLAY_SCRIPT, FakeEngine, LiveServer, replay_engine
+from serve_utils import AGENT_REPLAY_SCRIPT, FakeEngine, LiveServer, replay_server
 
 from tallow.config import ServerConfig
 from tallow.serve.protocols.anthropic import AnthropicMessages
@@ -50,12 +50,8 @@ SCRIPT = {"chat_template": QWEN3_TEMPLATE, "replies": [
 
 @pytest.fixture(scope="module")
 def server():
-    import asyncio
-
-    engine = replay_engine(SCRIPT)
-    with LiveServer(engine) as live:
+    with replay_server(SCRIPT) as live:
         yield live
-    asyncio.run(engine.shutdown())
 
 
 def recorded(name: str) -> dict:

@@ -10,7 +10,6 @@ follows the grammar, whole and streamed; a bad definition is a 400 naming the fi
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import re
@@ -21,7 +20,7 @@ import pytest
 llguidance = pytest.importorskip("llguidance")
 
 from grammar_walk import lltok, matcher, random_walk, tok  # noqa: E402,F401  (fixtures)
-from serve_utils import LiveServer, replay_engine  # noqa: E402
+from serve_utils import replay_server  # noqa: E402
 from test_agent_clients import check_responses_stream, sse_events  # noqa: E402
 
 from tallow.output.tool_parsers import TOOL_PARSERS  # noqa: E402
@@ -245,10 +244,8 @@ SCRIPT = [{"match": "enter the code", "reply": scripted_call("code")},
 
 @pytest.fixture(scope="module")
 def server():
-    engine = replay_engine(SCRIPT)
-    with LiveServer(engine) as live:
+    with replay_server(SCRIPT) as live:
         yield live
-    asyncio.run(engine.shutdown())
 
 
 def respond(server, **body) -> httpx.Response:

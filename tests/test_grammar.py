@@ -593,16 +593,7 @@ def test_asynchronous_grammar_steps_with_jump_forward_equal_synchronous(tiny_loa
                 SamplingParams(temperature=0.0, max_tokens=120, logprobs=2, grammar=spec)]
 
     def drive(engine: EngineCore):
-        seqs = [engine.make_sequences(tok.encode(PROMPTS[i % len(PROMPTS)]), r)[0] for i, r in enumerate(requests)]
-        outs = {s.seq_id: [] for s in seqs}
-        for s in seqs:
-            engine.add(s)
-        steps = 0
-        while engine.has_work():
-            for seq, out in engine.step():
-                outs[seq.seq_id].append(out)
-            steps += 1
-            assert steps < 2000
+        seqs, outs = run(engine, [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(len(requests))], requests)
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
         return [(s.output_ids, s.finish_reason, _fill(s), [t for o in outs[s.seq_id] for t in o.token_ids])
                 for s in seqs], [lp for o in outs[seqs[-1].seq_id] for lp in (o.logprobs or [])]
