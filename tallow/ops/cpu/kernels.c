@@ -74,29 +74,47 @@ static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float 
     }
 }
 
-// Activations quantized once per call, rows in parallel.
+// Activations quantized once per call, rows in parallel. e (the AVX2 build, where the Q4/Q8
+// tiles' loops read it; NULL for one Q8 row): each block's four quarters of 8 int16 (in q's
+// order) each stored twice, [x0..7 x0..7 | x8..15 x8..15 | ...], the 256-bit operands those
+// loops would otherwise broadcast at every use.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QROWS_EXPANDED 0
+#else
+#define QROWS_EXPANDED 1
+#endif
 typedef struct {
     int16_t *q;
     float *d, *s;
+    int16_t *e;
 } qrows;
 
-static int quantize_rows(const float *x, int M, int K, int nthreads, int q4_order, qrows *out) {
+// expand: also fill e (quantize_rows' callers in the tiles' layout; 0 for the GGUF kernels).
+static int quantize_rows(const float *x, int M, int K, int nthreads, int q4_order, int expand, qrows *out) {
     const int nb = K / QK;
+    expand = expand && QROWS_EXPANDED;
     out->q = (int16_t *)aligned_alloc(32, sizeof(int16_t) * ((size_t)M * K + 16));
     out->d = (float *)malloc(sizeof(float) * (size_t)M * nb);
     out->s = (float *)malloc(sizeof(float) * (size_t)M * nb);
-    if (!out->q || !out->d || !out->s) {
-        free(out->q), free(out->d), free(out->s);
+    out->e = expand ? (int16_t *)aligned_alloc(32, sizeof(int16_t) * 2 * (size_t)M * K) : NULL;
+    if (!out->q || !out->d || !out->s || (expand && !out->e)) {
+        free(out->q), free(out->d), free(out->s), free(out->e);
         return -1;
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 8)
-    for (int m = 0; m < M; m++)
+    for (int m = 0; m < M; m++) {
         quantize_row_q16(x + (size_t)m * K, K, out->q + (size_t)m * K, out->d + (size_t)m * nb,
                          out->s + (size_t)m * nb, q4_order);
+        if (expand)
+            for (size_t i = 0; i < (size_t)K / 8; i++) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(out->q + (size_t)m * K + 8 * i));
+                _mm256_store_si256((__m256i *)(out->e + 2 * (size_t)m * K + 16 * i), _mm256_broadcastsi128_si256(v));
+            }
+    }
     return 0;
 }
 
-static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s); }
+static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s), free(r->e); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "linear_avx512.h"

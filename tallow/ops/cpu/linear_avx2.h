@@ -7,7 +7,11 @@
 // register, and runs up to 4 rows against each loaded block (tile_rows_q4 / tile_rows_q8);
 // a thread's tile (a few KB) stays in L1 across its groups of 4 rows, so the weights are read
 // from memory once per call. (Until 2026-12-05, 4+ rows went through a tile unpacked to int16
-// in a buffer, two rows at a time: 1.2-1.5x slower at 2-8 rows, benchmarks/HISTORY.md.)
+// in a buffer, two rows at a time: 1.2-1.5x slower at 2-8 rows, benchmarks/HISTORY.md.) The
+// activations' 128-bit quarters are read from quantize_rows' broadcast copy (qrows.e), each
+// block's scale products d_w * d_x are formed in the loop from the weight scales all the rows
+// share, and one Q4 row runs with the blocks outer (tile_row1_q4): 1.1-1.2x faster than
+// broadcasting at every use and tabling the products per row (stop 31, HISTORY), the same floats.
 
 #define NT 4
 #define PREFETCH 1024  // bytes of Q4 nibbles ahead of the one-row loop (Q8: twice that)
@@ -110,35 +114,17 @@ static inline __m128 tile_row(const int16_t *xq, const float *xd, const float *x
 }
 
 // Q4 in registers for up to 4 rows at once: 2 channels per 256-bit register (a block's two
-// adjacent channels are 32 contiguous bytes), the activations' 128-bit quarters broadcast to
-// both halves. Each half computes q4_block_sums' lanes exactly (integer sums; the same masks,
+// adjacent channels are 32 contiguous bytes), against the activations' 128-bit quarters
+// broadcast to both halves (read from quantize_rows' copy of them, r->e: a plain 256-bit load
+// there measured 10-15% faster on Zen 3 than a vbroadcasti128 per use). Each half computes q4_block_sums' lanes exactly (integer sums; the same masks,
 // madds and exact shift), so lane for lane the same int32 sums; the float update is acc_block's
-// (one fma of the lane sum and the channel's d_w * d_x), so a row's result is tile_row's.
-// prod8: per row, per block, 16 floats [p0 x4 p1 x4 | p2 x4 p3 x4] (row_scales8).
-static inline __attribute__((always_inline)) __m128 row_scales8(const uint16_t *dt, const uint16_t *mt,
-                                                                 const float *xd, const float *xs, int nb,
-                                                                 float *prod8) {
-    const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-    __m128 m = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const __m256 p = _mm256_castps128_ps256(_mm_mul_ps(half4(dt + NT * b), _mm_broadcast_ss(xd + b)));
-        _mm256_store_ps(prod8 + 16 * b, _mm256_permutevar8x32_ps(p, i01));
-        _mm256_store_ps(prod8 + 16 * b + 8, _mm256_permutevar8x32_ps(p, i23));
-        if (mt) m = _mm_fmadd_ps(half4(mt + NT * b), _mm_broadcast_ss(xs + b), m);
-    }
-    return m;
-}
+// (one fma of the lane sum and the channel's d_w * d_x, that product formed in the loop from
+// the block's weight scales, which all the rows share), so a row's result is tile_row's.
 
-// R rows' activations (xq) and per-block scale products (prod8: 16 floats a block, rows apart by
-// 16 * nb), and their min terms (mterm; wm NULL for Q8): tile_rows_q4's and tile_rows_q8's set-up.
-static inline __attribute__((always_inline)) void rows_setup(const qrows *r, int m0, int R, int nb,
-                                                              const uint16_t *dt, const uint16_t *mt, float *prod8,
-                                                              const int16_t **xq, __m128 *mterm) {
-    for (int i = 0; i < R; i++) {
-        const int m = m0 + i;
-        xq[i] = r->q + (size_t)m * nb * QK;
-        mterm[i] = row_scales8(dt, mt, r->d + (size_t)m * nb, r->s + (size_t)m * nb, nb, prod8 + (size_t)i * 16 * nb);
-    }
+// The tile's weight scales of one block for channel pair p, as [d_2p x4 | d_2p+1 x4].
+static inline __m256 pair_scales(const uint16_t *dt, int p) {
+    const __m256i idx = p ? _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3) : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(half4(dt)), idx);
 }
 
 // R rows' two-channel-pair accumulators to their 4 outputs each (tile_out: the one-row order).
@@ -150,14 +136,26 @@ static inline __attribute__((always_inline)) void rows_out(int R, __m256 acc[][2
     }
 }
 
+// Row m0 + i's activations (the quarter-broadcast copy, r->e), scales and (Q4) scaled sums:
+// tile_rows_q4's and tile_rows_q8's set-up.
+static inline __attribute__((always_inline)) void rows_setup(const qrows *r, int m0, int R, int nb, const int16_t **xq,
+                                                              const float **xd, const float **xs, __m128 *mterm) {
+    for (int i = 0; i < R; i++) {
+        const size_t m = (size_t)(m0 + i);
+        xq[i] = r->e + m * nb * 2 * QK, xd[i] = r->d + m * nb, xs[i] = r->s + m * nb;
+        mterm[i] = _mm_setzero_ps();
+    }
+}
+
 static inline __attribute__((always_inline)) void tile_rows_q4(const qrows *r, int m0, int R, int nb,
                                                                 const uint8_t *wt, const uint16_t *dt,
-                                                                const uint16_t *mt, float *prod8, __m128 *out) {
+                                                                const uint16_t *mt, __m128 *out) {
     const __m256i lo = _mm256_set1_epi16(0x000F), hi = _mm256_set1_epi16(0x0F00);
     const int16_t *xq[4];
+    const float *xd[4], *xs[4];
     __m128 mterm[4];
     __m256 acc[4][2];
-    rows_setup(r, m0, R, nb, dt, mt, prod8, xq, mterm);
+    rows_setup(r, m0, R, nb, xq, xd, xs, mterm);
     for (int p = 0; p < 2; p++) {  // channels 2p, 2p + 1
         __m256 a[4];
 #pragma GCC unroll 4
@@ -168,18 +166,20 @@ static inline __attribute__((always_inline)) void tile_rows_q4(const qrows *r, i
             const __m256i t = _mm256_loadu_si256((const __m256i *)wb), s = _mm256_srli_epi16(t, 4);
             const __m256i w0 = _mm256_and_si256(t, lo), w1 = _mm256_and_si256(s, lo);
             const __m256i w2 = _mm256_and_si256(t, hi), w3 = _mm256_and_si256(s, hi);
+            const __m256 dw = pair_scales(dt + NT * b, p);
+            const __m128 mw = p == 0 ? half4(mt + NT * b) : _mm_setzero_ps();
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
-                const int16_t *xb = xq[i] + b * QK;
-                const __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
-                const __m256i xc = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 8)));
-                const __m256i xb_ = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
-                const __m256i xd_ = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 24)));
+                const int16_t *xb = xq[i] + b * 2 * QK;
+                const __m256i xa = _mm256_load_si256((const __m256i *)xb);
+                const __m256i xc = _mm256_load_si256((const __m256i *)(xb + 16));
+                const __m256i xb_ = _mm256_load_si256((const __m256i *)(xb + 32));
+                const __m256i xd_ = _mm256_load_si256((const __m256i *)(xb + 48));
                 const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(w0, xa), _mm256_madd_epi16(w1, xb_));
                 const __m256i p2 = _mm256_add_epi32(_mm256_madd_epi16(w2, xc), _mm256_madd_epi16(w3, xd_));
                 const __m256i sums = _mm256_add_epi32(p1, _mm256_srai_epi32(p2, 8));
-                a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                       _mm256_load_ps(prod8 + (size_t)i * 16 * nb + 16 * b + 8 * p), a[i]);
+                a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b)), a[i]);
+                if (p == 0) mterm[i] = _mm_fmadd_ps(mw, _mm_broadcast_ss(xs[i] + b), mterm[i]);
             }
         }
 #pragma GCC unroll 4
@@ -188,17 +188,52 @@ static inline __attribute__((always_inline)) void tile_rows_q4(const qrows *r, i
     rows_out(R, acc, mterm, out);
 }
 
+// One Q4 row (decode) with the blocks outer: its activations are broadcast once per block for
+// both channel pairs. The arithmetic is tile_rows_q4's (lane sums, d_w * d_x, fma and m order).
+static inline __attribute__((always_inline)) void tile_row1_q4(const qrows *r, int m0, int nb, const uint8_t *wt,
+                                                                const uint16_t *dt, const uint16_t *mt, __m128 *out) {
+    const __m256i lo = _mm256_set1_epi16(0x000F), hi = _mm256_set1_epi16(0x0F00);
+    const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    const int16_t *xq = r->e + (size_t)m0 * nb * 2 * QK;
+    const float *xd = r->d + (size_t)m0 * nb, *xs = r->s + (size_t)m0 * nb;
+    __m256 acc[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    __m128 m = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const int16_t *xb = xq + b * 2 * QK;
+        const __m256i xa = _mm256_load_si256((const __m256i *)xb);
+        const __m256i xc = _mm256_load_si256((const __m256i *)(xb + 16));
+        const __m256i xb_ = _mm256_load_si256((const __m256i *)(xb + 32));
+        const __m256i xd_ = _mm256_load_si256((const __m256i *)(xb + 48));
+        const uint8_t *wb = wt + (size_t)b * NT * 16;
+        _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);
+        const __m256 dw = _mm256_castps128_ps256(half4(dt + NT * b)), dx = _mm256_broadcast_ss(xd + b);
+        m = _mm_fmadd_ps(half4(mt + NT * b), _mm_broadcast_ss(xs + b), m);
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; p++) {
+            const __m256i t = _mm256_loadu_si256((const __m256i *)(wb + 32 * p)), s = _mm256_srli_epi16(t, 4);
+            const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(t, lo), xa),
+                                                _mm256_madd_epi16(_mm256_and_si256(s, lo), xb_));
+            const __m256i p2 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(t, hi), xc),
+                                                _mm256_madd_epi16(_mm256_and_si256(s, hi), xd_));
+            const __m256i sums = _mm256_add_epi32(p1, _mm256_srai_epi32(p2, 8));
+            const __m256 prod = _mm256_mul_ps(_mm256_permutevar8x32_ps(dw, p ? i23 : i01), dx);
+            acc[0][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), prod, acc[0][p]);
+        }
+    }
+    rows_out(1, acc, &m, out);
+}
+
 // Q8 likewise: a block's two adjacent channels widened to int16 and regrouped by eighths, so
 // one register holds [channel 2p: elements 8g..8g+7 | channel 2p + 1: the same]; against the
 // activations' eighth broadcast to both halves, the 4 eighths' madds summed give each half
 // q8_block_sums' lanes (elements 2i, 2i+1, 8+2i, 9+2i and the same + 16: exact integers).
 static inline __attribute__((always_inline)) void tile_rows_q8(const qrows *r, int m0, int R, int nb,
-                                                                const uint8_t *wt, const uint16_t *dt,
-                                                                float *prod8, __m128 *out) {
+                                                                const uint8_t *wt, const uint16_t *dt, __m128 *out) {
     const int16_t *xq[4];
+    const float *xd[4], *xs[4];
     __m128 mterm[4];
     __m256 acc[4][2];
-    rows_setup(r, m0, R, nb, dt, NULL, prod8, xq, mterm);
+    rows_setup(r, m0, R, nb, xq, xd, xs, mterm);
     for (int p = 0; p < 2; p++) {  // channels 2p, 2p + 1
         __m256 a[4];
 #pragma GCC unroll 4
@@ -215,17 +250,17 @@ static inline __attribute__((always_inline)) void tile_rows_q8(const qrows *r, i
             const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + QK + 16)));
             const __m256i w0 = _mm256_permute2x128_si256(a0, b0, 0x20), w1 = _mm256_permute2x128_si256(a0, b0, 0x31);
             const __m256i w2 = _mm256_permute2x128_si256(a1, b1, 0x20), w3 = _mm256_permute2x128_si256(a1, b1, 0x31);
+            const __m256 dw = pair_scales(dt + NT * b, p);
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
-                const int16_t *xb = xq[i] + b * QK;
-                const __m256i x0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
-                const __m256i x1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 8)));
-                const __m256i x2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
-                const __m256i x3 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 24)));
+                const int16_t *xb = xq[i] + b * 2 * QK;
+                const __m256i x0 = _mm256_load_si256((const __m256i *)xb);
+                const __m256i x1 = _mm256_load_si256((const __m256i *)(xb + 16));
+                const __m256i x2 = _mm256_load_si256((const __m256i *)(xb + 32));
+                const __m256i x3 = _mm256_load_si256((const __m256i *)(xb + 48));
                 const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)),
                                                       _mm256_add_epi32(_mm256_madd_epi16(w2, x2), _mm256_madd_epi16(w3, x3)));
-                a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                       _mm256_load_ps(prod8 + (size_t)i * 16 * nb + 16 * b + 8 * p), a[i]);
+                a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b)), a[i]);
             }
         }
 #pragma GCC unroll 4
@@ -245,12 +280,12 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
     const size_t tile_bytes = (size_t)nb * NT * (q8 ? QK : QK / 2);
     const int one_q8 = q8 && M == 1;  // tile_row: measured faster than tile_rows_q8 for one row
     qrows r;
-    if (quantize_rows(x, M, K, nthreads, !q8, &r)) return -1;
+    if (quantize_rows(x, M, K, nthreads, !q8, !one_q8, &r)) return -1;
     int failed = 0;
     const int tiles = N / NT;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *prod = (float *)aligned_alloc(32, sizeof(float) * 64 * ((size_t)nb + 8));  // 4 rows' scales (Q4), 2 (Q8)
+        float *prod = (float *)aligned_alloc(32, sizeof(float) * NT * ((size_t)nb + 8));  // tile_row's scales
         const int ok = prod != NULL;
         if (!ok) {
 #pragma omp atomic write
@@ -269,12 +304,15 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
                 for (int m = 0; m < M; m += 4) {
                     const int R = M - m < 4 ? M - m : 4;
                     __m128 out[4];
-#define ROWS(n) (q8 ? tile_rows_q8(&r, m, n, nb, wt, dt, prod, out) : tile_rows_q4(&r, m, n, nb, wt, dt, mt, prod, out))
+#define ROWS(n) (q8 ? tile_rows_q8(&r, m, n, nb, wt, dt, out) : tile_rows_q4(&r, m, n, nb, wt, dt, mt, out))
                     switch (R) {  // constant row counts: the rows' loops unrolled
                         case 4: ROWS(4); break;
                         case 3: ROWS(3); break;
                         case 2: ROWS(2); break;
-                        default: ROWS(1); break;
+                        default:
+                            if (q8) tile_rows_q8(&r, m, 1, nb, wt, dt, out);
+                            else tile_row1_q4(&r, m, nb, wt, dt, mt, out);
+                            break;
                     }
 #undef ROWS
                     for (int i = 0; i < R; i++) STORE(m + i, out[i]);
