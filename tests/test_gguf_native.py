@@ -87,6 +87,22 @@ def test_layers_hold_the_files_weights_exactly(name, kernels):
     assert held <= raw.nbytes * 48 / 40 * 1.13, (held, raw.nbytes)
 
 
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_K", "Q6_K"])
+def test_both_plane_layouts_hold_the_codes(name):
+    """The bit planes in either build's order (words: AVX-512; lanes: AVX2) give the file's codes
+    back, and the two orders hold the same bits: lane 2c + e's bit j is word j's bit 2c + e."""
+    q = torch.from_numpy(np.ascontiguousarray(gl.decode_blocks(random_raw(name, 20, 512, seed=4), name)["q"]))
+    planes = gl.GgufLinear.format_attrs(name)["planes"]
+    packed = {layout: gl._tile_planes(q, planes, 16, layout) for layout in (0, 1)}
+    for layout, p in packed.items():
+        assert p.shape[-1] == 256 + 64 * planes
+        assert torch.equal(gl._untile_planes(p, 20, planes, 16, layout), q), layout
+    words = packed[0][..., 256:].numpy().view(np.uint32).reshape(*packed[0].shape[:2], planes, 16)
+    lanes = packed[1][..., 256:].numpy().view(np.uint16).reshape(*packed[1].shape[:2], planes, 32)
+    j, ce = np.arange(16)[:, None], np.arange(32)[None, :]
+    assert np.array_equal((words[..., :, None] >> ce) & 1, ((lanes[..., None, :] >> j) & 1).astype(np.uint32))
+
+
 @needs_kernels
 @pytest.mark.parametrize("name", FORMATS)
 def test_c_repacking_equals_the_python_packing(name, kernels):

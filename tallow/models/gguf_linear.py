@@ -138,28 +138,39 @@ def dequantize_raw(raw: np.ndarray, qtype) -> torch.Tensor:
 
 # ---- the kernels' layout (tallow/ops/cpu/linear_gguf.h) -------------------------------------
 
-def _tile_planes(q: torch.Tensor, planes: int, tile: int) -> torch.Tensor:
+def plane_layout() -> int:
+    """The bit planes' order in the kernels lib() hands out: 1 lanes (AVX2), 0 words (AVX-512)."""
+    return cpu_native.lib().tl_gguf_plane_layout()
+
+
+def _tile_planes(q: torch.Tensor, planes: int, tile: int, layout: int) -> torch.Tensor:
     """Codes [n, k] -> [tiles, blocks, 256 + 64 planes] bytes: the low nibbles in _tile_q4's
-    16-channel order, then per plane p 16 uint32 words, word j's bit 2c + e = bit 4 + p of
-    q(c, 2j + e)."""
+    16-channel order, then per plane p the bits 4 + p of the codes: layout 0 (words) 16 uint32
+    words, word j's bit 2c + e = bit 4 + p of q(c, 2j + e); layout 1 (lanes) 32 uint16, lane
+    2c + e's bit j = the same bit."""
     nib = quant._tile_q4(q & 0x0F, tile)
     if not planes:
         return nib
     t = quant._tiles_of(q, tile)  # [T, tile, k]
     T, nb = t.shape[0], q.shape[1] // QK
-    t = t.view(T, tile, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(T, nb, 16, 2 * tile).numpy()
+    t = t.view(T, tile, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(T, nb, 16, 2 * tile).numpy()  # [T, nb, j, 2c + e]
+    if layout:
+        t = np.ascontiguousarray(t.transpose(0, 1, 3, 2))  # [T, nb, 2c + e, j]
     words = [np.packbits((t >> (4 + p)) & 1, axis=-1, bitorder="little").reshape(T, nb, 64) for p in range(planes)]
     return torch.cat((nib, torch.from_numpy(np.concatenate(words, axis=-1))), dim=-1).contiguous()
 
 
-def _untile_planes(packed: torch.Tensor, n: int, planes: int, tile: int) -> torch.Tensor:
+def _untile_planes(packed: torch.Tensor, n: int, planes: int, tile: int, layout: int) -> torch.Tensor:
     q = quant._untile_q4(packed[..., :256].contiguous(), n, tile)
     T, nb = packed.shape[:2]
     for p in range(planes):
         words = packed[..., 256 + 64 * p: 256 + 64 * (p + 1)].contiguous().numpy()
-        bits = np.unpackbits(words.reshape(T, nb, 16, 4), axis=-1, bitorder="little")  # [T, nb, j, 2c + e]
-        bits = torch.from_numpy(bits).view(T, nb, 16, tile, 2).permute(0, 3, 1, 2, 4).reshape(T * tile, -1)[:n]
-        q = q | (bits << (4 + p))
+        if layout:  # [T, nb, 2c + e, j] -> [T, nb, j, 2c + e]
+            bits = np.unpackbits(words.reshape(T, nb, 2 * tile, 2), axis=-1, bitorder="little").transpose(0, 1, 3, 2)
+        else:
+            bits = np.unpackbits(words.reshape(T, nb, 16, 4), axis=-1, bitorder="little")  # [T, nb, j, 2c + e]
+        bits = torch.from_numpy(np.ascontiguousarray(bits)).view(T, nb, 16, tile, 2)
+        q = q | (bits.permute(0, 3, 1, 2, 4).reshape(T * tile, -1)[:n] << (4 + p))
     return q
 
 
@@ -196,15 +207,17 @@ class GgufLinear(quant._NativeBlockLinear):
         return cls.from_tiles(codes["q"].shape, cls.tile_codes(codes, qtype, cls.kernel_tile()), bias, **attrs)
 
     @staticmethod
-    def tile_codes(codes: dict[str, np.ndarray], qtype, tile: int) -> dict[str, torch.Tensor | None]:
-        """decode_blocks' arrays in the kernel's tiles (linear_gguf.h)."""
+    def tile_codes(codes: dict[str, np.ndarray], qtype, tile: int, layout: int | None = None) -> dict[str, torch.Tensor | None]:
+        """decode_blocks' arrays in the kernel's tiles (linear_gguf.h; layout: the bit planes'
+        order, by default that of the kernels lib() hands out)."""
         attrs = GgufLinear.format_attrs(qtype)
+        layout = plane_layout() if layout is None else layout
 
         def t(name: str) -> torch.Tensor | None:
             a = codes.get(name)
             return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
 
-        out = {"qweight": _tile_planes(t("q"), attrs["planes"], tile), "d": _tile_k(t("d"), tile)}
+        out = {"qweight": _tile_planes(t("q"), attrs["planes"], tile, layout), "d": _tile_k(t("d"), tile)}
         m = t("m") if "m" in codes else t("dmin")
         out["m"] = None if m is None else _tile_k(m, tile)
         sc = t("sc")
@@ -236,7 +249,7 @@ class GgufLinear(quant._NativeBlockLinear):
     def codes(self) -> dict[str, np.ndarray]:
         """decode_blocks' arrays back from the tiles (the inverse of the packing)."""
         n, tile = self.out_features, self.tile
-        out = {"q": _untile_planes(self.qweight, n, self.planes, tile).numpy(),
+        out = {"q": _untile_planes(self.qweight, n, self.planes, tile, plane_layout()).numpy(),
                "d": quant._untile_scales(self.d, n).numpy()}
         if self.m is not None:
             out["m" if self.gguf_type == "Q5_1" else "dmin"] = quant._untile_scales(self.m, n).numpy()

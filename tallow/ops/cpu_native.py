@@ -35,7 +35,7 @@ from tallow.ops import cpu_build
 log = logging.getLogger(__name__)
 
 VARIANTS = cpu_build.VARIANTS
-ABI_VERSION = 8
+ABI_VERSION = 9
 # The OpenMP entry points gcc's code calls: the kernels must find torch's definitions of them.
 OPENMP_SYMBOLS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
 
@@ -59,6 +59,7 @@ _SIGNATURES = {
     "tl_tile_channels": ([], _i),
     "tl_gguf_linear": ([_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _i], _i),
     "tl_gguf_tile_channels": ([], _i),
+    "tl_gguf_plane_layout": ([], _i),
     "tl_gguf_repack": ([_i, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i], _i),
     "tl_half_linear": ([_p, _i, _i, _i, _p, _i, _p, _p, _i], _i),
 }

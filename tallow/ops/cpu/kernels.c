@@ -25,7 +25,7 @@
 
 #define QK 32
 
-int tl_abi_version(void) { return 8; }
+int tl_abi_version(void) { return 9; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);

@@ -7,8 +7,13 @@
 // builds (the last tile padded with zero channels); for tile t and sub-block b of 32 inputs:
 //   nib  256 bytes: the codes' low 4 bits, linear_avx512.h's Q4 order: 8 groups of 32 bytes,
 //        group g's byte 2c + e = q(c, 4g + e) & 15 | (q(c, 4g + 2 + e) & 15) << 4;
-//   then `planes` (0, 1 or 2) bit planes of 16 uint32 each: plane p's word j holds bit 4 + p of
-//        q(c, 2j + e) at bit 2c + e.
+//   then `planes` (0, 1 or 2) bit planes of 64 bytes each, holding bit 4 + p of every code, in
+//        one of two orders (the build's, tl_gguf_plane_layout):
+//        words (AVX-512, GGUF_PLANE_LANES 0): 16 uint32, word j's bit 2c + e = bit 4 + p of q(c, 2j + e);
+//        lanes (AVX2, GGUF_PLANE_LANES 1): 32 uint16, lane 2c + e's bit j = the same bit, so
+//        pair vector j's bits are one shift and one mask of a loaded vector (words needed a
+//        broadcast, a byte shuffle, a compare and two masks per half: Q6_K ran at half Q4_K's
+//        rate on Zen 3).
 // So a block is 256, 320 or 384 bytes for 512 weights: 4, 5 or 6 bits per weight, as in the file.
 // Widened to int16, pair vector j (j = 0..15) holds (q(c, 2j), q(c, 2j + 1)) - zero in the
 // 32-bit lane of channel c, zero = 16 (Q5_0), 32 (Q6_K) or 0.
@@ -32,12 +37,14 @@
 #define GT 16
 #define GCHUNK 64
 // Up to this many rows, each row runs alone through gguf_gemv1 (AVX2: unpack fused with the
-// products; measured on Zen 3 with benchmarks/gguf_gemv.py: faster than the many-row loop's
-// unpacked blocks up to 3 rows for Q4_K, 1 row for the formats with bit planes; AVX-512: 1 row).
+// products; measured on Zen 3 with the lane-ordered planes, stop 31: faster than the many-row
+// loop's unpacked blocks up to 4 rows for Q4_K and the 5-bit formats, 3 for Q6_K; AVX-512: 1 row).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define GGUF_ROW1_MAX(planes) 1
+#define GGUF_PLANE_LANES 0
 #else
-#define GGUF_ROW1_MAX(planes) ((planes) == 0 ? 3 : 1)
+#define GGUF_ROW1_MAX(planes) ((planes) == 2 ? 3 : 4)
+#define GGUF_PLANE_LANES 1
 #endif
 
 enum { TL_Q5_0 = 0, TL_Q5_1 = 1, TL_Q4_K = 2, TL_Q5_K = 3, TL_Q6_K = 4 };
@@ -113,37 +120,34 @@ typedef struct {
     __m256i w[2][16];  // channels 0..7, 8..15
 } gblock;
 
-// The planes' bits: word j of a plane is broadcast once (both halves), its half-word h spread
-// over the 16 int16 lanes by one byte shuffle (lane l reads byte 2h + l / 8) and tested against
-// bit l % 8. Where the zero point is the last plane's bit (Q5_0: 16, Q6_K: 32), q - zero is
-// formed as q_lo (+ 16 b4) - zero * (1 - b_last): no separate subtraction pass.
+// Plane p's bit for pair vector j, as a value: (bit j of each lane) << (4 + p), from the
+// plane's half v (16 lanes: channels 8h..8h+7, lane 2c + e); one shift and one mask.
+static inline __attribute__((always_inline)) __m256i plane_bits(__m256i v, int j, int p) {
+    const int s = 4 + p - j;
+    const __m256i t = s >= 0 ? _mm256_slli_epi16(v, s) : _mm256_srli_epi16(v, -s);
+    return _mm256_and_si256(t, _mm256_set1_epi16((short)(16 << p)));
+}
+
+// Where the zero point is the last plane's bit (Q5_0: 16, Q6_K: 32), q - zero is formed as
+// q_lo (+ 16 b4) - zero * (1 - b_last), the last plane read inverted: no subtraction pass.
 static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk, int planes, int zero, gblock *W) {
-    const __m256i lo = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16((short)zero);
-    const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256i sel[2] = {
-        _mm256_setr_epi8(0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1,
-                         1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1),
-        _mm256_setr_epi8(2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1,
-                         3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1)};
+    const __m256i lo = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16((short)zero), ones = _mm256_set1_epi16(-1);
     for (int h = 0; h < 2; h++)
         for (int g = 0; g < 8; g++) {
             const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * g + 16 * h)));
             W->w[h][2 * g] = _mm256_and_si256(t, lo);
             W->w[h][2 * g + 1] = _mm256_srli_epi16(t, 4);
         }
-    const uint32_t *pl = (const uint32_t *)(blk + 256);
     const int folded = planes > 0 && zero == 16 << (planes - 1);  // the zero point taken with the last plane
     for (int p = 0; p < planes; p++) {
-        const __m256i bit = _mm256_set1_epi16((short)(16 << p));
         const int last = folded && p == planes - 1;
-        for (int j = 0; j < 16; j++) {
-            const __m256i v = _mm256_set1_epi32((int)pl[16 * p + j]);
-            for (int h = 0; h < 2; h++) {
-                const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(v, sel[h]), bits);
-                const __m256i set = _mm256_cmpeq_epi16(b, bits);
-                W->w[h][j] = last ? _mm256_sub_epi16(W->w[h][j], _mm256_andnot_si256(set, bit))
-                                  : _mm256_add_epi16(W->w[h][j], _mm256_and_si256(set, bit));
-            }
+        for (int h = 0; h < 2; h++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * p + 32 * h));
+            if (last) v = _mm256_xor_si256(v, ones);
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++)
+                W->w[h][j] = last ? _mm256_sub_epi16(W->w[h][j], plane_bits(v, j, p))
+                                  : _mm256_add_epi16(W->w[h][j], plane_bits(v, j, p));
         }
     }
     if (zero && !folded)
@@ -199,15 +203,14 @@ static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, 
                                                              const float *dw1, const float *mw, int halves, int has_m,
                                                              float *acc) {
     typedef int32_t __attribute__((may_alias)) pair;
-    const __m256i lo = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16((short)zero);
-    const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256i sel[2] = {
-        _mm256_setr_epi8(0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1,
-                         1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1),
-        _mm256_setr_epi8(2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1,
-                         3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1)};
-    const uint32_t *pl = (const uint32_t *)(blk + 256);
+    const __m256i lo = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16((short)zero), ones = _mm256_set1_epi16(-1);
     const int folded = planes > 0 && zero == 16 << (planes - 1);
+    __m256i v[2][2];  // [plane][h], the last plane inverted where folded
+    for (int p = 0; p < planes; p++)
+        for (int h = 0; h < 2; h++) {
+            v[p][h] = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * p + 32 * h));
+            if (folded && p == planes - 1) v[p][h] = _mm256_xor_si256(v[p][h], ones);
+        }
     __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
                        {_mm256_setzero_si256(), _mm256_setzero_si256()}};  // [h][j >= 8]
 #pragma GCC unroll 8
@@ -222,14 +225,9 @@ static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, 
             for (int e = 0; e < 2; e++) {
                 const int j = 2 * g + e;
 #pragma GCC unroll 2
-                for (int p = 0; p < planes; p++) {
-                    const __m256i bit = _mm256_set1_epi16((short)(16 << p));
-                    const __m256i v = _mm256_set1_epi32((int)pl[16 * p + j]);
-                    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(v, sel[h]), bits);
-                    const __m256i set = _mm256_cmpeq_epi16(b, bits);
-                    w[e] = folded && p == planes - 1 ? _mm256_sub_epi16(w[e], _mm256_andnot_si256(set, bit))
-                                                     : _mm256_add_epi16(w[e], _mm256_and_si256(set, bit));
-                }
+                for (int p = 0; p < planes; p++)
+                    w[e] = folded && p == planes - 1 ? _mm256_sub_epi16(w[e], plane_bits(v[p][h], j, p))
+                                                     : _mm256_add_epi16(w[e], plane_bits(v[p][h], j, p));
                 if (zero && !folded) w[e] = _mm256_sub_epi16(w[e], z);
             }
             s[h][g >= 4] = _mm256_add_epi32(s[h][g >= 4], _mm256_add_epi32(_mm256_madd_epi16(w[0], x0),
@@ -393,6 +391,7 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
 }
 
 int tl_gguf_tile_channels(void) { return GT; }
+int tl_gguf_plane_layout(void) { return GGUF_PLANE_LANES; }  // 1: lanes, 0: words (the top of this file)
 
 // ---- repacking a GGUF tensor's blocks into the kernels' tiles (at load) -----------------------
 
@@ -537,10 +536,14 @@ int tl_gguf_repack(int type, const uint8_t *raw, int rows, int cols, int tile, u
                         for (int e = 0; e < 2; e++)
                             blk[32 * g + 2 * c + e] = (qb[4 * g + e] & 15) | ((qb[4 * g + 2 + e] & 15) << 4);
                     for (int p = 0; p < planes; p++) {
-                        uint32_t *words = (uint32_t *)(blk + 256) + 16 * p;
                         for (int j = 0; j < 16; j++)
-                            for (int e = 0; e < 2; e++)
-                                words[j] |= (uint32_t)((qb[2 * j + e] >> (4 + p)) & 1) << (2 * c + e);
+                            for (int e = 0; e < 2; e++) {
+                                const int bit = (qb[2 * j + e] >> (4 + p)) & 1;
+                                if (GGUF_PLANE_LANES)
+                                    ((uint16_t *)(blk + 256 + 64 * p))[2 * c + e] |= (uint16_t)(bit << j);
+                                else
+                                    ((uint32_t *)(blk + 256) + 16 * p)[j] |= (uint32_t)bit << (2 * c + e);
+                            }
                     }
                     if (type == GGML_Q5_0 || type == GGML_Q5_1) {
                         wd[tb * GT + c] = d;
