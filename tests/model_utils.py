@@ -105,6 +105,14 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields))
     elif family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, head_dim=32, tie_word_embeddings=True))
+    elif family == "gemma3":  # a period of five sliding-window layers (window 6) and a global one
+        fields = {**fields, "num_hidden_layers": 6, **overrides}
+        config = transformers.Gemma3TextConfig(
+            **fields, head_dim=32, sliding_window=6, query_pre_attn_scalar=24,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+        config._attn_implementation = "eager"
+        model = transformers.Gemma3ForCausalLM(config)
     else:
         raise ValueError(family)
     with torch.no_grad():

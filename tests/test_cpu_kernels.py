@@ -181,6 +181,27 @@ def test_silu_and_mul_matches_torch():
     torch.testing.assert_close(cpu_native.silu_and_mul(x), F.silu(x[:, :48]) * x[:, 48:], rtol=1e-6, atol=1e-6)
 
 
+def test_gelu_tanh_and_mul_matches_a_float64_reference():
+    """Gemma's GeGLU: gelu with the tanh approximation (transformers' gelu_pytorch_tanh), over
+    gates from -40 (exp's clamp) to 40, in float64 as the reference."""
+    x = torch.cat((torch.randn(6, 192) * 4, torch.linspace(-40, 40, 96).repeat(1, 2)))
+    gate, up = x.double()[:, :96], x.double()[:, 96:]
+    ref = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3))) * up
+    torch.testing.assert_close(cpu_native.gelu_tanh_and_mul(x).double(), ref, rtol=2e-6, atol=1e-6)
+
+
+def test_head_rms_norm_normalizes_each_head_of_strided_rows_in_place():
+    """Qwen3's / Gemma 3's q/k norm on a view of the qkv rows (rows wider than the heads): each
+    head as F.rms_norm would, the columns outside the view untouched."""
+    qkv = torch.randn(5, 7 * 32)
+    heads, rest = qkv[:, :6 * 32].view(5, 6, 32), qkv[:, 6 * 32:].clone()
+    w = torch.randn(32)
+    ref = F.rms_norm(heads.double(), (32,), w.double(), 1e-6)
+    cpu_native.head_rms_norm_(heads, w, 1e-6)
+    torch.testing.assert_close(heads.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, 6 * 32:], rest)
+
+
 @pytest.mark.parametrize("head_dim", [64, 24], ids=["vector", "scalar-tail"])
 def test_rotary_matches_the_torch_reference(head_dim):
     from tallow.models.layers import RotaryEmbedding, apply_rope
@@ -253,7 +274,9 @@ def test_kernels_link_torchs_openmp_runtime():
 
 # ---- the fused decoder layer (tl_llama_layer) against the module path -------------------------
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biases on q/k/v
+# qwen2: biases on q/k/v; qwen3: q/k norms; gemma3: q/k and sandwich norms, GeGLU, sliding-window
+# layers (a window of 6 positions: the steps' sequences pass it) with their own rotary table
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_fused_layers_equal_the_module_path(family, tmp_path, monkeypatch):
     """LlamaModel's one-call-per-layer path gives bit for bit the logits of running its modules
     over the same kernels: prefill chunks with cached prefixes, mixed and decode steps."""
@@ -291,7 +314,8 @@ def test_fused_layers_equal_the_module_path(family, tmp_path, monkeypatch):
 
 
 def test_fused_layers_need_the_native_pieces(tmp_path):
-    """Qwen3's q/k norm, torch's layers or the torch attention backend: the module path."""
+    """torch's layers or the torch attention backend: the module path (Qwen3's q/k norms and
+    Gemma 3's options run fused)."""
     from model_utils import tiny_hf_model
 
     from tallow.attention.cpu_backend import CpuAttentionBackend
@@ -300,7 +324,8 @@ def test_fused_layers_need_the_native_pieces(tmp_path):
     from tallow.models.loader import load_model
 
     for family, scheme, backend, ok in [("llama", "int4", CpuAttentionBackend, True),
-                                        ("qwen3", "int4", CpuAttentionBackend, False),
+                                        ("qwen3", "int4", CpuAttentionBackend, True),
+                                        ("gemma3", "int4", CpuAttentionBackend, True),
                                         ("llama", "int4-torch", CpuAttentionBackend, False),
                                         ("llama", "int4", None, False)]:
         path = tmp_path / f"{family}-{scheme}-{ok}"

@@ -9,8 +9,10 @@ arithmetic as the module path over the same kernels, from C: one call per layer.
 It applies when the model runs on the CPU in float32 with tallow's kernels throughout:
 every projection a Q4Linear or Q8Linear, or one of a GGUF file's own formats (GgufLinear:
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; HalfLinear: F16, BF16; a ConcatLinear of up to three of any of
-these, as the q/k/v of a Q4_K_M file), attention through CpuAttentionBackend, no q/k norm
-(Qwen3), none of Gemma 3's options and no tensor parallelism. Otherwise LlamaModel runs its modules.
+these, as the q/k/v of a Q4_K_M file), attention through CpuAttentionBackend, and no tensor
+parallelism. Qwen3's q/k norms and Gemma 3's options (q/k norms, sandwich norms, GeGLU, sliding
+windows with their own rotary table) run in it too: the module path computes them with the same
+kernels (head_rms_norm, gelu_tanh_and_mul). Otherwise LlamaModel runs its modules.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import ctypes
 import torch
 
 from tallow.attention.metadata import AttentionMetadata
-from tallow.ops import cpu_native, silu_and_mul
+from tallow.ops import cpu_native, gelu_tanh_and_mul, silu_and_mul
 
 
 _MAX_PARTS = 3  # TL_MAX_PARTS
@@ -42,7 +44,10 @@ class _Layer(ctypes.Structure):
                 ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
-                ("head_dim", ctypes.c_int), ("inter", ctypes.c_int)]
+                ("head_dim", ctypes.c_int), ("inter", ctypes.c_int),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("pre_ff_norm", ctypes.c_void_p),
+                ("post_ff_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
+                ("act", ctypes.c_int), ("window", ctypes.c_int)]
 
 
 class _Step(ctypes.Structure):
@@ -52,6 +57,16 @@ class _Step(ctypes.Structure):
                 ("query_start_loc", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
                 ("x", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("attn", ctypes.c_void_p),
                 ("gate_up", ctypes.c_void_p), ("act", ctypes.c_void_p)]
+
+
+def _norms(layer) -> tuple:
+    """A decoder layer's norm weights: input, post-attention, q, k, pre- and post-feedforward
+    (None where the model has no such norm)."""
+    attn = layer.self_attn
+    q, k = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+    pre, post = ((layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight)
+                 if layer.sandwich else (None, None))
+    return layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q, k, pre, post
 
 
 def _parts(linear) -> list | None:
@@ -111,14 +126,12 @@ class FusedCpuLayers:
             return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qk_norm or not isinstance(attn.backend, CpuAttentionBackend):
-                return False
-            if layer.sandwich or attn.sliding_window is not None or mlp.act is not silu_and_mul:  # Gemma 3
+            if not isinstance(attn.backend, CpuAttentionBackend) or mlp.act not in (silu_and_mul, gelu_tanh_and_mul):
                 return False
             if any(_parts(p) is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 return False
-            if any(w.dtype != torch.float32 or w.device.type != "cpu"
-                   for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)):
+            if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
+                   for w in _norms(layer) if w is not None):
                 return False
         hidden = model.layers[0].input_layernorm.weight.shape[0]
         inter = model.layers[0].mlp.down_proj.in_features
@@ -127,13 +140,17 @@ class FusedCpuLayers:
     def __init__(self, model) -> None:
         self._fn = cpu_native.lib().tl_llama_layer
         self.layers = []
+        local = model.rotary_emb_local
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            _, _, q_norm, k_norm, pre_ff, post_ff = (None if w is None else w.data_ptr() for w in _norms(layer))
             self.layers.append(_Layer(
                 _proj(attn.qkv_proj), _proj(attn.o_proj), _proj(mlp.gate_up_proj), _proj(mlp.down_proj),
                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                 layer.input_layernorm.eps, attn.scale, layer.input_layernorm.weight.shape[0], attn.num_heads,
-                attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features))
+                attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features, q_norm, k_norm, pre_ff, post_ff,
+                local.cos_sin_cache.data_ptr() if attn.local_rope else None, int(mlp.act is gelu_tanh_and_mul),
+                attn.sliding_window or 0))
         first = self.layers[0]
         self.q_dim, self.kv_dim = first.heads * first.head_dim, first.kv_heads * first.head_dim
         self.hidden, self.inter = first.hidden, first.inter

@@ -39,7 +39,7 @@ from tallow.attention.metadata import AttentionMetadata
 from tallow.models.config import ModelConfig
 from tallow.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from tallow.models.sharding import ShardLayout
-from tallow.ops import apply_rotary, fused_add_rms_norm, gelu_tanh_and_mul, rms_norm, silu_and_mul
+from tallow.ops import apply_rotary, fused_add_rms_norm, gelu_tanh_and_mul, head_rms_norm, rms_norm, silu_and_mul
 
 if TYPE_CHECKING:
     from tallow.distributed.group import ParallelContext
@@ -88,7 +88,7 @@ class LlamaAttention(nn.Module):
         # q and k are adjacent in qkv: rotate them together as H + num_kv_heads heads.
         qk = qkv[:, : self.qk_dim].view(T, -1, self.head_dim)
         if self.qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
+            qk = head_rms_norm(qk, H, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         v = qkv[:, self.qk_dim:].view(T, self.num_kv_heads, self.head_dim)
         window = {}
         if self.sliding_window is not None:

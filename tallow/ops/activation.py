@@ -28,6 +28,8 @@ def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GeGLU's gate (Gemma): x: [T, 2 * d] = (gate, up) -> gelu_tanh(gate) * up, [T, d], in
     plain torch ops on every device (gelu with the tanh approximation, as transformers'
-    gelu_pytorch_tanh)."""
+    gelu_pytorch_tanh); on the CPU tallow's kernel where it applies (the fused layer's)."""
+    if x.dim() == 2 and x.is_contiguous() and x.shape[1] % 16 == 0 and cpu_native.usable(x):
+        return cpu_native.gelu_tanh_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up

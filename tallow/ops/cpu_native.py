@@ -35,7 +35,7 @@ from tallow.ops import cpu_build
 log = logging.getLogger(__name__)
 
 VARIANTS = cpu_build.VARIANTS
-ABI_VERSION = 9
+ABI_VERSION = 10
 # The OpenMP entry points gcc's code calls: the kernels must find torch's definitions of them.
 OPENMP_SYMBOLS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
 
@@ -52,6 +52,8 @@ _SIGNATURES = {
     "tl_exp": ([_p, _p, _i], None),
     "tl_add_rms_norm": ([_p, _p, _p, _f, _i, _i, _p, _p, _i], None),
     "tl_silu_and_mul": ([_p, _i, _i, _p, _i], None),
+    "tl_gelu_tanh_and_mul": ([_p, _i, _i, _p, _i], None),
+    "tl_head_rms_norm": ([_p, _i, _i, _i, _l, _p, _f, _i], None),
     "tl_rotary": ([_p, _i, _i, _i, _l, _p, _p, _i], None),
     "tl_kv_write": ([_p, _l, _p, _l, _i, _i, _i, _p, _p, _p, _i], None),
     "tl_paged_attention": ([_p, _l, _p, _l, _p, _p, _p, _p, _p, _l, _i, _i, _i, _i, _i, _f, _i, _i, _i], _i),
@@ -275,6 +277,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(T, I2 // 2)
     lib().tl_silu_and_mul(x.data_ptr(), T, I2 // 2, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    T, I2 = x.shape
+    out = x.new_empty(T, I2 // 2)
+    lib().tl_gelu_tanh_and_mul(x.data_ptr(), T, I2 // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """RMSNorm of each head of x [T, heads, head_dim] (heads contiguous, rows at any stride), in place."""
+    T, heads, D = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == D and weight.is_contiguous() and weight.shape == (D,)
+    lib().tl_head_rms_norm(x.data_ptr(), T, heads, D, x.stride(0), weight.data_ptr(), eps, torch.get_num_threads())
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:

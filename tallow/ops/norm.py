@@ -38,3 +38,17 @@ def torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """fused_add_rms_norm in plain torch ops (any device)."""
     residual = x + residual
     return F.rms_norm(residual, weight.shape, weight, eps), residual
+
+
+def head_rms_norm(qk: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """Qwen3's and Gemma 3's q/k norms: each head of qk [T, q heads + k heads, head_dim] (q first)
+    normalized with its weight. On the CPU with tallow's kernels in place (qk's rows may be
+    strided, as a view of the qkv projection; the fused layer's kernel); elsewhere a new tensor."""
+    if not qk.is_cuda and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and qk.shape[2] % 8 == 0 and \
+            cpu_native.usable(qk, q_weight, k_weight):
+        cpu_native.head_rms_norm_(qk[:, :num_q_heads], q_weight, eps)
+        cpu_native.head_rms_norm_(qk[:, num_q_heads:], k_weight, eps)
+        return qk
+    return torch.cat((F.rms_norm(qk[:, :num_q_heads], q_weight.shape, q_weight, eps),
+                      F.rms_norm(qk[:, num_q_heads:], k_weight.shape, k_weight, eps)), dim=1)

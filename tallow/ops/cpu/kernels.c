@@ -25,7 +25,7 @@
 
 #define QK 32
 
-int tl_abi_version(void) { return 9; }
+int tl_abi_version(void) { return 10; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -202,6 +202,44 @@ void tl_silu_and_mul(const float *x, int T, int I, float *out, int nthreads) {
             __m256 s = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), a))));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
         }
+    }
+}
+
+// out[t, :I] = gelu_tanh(x[t, :I]) * x[t, I:2I]; I % 8 == 0 (Gemma's GeGLU). gelu_tanh(a) =
+// 0.5 a (1 + tanh(u)) = a / (1 + exp(-2u)), u = sqrt(2 / pi) (a + 0.044715 a^3): the sigmoid
+// form of tl_silu_and_mul, no cancellation near 0.
+void tl_gelu_tanh_and_mul(const float *x, int T, int I, float *out, int nthreads) {
+    const __m256 k0 = _mm256_set1_ps(-2.0f * 0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
+    for (int t = 0; t < T; t++) {
+        const float *g = x + (size_t)t * 2 * I, *u = g + I;
+        float *o = out + (size_t)t * I;
+        for (int i = 0; i < I; i += 8) {
+            const __m256 a = _mm256_loadu_ps(g + i);
+            const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(k1, a), _mm256_mul_ps(a, a), a);  // a + 0.044715 a^3
+            const __m256 e = exp8(_mm256_mul_ps(k0, inner));
+            const __m256 gelu = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+// RMSNorm over each head of x [T, heads, D] in place (rows at row_stride floats, heads contiguous
+// at stride D; D % 8 == 0): Qwen3's and Gemma 3's q/k norms, each head's arithmetic that of
+// tl_add_rms_norm on a row of D without a residual.
+void tl_head_rms_norm(float *x, int T, int heads, int D, long row_stride, const float *weight, float eps,
+                      int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * heads > 64)
+    for (int th = 0; th < T * heads; th++) {
+        float *xr = x + (size_t)(th / heads) * row_stride + (size_t)(th % heads) * D;
+        __m256 ss = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)D + eps));
+        for (int i = 0; i < D; i += 8)
+            _mm256_storeu_ps(xr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), r), _mm256_loadu_ps(weight + i)));
     }
 }
 
@@ -545,11 +583,18 @@ typedef struct {
     int nparts, n;
 } tl_proj;
 
+// A layer's weights and shape, and its model's options (NULL / 0 where it has none): Qwen3's and
+// Gemma 3's q/k norms; Gemma 3's sandwich norms (post_norm then normalizes the attention output
+// before the residual add, pre_ff_norm comes before the MLP and post_ff_norm after it), GeGLU
+// (act 1; 0: SiLU), sliding window (window > 0) and the rotary table of its local layers
+// (cos_sin; NULL: the step's).
 typedef struct {
     tl_proj qkv, o, gate_up, down;
     const float *in_norm, *post_norm;
     float eps, scale;
     int hidden, heads, kv_heads, head_dim, inter;
+    const float *q_norm, *k_norm, *pre_ff_norm, *post_ff_norm, *cos_sin;
+    int act, window;
 } tl_layer;
 
 typedef struct {
@@ -605,16 +650,27 @@ int tl_llama_layer(const tl_layer *L, const tl_step *S, void *k_cache, void *v_c
     const long qkv_stride = q_dim + 2 * kv_dim;
     tl_add_rms_norm(h, first ? NULL : residual, L->in_norm, L->eps, T, L->hidden, S->x, residual, nthreads);
     if (proj(&L->qkv, S->x, T, S->qkv, nthreads)) return -1;
-    tl_rotary(S->qkv, T, L->heads + L->kv_heads, D, qkv_stride, S->positions, S->cos_sin, nthreads);
+    if (L->q_norm) tl_head_rms_norm(S->qkv, T, L->heads, D, qkv_stride, L->q_norm, L->eps, nthreads);
+    if (L->k_norm) tl_head_rms_norm(S->qkv + q_dim, T, L->kv_heads, D, qkv_stride, L->k_norm, L->eps, nthreads);
+    tl_rotary(S->qkv, T, L->heads + L->kv_heads, D, qkv_stride, S->positions, L->cos_sin ? L->cos_sin : S->cos_sin,
+              nthreads);
     tl_kv_write(S->qkv + q_dim, qkv_stride, S->qkv + q_dim + kv_dim, qkv_stride, T, L->kv_heads, D, S->slot_mapping,
                 k_cache, v_cache, S->kv_half);
     if (tl_paged_attention(S->qkv, qkv_stride, S->attn, q_dim, k_cache, v_cache, S->query_start_loc, S->seq_lens,
                            S->block_tables, S->bt_stride, S->B, L->heads, L->kv_heads, D, S->block_size, L->scale,
-                           S->kv_half, 0, nthreads))
+                           S->kv_half, L->window, nthreads))
         return -1;
     if (proj(&L->o, S->attn, T, h, nthreads)) return -1;
-    tl_add_rms_norm(h, residual, L->post_norm, L->eps, T, L->hidden, S->x, residual, nthreads);
+    if (L->pre_ff_norm) {  // sandwich: norm(attention output), then the residual add and the MLP's norm
+        tl_add_rms_norm(h, NULL, L->post_norm, L->eps, T, L->hidden, S->x, h, nthreads);
+        tl_add_rms_norm(S->x, residual, L->pre_ff_norm, L->eps, T, L->hidden, S->x, residual, nthreads);
+    } else {
+        tl_add_rms_norm(h, residual, L->post_norm, L->eps, T, L->hidden, S->x, residual, nthreads);
+    }
     if (proj(&L->gate_up, S->x, T, S->gate_up, nthreads)) return -1;
-    tl_silu_and_mul(S->gate_up, T, L->inter, S->act, nthreads);
-    return proj(&L->down, S->act, T, h, nthreads);
+    if (L->act) tl_gelu_tanh_and_mul(S->gate_up, T, L->inter, S->act, nthreads);
+    else tl_silu_and_mul(S->gate_up, T, L->inter, S->act, nthreads);
+    if (proj(&L->down, S->act, T, h, nthreads)) return -1;
+    if (L->post_ff_norm) tl_add_rms_norm(h, NULL, L->post_ff_norm, L->eps, T, L->hidden, h, h, nthreads);
+    return 0;
 }

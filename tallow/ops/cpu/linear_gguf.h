@@ -289,7 +289,7 @@ static inline __attribute__((always_inline)) void gguf_tile1(int fmt_planes, int
     for (int c = 0; c < GT; c++) acc[c] = 0.0f;
     for (int b = 0; b < nb; b++) {
         const uint8_t *wb = wt + (size_t)b * block_bytes;
-        for (size_t p = 0; p < block_bytes; p += 64) _mm_prefetch((const char *)(wb + 4 * block_bytes + p), _MM_HINT_T0);
+        for (size_t p = 0; p < block_bytes; p += 64) _mm_prefetch((const char *)(wb + 12 * block_bytes + p), _MM_HINT_T0);
         float dw0[GT], dw1[GT], mw[GT];
         gguf_block_scales(fmt, b, dt, mt, sct, mnt, dw0, dw1, mw);
         gguf_row1(wb, fmt_planes, fmt_zero, r->q + (size_t)b * QK, r->d[b], r->s[b], dw0, dw1, mw, halves, has_m, acc);
