@@ -400,36 +400,45 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
 #define ATTEND16 0
 #endif
 
-// Work item `item` = (chunk, KV head): its token (*t) and its n rows' element offsets in the
-// caches (off; token t's keys start at key0[t]), whose lines are prefetched to L2. Returns n.
-static int item_rows(long item, int T, const int *first, const int *key0, const int *ctx, const int *seq,
-                     const int32_t *block_tables,
-                     long bt_stride, int block_size, int kv_heads, int D, const void *k_cache, const void *v_cache,
-                     size_t esize, size_t *off, int *t_out) {
+// Work item `item` = (chunk, KV head) of a query block (*blk_out: tokens bt[blk] .. bt[blk + 1] - 1
+// of one sequence, whose chunks bfirst[blk] .. bfirst[blk + 1] - 1 are its last token's): the
+// chunk's keys j0 .. j0 + n - 1 of the last token's context (the block's other tokens take a
+// prefix of them), their element offsets in the caches (off), whose lines are prefetched to L2.
+// Returns n; *c_out: the chunk's index within the block.
+static int item_rows(long item, int nblocks, const int *bt, const int *bfirst, const int *key0, const int *ctx,
+                     const int *seq, const int32_t *block_tables, long bt_stride, int block_size, int kv_heads, int D,
+                     const void *k_cache, const void *v_cache, size_t esize, size_t *off, int *blk_out, int *c_out) {
     const long chunk = item / kv_heads;
     const int kvh = (int)(item % kv_heads);
-    int lo = 0, hi = T - 1;  // the token of this chunk: first[t] <= chunk < first[t + 1]
+    int lo = 0, hi = nblocks - 1;  // the block of this chunk: bfirst[k] <= chunk < bfirst[k + 1]
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (first[mid] <= chunk) lo = mid; else hi = mid - 1;
+        if (bfirst[mid] <= chunk) lo = mid; else hi = mid - 1;
     }
-    const int t = lo;
-    const int j0 = key0[t] + (int)(chunk - first[t]) * ATT_CHUNK;
+    const int blk = lo, t = bt[blk + 1] - 1, c = (int)(chunk - bfirst[blk]);
+    const int j0 = key0[t] + c * ATT_CHUNK;
     const int n = ctx[t] - j0 < ATT_CHUNK ? ctx[t] - j0 : ATT_CHUNK;
     const int32_t *table = block_tables + (size_t)seq[t] * bt_stride;
     const size_t kv_row = (size_t)kv_heads * D;
-    for (int j = 0, blk = j0 / block_size, slot = j0 % block_size; j < n; j++) {  // no division per row
-        off[j] = ((size_t)table[blk] * block_size + slot) * kv_row + (size_t)kvh * D;
-        if (++slot == block_size) slot = 0, blk++;
+    for (int j = 0, b = j0 / block_size, slot = j0 % block_size; j < n; j++) {  // no division per row
+        off[j] = ((size_t)table[b] * block_size + slot) * kv_row + (size_t)kvh * D;
+        if (++slot == block_size) slot = 0, b++;
     }
     for (int j = 0; j < n; j++)
         for (size_t i = 0; i < D * esize; i += 64) {
             _mm_prefetch((const char *)k_cache + off[j] * esize + i, _MM_HINT_T1);
             _mm_prefetch((const char *)v_cache + off[j] * esize + i, _MM_HINT_T1);
         }
-    *t_out = t;
+    *blk_out = blk, *c_out = c;
     return n;
 }
+
+// Query tokens of one sequence (a prefill chunk) in blocks of up to ATT_QBLOCK share each work
+// item: the chunk's K and V rows are located, fetched (and on AVX2 converted from float16) once
+// for all of them. Each token's arithmetic is the one-token item's (the same chunks from its own
+// context, the same operations), so results do not depend on the blocking.
+#define ATT_QBLOCK 16
+#define ATT_PARTS_MAX ((size_t)4 << 20)  // floats of chunk results per slab of tokens (16 MB)
 
 // Causal attention of every query token over its sequence's paged context. q [T, H, D] and
 // out [T, H, D] with row strides in floats (heads at stride D); sequence b owns tokens
@@ -444,116 +453,149 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
     const int T = query_start_loc[B];
     const int group = H / kv_heads;
     const size_t part_len = (size_t)D + 2;
-    // token t: sequence seq[t], keys lo[t] .. ctx[t] - 1, chunks first[t] .. first[t + 1] - 1 (per KV head)
-    int *seq = (int *)malloc(sizeof(int) * ((size_t)T + 1) * 4);
+    // token t: sequence seq[t], keys lo[t] .. ctx[t] - 1, nch[t] chunks (per KV head)
+    int *seq = (int *)malloc(sizeof(int) * ((size_t)T + 1) * 7);
     if (!seq) return -1;
-    int *ctx = seq + T + 1, *first = ctx + T + 1, *lo = first + T + 1;
-    first[0] = 0;
+    int *ctx = seq + T + 1, *lo = ctx + T + 1, *nch = lo + T + 1, *first = nch + T + 1, *bt = first + T + 1,
+        *bfirst = bt + T + 1;
     for (int b = 0; b < B; b++)
         for (int t = query_start_loc[b]; t < query_start_loc[b + 1]; t++) {
             seq[t] = b;
             ctx[t] = seq_lens[b] - (query_start_loc[b + 1] - 1 - t);  // causal: up to itself
             lo[t] = window > 0 && ctx[t] > window ? ctx[t] - window : 0;
-            first[t + 1] = first[t] + (ctx[t] - lo[t] + ATT_CHUNK - 1) / ATT_CHUNK;
+            nch[t] = (ctx[t] - lo[t] + ATT_CHUNK - 1) / ATT_CHUNK;
         }
-    const long chunks = first[T];
-    float *parts = (float *)malloc(sizeof(float) * ((size_t)chunks * kv_heads * group * part_len + 1));
+    // The tokens run in slabs of at most ATT_PARTS_MAX floats of chunk results (a long prompt's
+    // chunk results whole would be hundreds of MB, paged in afresh at every layer); a token's
+    // items and combination are the same in any slab.
+    const size_t per_chunk = (size_t)kv_heads * group * part_len;
+    size_t cap = ATT_PARTS_MAX;
+    for (int t = 0; t < T; t++) cap = (size_t)nch[t] * per_chunk > cap ? (size_t)nch[t] * per_chunk : cap;
+    size_t need = 0;
+    for (int t = 0; t < T; t++) need += (size_t)nch[t] * per_chunk;
+    cap = need < cap ? need : cap;
+    float *parts = (float *)malloc(sizeof(float) * (cap + 1));
     if (!parts) {
         free(seq);
         return -1;
     }
     int failed = 0;
-    const long items = chunks * kv_heads;
     const size_t esize = half ? 2 : 4;
-    long claimed = 0;  // items handed out
-#pragma omp parallel num_threads(nthreads)
-    {
-        float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)group);
-        size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two items' row offsets; dense ones
-        const int gather = half && !(ATTEND16 && D % 16 == 0);  // float16 rows go through float32 scratch
-        float *rows = gather ? (float *)malloc(sizeof(float) * 2 * ATT_CHUNK * (size_t)D) : NULL;  // K, V as float32
-        const int ok = scores && off && (rows || !gather);
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
+    for (int t0 = 0, t1; t0 < T; t0 = t1) {
+        // slab t0 .. t1 - 1: chunks first[t] .. first[t + 1] - 1 of token t (from 0 at t0); query
+        // block k: tokens bt[k] .. bt[k + 1] - 1, chunks bfirst[k] .. bfirst[k + 1] - 1
+        first[t0] = 0;
+        int nblocks = 0;
+        bt[0] = t0, bfirst[0] = 0;
+        for (t1 = t0; t1 < T && (t1 == t0 || (size_t)(first[t1] + nch[t1]) * per_chunk <= cap); t1++) {
+            const int t = t1, b = seq[t];
+            first[t + 1] = first[t] + nch[t];
+            // a block ends at its sequence's end, at ATT_QBLOCK tokens, or where the window moves
+            // the first key (the chunks of its tokens would no longer coincide)
+            const int last = t + 1 == query_start_loc[b + 1] || t + 1 - bt[nblocks] == ATT_QBLOCK || window > 0 ||
+                             lo[t] != 0 || t + 1 == T || (size_t)(first[t + 1] + nch[t + 1]) * per_chunk > cap;
+            if (last) {
+                bt[nblocks + 1] = t + 1;
+                bfirst[nblocks + 1] = bfirst[nblocks] + nch[t];
+                nblocks++;
+            }
         }
-        // Items are claimed one ahead: while a thread works on one, the rows of the next it will
-        // take are already on their way from memory (the rows are scattered over the cache).
-        size_t *off_cur = off, *off_next = off + ATT_CHUNK, *dense = off + 2 * ATT_CHUNK;
-        int t_cur = 0, n_cur = 0, t_next = 0, n_next = 0;
-        long cur = ok ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : items;
-        if (ok) {
-            if (gather)
-                for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
-            if (cur < items) n_cur = item_rows(cur, T, first, lo, ctx, seq, block_tables, bt_stride, block_size, kv_heads,
-                                               D, k_cache, v_cache, esize, off_cur, &t_cur);
-        }
-        while (cur < items) {
-            const long next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            if (next < items)
-                n_next = item_rows(next, T, first, lo, ctx, seq, block_tables, bt_stride, block_size, kv_heads, D, k_cache,
-                                   v_cache, esize, off_next, &t_next);
-            const int kvh = (int)(cur % kv_heads);
-            const float *qh = q + t_cur * q_stride + (size_t)kvh * group * D;
-            float *part = parts + (size_t)cur * group * part_len;
-#if ATTEND16
-            if (D % 16 == 0) {  // K and V rows read (and converted) in place
-#define ATTEND16_D(d) attend_chunk16(qh, group, d, scale, k_cache, v_cache, off_cur, half, n_cur, scores, part)
-                if (D == 64)
-                    ATTEND16_D(64);
-                else if (D == 128)
-                    ATTEND16_D(128);
-                else
-                    ATTEND16_D(D);
-#undef ATTEND16_D
-            } else
-#endif
-            {
+        const long items = (long)bfirst[nblocks] * kv_heads;
+        long claimed = 0;  // items handed out
+    #pragma omp parallel num_threads(nthreads)
+        {
+            float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)group);
+            size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two items' row offsets; dense ones
+            const int gather = half && !(ATTEND16 && D % 16 == 0);  // float16 rows go through float32 scratch
+            float *rows = gather ? (float *)malloc(sizeof(float) * 2 * ATT_CHUNK * (size_t)D) : NULL;  // K, V as float32
+            const int ok = scores && off && (rows || !gather);
+            if (!ok) {
+    #pragma omp atomic write
+                failed = 1;
+            }
+            // Items are claimed one ahead: while a thread works on one, the rows of the next it will
+            // take are already on their way from memory (the rows are scattered over the cache).
+            size_t *off_cur = off, *off_next = off + ATT_CHUNK, *dense = off + 2 * ATT_CHUNK;
+            int blk_cur = 0, c_cur = 0, n_cur = 0, blk_next = 0, c_next = 0, n_next = 0;
+            long cur = ok ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : items;
+            if (ok) {
+                if (gather)
+                    for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
+                if (cur < items)
+                    n_cur = item_rows(cur, nblocks, bt, bfirst, lo, ctx, seq, block_tables, bt_stride, block_size, kv_heads,
+                                      D, k_cache, v_cache, esize, off_cur, &blk_cur, &c_cur);
+            }
+            while (cur < items) {
+                const long next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+                if (next < items)
+                    n_next = item_rows(next, nblocks, bt, bfirst, lo, ctx, seq, block_tables, bt_stride, block_size,
+                                       kv_heads, D, k_cache, v_cache, esize, off_next, &blk_next, &c_next);
+                const int kvh = (int)(cur % kv_heads);
                 const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;
                 const size_t *rows_at = off_cur;
-                if (gather) {  // the group's heads then read float32 rows (the conversion is exact)
+                if (gather) {  // the tokens' heads then read float32 rows (the conversion is exact)
                     gather_half((const uint16_t *)k_cache, off_cur, n_cur, D, rows);
                     gather_half((const uint16_t *)v_cache, off_cur, n_cur, D, rows + (size_t)ATT_CHUNK * D);
                     kc = rows, vc = rows + (size_t)ATT_CHUNK * D, rows_at = dense;
                 }
-                if (D == 64)
-                    attend_chunk(qh, group, 64, scale, kc, vc, rows_at, n_cur, scores, part);
-                else if (D == 128)
-                    attend_chunk(qh, group, 128, scale, kc, vc, rows_at, n_cur, scores, part);
-                else
-                    attend_chunk(qh, group, D, scale, kc, vc, rows_at, n_cur, scores, part);
+                for (int t = bt[blk_cur]; t < bt[blk_cur + 1]; t++) {
+                    const int j0 = lo[t] + c_cur * ATT_CHUNK;  // lo is the block's for every token
+                    if (j0 >= ctx[t]) continue;  // the chunk is past this token's context
+                    const int n = ctx[t] - j0 < n_cur ? ctx[t] - j0 : n_cur;
+                    const float *qh = q + t * q_stride + (size_t)kvh * group * D;
+                    float *part = parts + (((size_t)first[t] + c_cur) * kv_heads + kvh) * group * part_len;
+    #if ATTEND16
+                    if (D % 16 == 0) {  // K and V rows read (and converted) in place
+    #define ATTEND16_D(d) attend_chunk16(qh, group, d, scale, k_cache, v_cache, off_cur, half, n, scores, part)
+                        if (D == 64)
+                            ATTEND16_D(64);
+                        else if (D == 128)
+                            ATTEND16_D(128);
+                        else
+                            ATTEND16_D(D);
+    #undef ATTEND16_D
+                        continue;
+                    }
+    #endif
+                    if (D == 64)
+                        attend_chunk(qh, group, 64, scale, kc, vc, rows_at, n, scores, part);
+                    else if (D == 128)
+                        attend_chunk(qh, group, 128, scale, kc, vc, rows_at, n, scores, part);
+                    else
+                        attend_chunk(qh, group, D, scale, kc, vc, rows_at, n, scores, part);
+                }
+                size_t *swap = off_cur;
+                off_cur = off_next, off_next = swap;
+                cur = next, blk_cur = blk_next, c_cur = c_next, n_cur = n_next;
             }
-            size_t *swap = off_cur;
-            off_cur = off_next, off_next = swap;
-            cur = next, t_cur = t_next, n_cur = n_next;
-        }
-#pragma omp barrier
-        // (every chunk is done) each (token, head)'s chunks combined in order
-#pragma omp for schedule(static)
-        for (long th = 0; th < (long)T * H; th++) {
-            const int t = (int)(th / H), h = (int)(th % H), kvh = h / group, g = h % group;
-            const int nc = first[t + 1] - first[t];
-            const size_t stride = (size_t)kv_heads * group * part_len;  // one chunk of t to the next
-            const float *p0 = parts + ((size_t)first[t] * kv_heads + kvh) * group * part_len + g * part_len;
-            float mx = p0[0];
-            for (int c = 1; c < nc; c++) mx = p0[c * stride] > mx ? p0[c * stride] : mx;
-            float total = 0.0f;
-            float *o = out + t * out_stride + (size_t)h * D;
-            memset(o, 0, sizeof(float) * (size_t)D);
-            for (int c = 0; c < nc; c++) {
-                const float *pc = p0 + c * stride;
-                const float w = expf(pc[0] - mx);
-                total += pc[1] * w;
-                const __m256 wv = _mm256_set1_ps(w);
-                for (int i = 0; i < D; i += 8)
-                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_loadu_ps(pc + 2 + i), wv, _mm256_loadu_ps(o + i)));
+    #pragma omp barrier
+            // (every chunk is done) each (token, head)'s chunks combined in order
+    #pragma omp for schedule(static)
+            for (long th = (long)t0 * H; th < (long)t1 * H; th++) {
+                const int t = (int)(th / H), h = (int)(th % H), kvh = h / group, g = h % group;
+                const int nc = first[t + 1] - first[t];
+                const size_t stride = (size_t)kv_heads * group * part_len;  // one chunk of t to the next
+                const float *p0 = parts + ((size_t)first[t] * kv_heads + kvh) * group * part_len + g * part_len;
+                float mx = p0[0];
+                for (int c = 1; c < nc; c++) mx = p0[c * stride] > mx ? p0[c * stride] : mx;
+                float total = 0.0f;
+                float *o = out + t * out_stride + (size_t)h * D;
+                memset(o, 0, sizeof(float) * (size_t)D);
+                for (int c = 0; c < nc; c++) {
+                    const float *pc = p0 + c * stride;
+                    const float w = expf(pc[0] - mx);
+                    total += pc[1] * w;
+                    const __m256 wv = _mm256_set1_ps(w);
+                    for (int i = 0; i < D; i += 8)
+                        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_loadu_ps(pc + 2 + i), wv, _mm256_loadu_ps(o + i)));
+                }
+                const __m256 inv = _mm256_set1_ps(1.0f / total);
+                for (int i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
             }
-            const __m256 inv = _mm256_set1_ps(1.0f / total);
-            for (int i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
+            free(scores);
+            free(off);
+            free(rows);
         }
-        free(scores);
-        free(off);
-        free(rows);
     }
     free(parts);
     free(seq);

@@ -14,6 +14,7 @@
 // broadcasting at every use and tabling the products per row (stop 31, HISTORY), the same floats.
 
 #define NT 4
+#define ROW_CHUNK_BYTES 16384
 #define PREFETCH 1024  // bytes of Q4 nibbles ahead of the one-row loop (Q8: twice that)
 
 // Weights are stored in tiles of NT = 4 output channels: for tile t and block b, the NT
@@ -291,7 +292,13 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+        // Rows in chunks of about ROW_CHUNK_BYTES of activations (their broadcast copy stays in L1
+        // while a thread's tiles go by: 1.3-1.4x at 512-2048 rows on Zen 3, stop 31); each thread
+        // takes the same tiles in every chunk, so no barrier between them.
+        const int rchunk = ROW_CHUNK_BYTES / (4 * K) < 4 ? 4 : ROW_CHUNK_BYTES / (4 * K) / 4 * 4;
+        for (int c0 = 0; c0 < M; c0 += rchunk) {
+        const int c1 = M - c0 < rchunk ? M : c0 + rchunk;
+#pragma omp for schedule(static) nowait
         for (int t = 0; t < tiles; t++) {
             if (!ok) continue;
             const uint8_t *wt = wq + (size_t)t * tile_bytes;
@@ -301,8 +308,8 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
             if (one_q8) {
                 STORE(0, tile_row(r.q, r.d, r.s, nb, wt, dt, NULL, 1, prod));
             } else {
-                for (int m = 0; m < M; m += 4) {
-                    const int R = M - m < 4 ? M - m : 4;
+                for (int m = c0; m < c1; m += 4) {
+                    const int R = c1 - m < 4 ? c1 - m : 4;
                     __m128 out[4];
 #define ROWS(n) (q8 ? tile_rows_q8(&r, m, n, nb, wt, dt, out) : tile_rows_q4(&r, m, n, nb, wt, dt, mt, out))
                     switch (R) {  // constant row counts: the rows' loops unrolled
@@ -319,6 +326,7 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
                 }
             }
 #undef STORE
+        }
         }
         free(prod);
     }
