@@ -207,17 +207,16 @@ class GgufLinear(quant._NativeBlockLinear):
         return cls.from_tiles(codes["q"].shape, cls.tile_codes(codes, qtype, cls.kernel_tile()), bias, **attrs)
 
     @staticmethod
-    def tile_codes(codes: dict[str, np.ndarray], qtype, tile: int, layout: int | None = None) -> dict[str, torch.Tensor | None]:
-        """decode_blocks' arrays in the kernel's tiles (linear_gguf.h; layout: the bit planes'
-        order, by default that of the kernels lib() hands out)."""
+    def tile_codes(codes: dict[str, np.ndarray], qtype, tile: int) -> dict[str, torch.Tensor | None]:
+        """decode_blocks' arrays in the kernel's tiles (linear_gguf.h; the bit planes in the order
+        of the kernels lib() hands out)."""
         attrs = GgufLinear.format_attrs(qtype)
-        layout = plane_layout() if layout is None else layout
 
         def t(name: str) -> torch.Tensor | None:
             a = codes.get(name)
             return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
 
-        out = {"qweight": _tile_planes(t("q"), attrs["planes"], tile, layout), "d": _tile_k(t("d"), tile)}
+        out = {"qweight": _tile_planes(t("q"), attrs["planes"], tile, plane_layout()), "d": _tile_k(t("d"), tile)}
         m = t("m") if "m" in codes else t("dmin")
         out["m"] = None if m is None else _tile_k(m, tile)
         sc = t("sc")

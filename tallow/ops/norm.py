@@ -45,8 +45,7 @@ def head_rms_norm(qk: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor, k_
     """Qwen3's and Gemma 3's q/k norms: each head of qk [T, q heads + k heads, head_dim] (q first)
     normalized with its weight. On the CPU with tallow's kernels in place (qk's rows may be
     strided, as a view of the qkv projection; the fused layer's kernel); elsewhere a new tensor."""
-    if not qk.is_cuda and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and qk.shape[2] % 8 == 0 and \
-            cpu_native.usable(qk, q_weight, k_weight):
+    if qk.stride(1) == qk.shape[2] and cpu_native.usable(qk, q_weight, k_weight):  # CPU float32, D % 8 == 0
         cpu_native.head_rms_norm_(qk[:, :num_q_heads], q_weight, eps)
         cpu_native.head_rms_norm_(qk[:, num_q_heads:], k_weight, eps)
         return qk

@@ -38,7 +38,7 @@ static inline float hsum8(__m256 v) {
 // One row of K floats (K % 32 == 0) to int16 blocks: q[K], d[K/32] (the scale) and
 // s[K/32] (d * the block's integer sum, for Q4's m term). q4_order: each block stored as
 // [x0 x2 .. x14 | x1 x3 .. x15 | x16 x18 .. x30 | x17 x19 .. x31], the order of the int16 lanes
-// a Q4 block's nibbles give in registers (q4_block_sums); otherwise the natural order.
+// a Q4 block's nibbles give in registers (linear_avx2.h, q4_sums); otherwise the natural order.
 static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float *s, int q4_order) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     // within each 128-bit lane: the even int16 elements, then the odd ones
@@ -469,10 +469,11 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
     // chunk results whole would be hundreds of MB, paged in afresh at every layer); a token's
     // items and combination are the same in any slab.
     const size_t per_chunk = (size_t)kv_heads * group * part_len;
-    size_t cap = ATT_PARTS_MAX;
-    for (int t = 0; t < T; t++) cap = (size_t)nch[t] * per_chunk > cap ? (size_t)nch[t] * per_chunk : cap;
-    size_t need = 0;
-    for (int t = 0; t < T; t++) need += (size_t)nch[t] * per_chunk;
+    size_t cap = ATT_PARTS_MAX, need = 0;  // a slab's floats: at least one token's, at most all of them
+    for (int t = 0; t < T; t++) {
+        cap = (size_t)nch[t] * per_chunk > cap ? (size_t)nch[t] * per_chunk : cap;
+        need += (size_t)nch[t] * per_chunk;
+    }
     cap = need < cap ? need : cap;
     float *parts = (float *)malloc(sizeof(float) * (cap + 1));
     if (!parts) {
@@ -487,19 +488,20 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         first[t0] = 0;
         int nblocks = 0;
         bt[0] = t0, bfirst[0] = 0;
-        for (t1 = t0; t1 < T && (t1 == t0 || (size_t)(first[t1] + nch[t1]) * per_chunk <= cap); t1++) {
-            const int t = t1, b = seq[t];
-            first[t + 1] = first[t] + nch[t];
-            // a block ends at its sequence's end, at ATT_QBLOCK tokens, or where the window moves
-            // the first key (the chunks of its tokens would no longer coincide)
-            const int last = t + 1 == query_start_loc[b + 1] || t + 1 - bt[nblocks] == ATT_QBLOCK || window > 0 ||
-                             lo[t] != 0 || t + 1 == T || (size_t)(first[t + 1] + nch[t + 1]) * per_chunk > cap;
-            if (last) {
-                bt[nblocks + 1] = t + 1;
-                bfirst[nblocks + 1] = bfirst[nblocks] + nch[t];
+        for (t1 = t0;; t1++) {
+            first[t1 + 1] = first[t1] + nch[t1];
+            const int slab_end = t1 + 1 == T || (size_t)(first[t1 + 1] + nch[t1 + 1]) * per_chunk > cap;
+            // a block also ends at its sequence's end and at ATT_QBLOCK tokens; a sliding-window
+            // layer's tokens go one a block (their first keys differ, so their chunks do)
+            if (slab_end || t1 + 1 == query_start_loc[seq[t1] + 1] || t1 + 1 - bt[nblocks] == ATT_QBLOCK ||
+                window > 0) {
+                bt[nblocks + 1] = t1 + 1;
+                bfirst[nblocks + 1] = bfirst[nblocks] + nch[t1];
                 nblocks++;
             }
+            if (slab_end) break;
         }
+        t1++;
         const long items = (long)bfirst[nblocks] * kv_heads;
         long claimed = 0;  // items handed out
     #pragma omp parallel num_threads(nthreads)

@@ -128,31 +128,53 @@ static inline __attribute__((always_inline)) __m256i plane_bits(__m256i v, int j
     return _mm256_and_si256(t, _mm256_set1_epi16((short)(16 << p)));
 }
 
-// Where the zero point is the last plane's bit (Q5_0: 16, Q6_K: 32), q - zero is formed as
-// q_lo (+ 16 b4) - zero * (1 - b_last), the last plane read inverted: no subtraction pass.
+// The block's planes, half h of each in v[p][h] (channels 8h..8h+7). Where the zero point is the
+// last plane's bit (Q5_0: 16, Q6_K: 32: `folded`), that plane is loaded inverted, so q - zero is
+// formed as q_lo (+ 16 b4) - zero * (1 - b_last): no subtraction pass.
+static inline __attribute__((always_inline)) int load_planes(const uint8_t *blk, int planes, int zero,
+                                                             __m256i v[2][2]) {
+    const int folded = planes > 0 && zero == 16 << (planes - 1);
+    for (int p = 0; p < planes; p++)
+        for (int h = 0; h < 2; h++) {
+            v[p][h] = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * p + 32 * h));
+            if (folded && p == planes - 1) v[p][h] = _mm256_xor_si256(v[p][h], _mm256_set1_epi16(-1));
+        }
+    return folded;
+}
+
+// Pair vector j of half h, q - zero, from its low-nibble codes w and the planes (load_planes).
+static inline __attribute__((always_inline)) __m256i with_planes(__m256i w, __m256i v[2][2], int h, int j, int planes,
+                                                                 int zero, int folded) {
+    for (int p = 0; p < planes; p++)
+        w = folded && p == planes - 1 ? _mm256_sub_epi16(w, plane_bits(v[p][h], j, p))
+                                      : _mm256_add_epi16(w, plane_bits(v[p][h], j, p));
+    return zero && !folded ? _mm256_sub_epi16(w, _mm256_set1_epi16((short)zero)) : w;
+}
+
+// The many-row loop's unpack (planes and zero known only at run time there): the low nibbles,
+// then each plane over them, the plane's loop innermost (faster here than with_planes per pair
+// vector, which gguf_row1 uses with the format's constants).
 static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk, int planes, int zero, gblock *W) {
-    const __m256i lo = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16((short)zero), ones = _mm256_set1_epi16(-1);
+    const __m256i lo = _mm256_set1_epi16(0x0F);
     for (int h = 0; h < 2; h++)
         for (int g = 0; g < 8; g++) {
             const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * g + 16 * h)));
             W->w[h][2 * g] = _mm256_and_si256(t, lo);
             W->w[h][2 * g + 1] = _mm256_srli_epi16(t, 4);
         }
-    const int folded = planes > 0 && zero == 16 << (planes - 1);  // the zero point taken with the last plane
+    __m256i v[2][2];
+    const int folded = load_planes(blk, planes, zero, v);
     for (int p = 0; p < planes; p++) {
         const int last = folded && p == planes - 1;
-        for (int h = 0; h < 2; h++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * p + 32 * h));
-            if (last) v = _mm256_xor_si256(v, ones);
+        for (int h = 0; h < 2; h++)
 #pragma GCC unroll 16
             for (int j = 0; j < 16; j++)
-                W->w[h][j] = last ? _mm256_sub_epi16(W->w[h][j], plane_bits(v, j, p))
-                                  : _mm256_add_epi16(W->w[h][j], plane_bits(v, j, p));
-        }
+                W->w[h][j] = last ? _mm256_sub_epi16(W->w[h][j], plane_bits(v[p][h], j, p))
+                                  : _mm256_add_epi16(W->w[h][j], plane_bits(v[p][h], j, p));
     }
     if (zero && !folded)
         for (int h = 0; h < 2; h++)
-            for (int j = 0; j < 16; j++) W->w[h][j] = _mm256_sub_epi16(W->w[h][j], z);
+            for (int j = 0; j < 16; j++) W->w[h][j] = _mm256_sub_epi16(W->w[h][j], _mm256_set1_epi16((short)zero));
 }
 
 // Channels 8h..8h+7 of a block's products (a: the first half-block's int32 sums, b: the second)
@@ -203,14 +225,9 @@ static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, 
                                                              const float *dw1, const float *mw, int halves, int has_m,
                                                              float *acc) {
     typedef int32_t __attribute__((may_alias)) pair;
-    const __m256i lo = _mm256_set1_epi16(0x0F), z = _mm256_set1_epi16((short)zero), ones = _mm256_set1_epi16(-1);
-    const int folded = planes > 0 && zero == 16 << (planes - 1);
-    __m256i v[2][2];  // [plane][h], the last plane inverted where folded
-    for (int p = 0; p < planes; p++)
-        for (int h = 0; h < 2; h++) {
-            v[p][h] = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * p + 32 * h));
-            if (folded && p == planes - 1) v[p][h] = _mm256_xor_si256(v[p][h], ones);
-        }
+    const __m256i lo = _mm256_set1_epi16(0x0F);
+    __m256i v[2][2];
+    const int folded = load_planes(blk, planes, zero, v);
     __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
                        {_mm256_setzero_si256(), _mm256_setzero_si256()}};  // [h][j >= 8]
 #pragma GCC unroll 8
@@ -220,16 +237,8 @@ static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, 
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * g + 16 * h)));
-            __m256i w[2] = {_mm256_and_si256(t, lo), _mm256_srli_epi16(t, 4)};
-#pragma GCC unroll 2
-            for (int e = 0; e < 2; e++) {
-                const int j = 2 * g + e;
-#pragma GCC unroll 2
-                for (int p = 0; p < planes; p++)
-                    w[e] = folded && p == planes - 1 ? _mm256_sub_epi16(w[e], plane_bits(v[p][h], j, p))
-                                                     : _mm256_add_epi16(w[e], plane_bits(v[p][h], j, p));
-                if (zero && !folded) w[e] = _mm256_sub_epi16(w[e], z);
-            }
+            const __m256i w[2] = {with_planes(_mm256_and_si256(t, lo), v, h, 2 * g, planes, zero, folded),
+                                  with_planes(_mm256_srli_epi16(t, 4), v, h, 2 * g + 1, planes, zero, folded)};
             s[h][g >= 4] = _mm256_add_epi32(s[h][g >= 4], _mm256_add_epi32(_mm256_madd_epi16(w[0], x0),
                                                                              _mm256_madd_epi16(w[1], x1)));
         }
