@@ -33,7 +33,7 @@ from tallow.distributed.step_channel import StepChannel, StepInputs
 from tallow.engine.cuda_graphs import fill_pending
 from tallow.engine import prompt_logprobs
 from tallow.engine.prompt_logprobs import PromptRows, plan_prompt_rows
-from tallow.engine.sampler import Sampler, SamplerOutput
+from tallow.engine.sampler import Sampler, SamplerOutput, to_device
 from tallow.engine.scheduler import SchedulerOutput
 from tallow.models.config import ModelConfig
 from tallow.models.sharding import ShardLayout
@@ -446,8 +446,7 @@ class ModelRunner:
                 return logits
             if not sampling:
                 return None
-            index = torch.tensor(sampling, dtype=torch.int64).pin_memory().to(logits.device, non_blocking=True)
-            return logits.index_select(0, index)
+            return logits.index_select(0, to_device(sampling, torch.int64, logits.device))
         if graphs is not None:
             graphs.forget_tables()
         pending = None if prev_ids is None else [[], []]

@@ -165,7 +165,7 @@ class Sampler:
                     rows.append(i)
                     cols.append(token)
         if rows:
-            index = _to_device([rows, cols], torch.int64, logits.device)
+            index = to_device([rows, cols], torch.int64, logits.device)
             logits.index_put_(tuple(index), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
 
     def _apply_penalties(self, logits: Tensor, seqs: list[Sequence], plan: "BatchPlan") -> None:
@@ -227,10 +227,10 @@ class Sampler:
                 prompt_rows += [j] * s.num_prompt_tokens
                 prompt_cols += s.token_ids[: s.num_prompt_tokens]
         if count_rows:
-            index = _to_device([count_rows, count_cols], torch.int64, device)
+            index = to_device([count_rows, count_cols], torch.int64, device)
             counts.index_put_(tuple(index), torch.ones((), dtype=torch.int32, device=device), accumulate=True)
         if prompt_rows:
-            index = _to_device([prompt_rows, prompt_cols], torch.int64, device)
+            index = to_device([prompt_rows, prompt_cols], torch.int64, device)
             prompt_mask.index_put_(tuple(index), torch.ones((), dtype=torch.bool, device=device))
 
     # ---- sampling ------------------------------------------------------------------------
@@ -269,17 +269,17 @@ class SamplingTensors:
     __slots__ = ("temperature", "top_k", "k_max", "top_p", "min_p", "seeded")
 
     def __init__(self, params: list[SamplingParams], device: torch.device, dtype: torch.dtype):
-        self.temperature = _to_device([1.0 if p.greedy else p.temperature for p in params], dtype,
+        self.temperature = to_device([1.0 if p.greedy else p.temperature for p in params], dtype,
                                       device).unsqueeze(1)
         self.top_k = self.top_p = self.min_p = None
         self.k_max = 0
         if any(p.top_k > 0 for p in params):
-            self.top_k = _to_device([p.top_k for p in params], torch.int64, device)
+            self.top_k = to_device([p.top_k for p in params], torch.int64, device)
             self.k_max = max(p.top_k for p in params)
         if any(p.top_p < 1.0 for p in params):
-            self.top_p = _to_device([p.top_p for p in params], dtype, device)
+            self.top_p = to_device([p.top_p for p in params], dtype, device)
         if any(p.min_p > 0.0 for p in params):
-            self.min_p = _to_device([p.min_p for p in params], dtype, device)
+            self.min_p = to_device([p.min_p for p in params], dtype, device)
         self.seeded = [j for j, p in enumerate(params) if p.seed is not None]
 
     def apply(self, logits: Tensor) -> Tensor:
@@ -310,7 +310,7 @@ class BatchPlan:
             if len(sampled_rows) == len(seqs):
                 self.sampled_seqs = self.seqs
             else:
-                self.sampled_index = _to_device(sampled_rows, torch.int64, device)
+                self.sampled_index = to_device(sampled_rows, torch.int64, device)
                 self.sampled_seqs = [seqs[i] for i in sampled_rows]
             self.sampling = SamplingTensors([s.params for s in self.sampled_seqs], device, dtype)
         self.logprobs = any(p.logprobs is not None for p in params)
@@ -325,8 +325,8 @@ class BatchPlan:
                     values.append(bias)
         self.bias_index = self.bias_values = None
         if rows:
-            self.bias_index = tuple(_to_device([rows, cols], torch.int64, device))
-            self.bias_values = _to_device(values, dtype, device)
+            self.bias_index = tuple(to_device([rows, cols], torch.int64, device))
+            self.bias_values = to_device(values, dtype, device)
         self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
         # Rows with a grammar (it may not constrain them yet: still in the free reasoning).
         self.grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
@@ -340,12 +340,12 @@ class BatchPlan:
         self.penalty_tensors: tuple[Tensor, Tensor] | None = None
         if self.penalty_rows:
             pp = [params[i] for i in self.penalty_rows]
-            self.penalty_index = _to_device(self.penalty_rows, torch.int64, device)
+            self.penalty_index = to_device(self.penalty_rows, torch.int64, device)
             if any(p.repetition_penalty != 1.0 for p in pp):
-                self.repetition = _to_device([p.repetition_penalty for p in pp], dtype, device).unsqueeze(1)
+                self.repetition = to_device([p.repetition_penalty for p in pp], dtype, device).unsqueeze(1)
             if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in pp):
-                self.frequency = _to_device([p.frequency_penalty for p in pp], dtype, device).unsqueeze(1)
-                self.presence = _to_device([p.presence_penalty for p in pp], dtype, device).unsqueeze(1)
+                self.frequency = to_device([p.frequency_penalty for p in pp], dtype, device).unsqueeze(1)
+                self.presence = to_device([p.presence_penalty for p in pp], dtype, device).unsqueeze(1)
 
 
 def apply_top_k(x: Tensor, top_k: Tensor, k_max: int) -> Tensor:
@@ -398,7 +398,7 @@ def apply_min_p(x: Tensor, min_p: Tensor) -> Tensor:
     return x.masked_fill(x < threshold, -math.inf)
 
 
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A small per-step tensor from host data; on CUDA through pinned memory, without a sync."""
     t = torch.tensor(data, dtype=dtype)
     if device.type == "cpu":

@@ -101,12 +101,9 @@ class Speculator:
         return True if may is None else may(seq.spec.index, seq.token_ids, k)
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        """One verified sampling row of a speculating sequence (proposed 0: no draft; the
-        scheduler counts those itself, as a plain step never comes here)."""
+        """One verified draft of a speculating sequence (rows without a draft are counted by the
+        scheduler when it places them: scheduler._place)."""
         spec = seq.spec
-        if proposed == 0:
-            spec.step_without_draft()
-            return
         spec.record(proposed, accepted)
         self.num_drafts += 1
         self.num_draft_tokens += proposed
