@@ -229,8 +229,7 @@ class _NativeBlockLinear(nn.Module):
 
     def _check_shape(self, shape: tuple[int, int]) -> None:
         if not native_fits(torch.empty(shape, device="meta")):
-            raise ValueError(f"{type(self).__name__} needs in_features divisible by {GROUP_SIZE} and "
-                             f"out_features by {NATIVE_OUT_MULTIPLE}, got {shape}")
+            raise ValueError(f"{type(self).__name__} needs in_features divisible by {GROUP_SIZE}, got {shape}")
 
     def _set_pointers(self) -> None:
         tensors = [getattr(self, name) for name in self._weight_buffers] + [self.bias]
@@ -286,14 +285,10 @@ def _untile_scales(d: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _tile_q4(q: torch.Tensor, tile: int) -> torch.Tensor:
-    """Q4 codes [n, k] (0..15) -> [tiles, blocks, tile * 16] bytes of nibbles. tile 4: each
-    channel's 16 bytes, byte j = element j | element j + 16 << 4. tile 16: 8 groups of 32
+    """Q4 codes [n, k] (0..15) -> [tiles, blocks, tile * 16] bytes of nibbles: 8 groups of 32
     bytes, group g's byte 2c + e = element 4g + e of channel c | element 4g + 2 + e << 4."""
     t = _tiles_of(q.to(torch.uint8), tile)
     T, nb = t.shape[0], q.shape[1] // GROUP_SIZE
-    if tile == 4:
-        t = t.view(T, tile, nb, 2, 16)
-        return (t[:, :, :, 0] | (t[:, :, :, 1] << 4)).transpose(1, 2).reshape(T, nb, -1).contiguous()
     t = t.view(T, tile, nb, 8, 2, 2)  # (c, b, g, half, e)
     return (t[..., 0, :] | (t[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(T, nb, -1).contiguous()
 
@@ -302,27 +297,20 @@ def _untile_q4(packed: torch.Tensor, n: int, tile: int) -> torch.Tensor:
     """The inverse of _tile_q4: codes [n, k] as uint8."""
     T, nb = packed.shape[:2]
     lo, hi = packed & 0x0F, packed >> 4
-    if tile == 4:
-        q = torch.stack((lo.view(T, nb, tile, 16), hi.view(T, nb, tile, 16)), dim=3)  # (b, c, half, j)
-        return q.permute(0, 2, 1, 3, 4).reshape(T * tile, -1)[:n]
     q = torch.stack((lo.view(T, nb, 8, tile, 2), hi.view(T, nb, 8, tile, 2)), dim=4)  # (b, g, c, half, e)
     return q.permute(0, 3, 1, 2, 4, 5).reshape(T * tile, -1)[:n]
 
 
 def _tile_q8(q: torch.Tensor, tile: int) -> torch.Tensor:
-    """Q8 codes [n, k] int8 -> [tiles, blocks, tile * 32]. tile 4: each channel's 32 bytes in
-    order; tile 16: 16 groups of 32 bytes, group j's byte 2c + e = element 2j + e of channel c."""
+    """Q8 codes [n, k] int8 -> [tiles, blocks, tile * 32]: 16 groups of 32 bytes, group j's
+    byte 2c + e = element 2j + e of channel c."""
     t = _tiles_of(q, tile)
     T, nb = t.shape[0], q.shape[1] // GROUP_SIZE
-    if tile == 4:
-        return t.view(T, tile, nb, GROUP_SIZE).transpose(1, 2).reshape(T, nb, -1).contiguous()
     return t.view(T, tile, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(T, nb, -1).contiguous()
 
 
 def _untile_q8(packed: torch.Tensor, n: int, tile: int) -> torch.Tensor:
     T, nb = packed.shape[:2]
-    if tile == 4:
-        return packed.view(T, nb, tile, GROUP_SIZE).transpose(1, 2).reshape(T * tile, -1)[:n]
     return packed.view(T, nb, 16, tile, 2).permute(0, 3, 1, 2, 4).reshape(T * tile, -1)[:n]
 
 
@@ -419,12 +407,10 @@ def int8_fits(weight: torch.Tensor) -> bool:
     return weight.shape[1] % INT8_IN_MULTIPLE == 0
 
 
-NATIVE_OUT_MULTIPLE = 4  # the AVX2 kernels work on tiles of 4 output channels (AVX-512: 16, padded)
-
-
 def native_fits(weight: torch.Tensor) -> bool:
-    out_features, in_features = weight.shape
-    return in_features % GROUP_SIZE == 0 and out_features % NATIVE_OUT_MULTIPLE == 0
+    """Whether tallow's kernels take the weight: whole blocks of inputs (any number of output
+    channels: the last tile is padded)."""
+    return weight.shape[1] % GROUP_SIZE == 0
 
 
 def int4_fits(weight: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 The source compiles for one of two instruction sets, the best this CPU has: "avx512" (AVX-512
 with VNNI: the linear layers' tiles of 16 channels multiplied by vpdpwssd) or "avx2" (AVX2,
-FMA, F16C: tiles of 4 channels); TALLOW_CPU_KERNELS (read in tallow/config.py) picks one, or
+FMA, F16C: the same tiles, 8 channels to a register, the same floats); TALLOW_CPU_KERNELS (read in tallow/config.py) picks one, or
 "none" for torch's kernels. How they compile is tallow/ops/cpu_build.py. Where they come from,
 in order: the builds a wheel made at install (tallow/ops/cpu/prebuilt/, named by a digest of the
 sources and flags, so a stale one is never used), the cache of first-use builds
@@ -35,7 +35,7 @@ from tallow.ops import cpu_build
 log = logging.getLogger(__name__)
 
 VARIANTS = cpu_build.VARIANTS
-ABI_VERSION = 10
+ABI_VERSION = 11
 # The OpenMP entry points gcc's code calls: the kernels must find torch's definitions of them.
 OPENMP_SYMBOLS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
 

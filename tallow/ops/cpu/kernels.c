@@ -9,8 +9,9 @@
 //   Q4: w = d * q + m, q in 0..15 (GGUF's Q4_1).
 //   Q8: w = d * q, q in -127..127 (GGUF's Q8_0).
 // d and m are float16 (as in GGUF), one per (output channel, block). The weights are stored
-// in tiles of NT output channels whose layout is the instruction set's: linear_avx2.h (NT = 4)
-// or linear_avx512.h (NT = 16); tl_tile_channels() tells the Python side which.
+// in tiles of NT = 16 output channels, one layout for both builds (linear_avx512.h describes
+// it; linear_avx2.h reads it 8 channels to a register), and both compute the same floats;
+// tl_tile_channels() tells the Python side the tile.
 //
 // Every output (row, column) is computed by the same arithmetic whatever the number of rows
 // and threads: threads split the tiles of columns, never a dot product. So a row's result
@@ -25,7 +26,7 @@
 
 #define QK 32
 
-int tl_abi_version(void) { return 10; }
+int tl_abi_version(void) { return 11; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -36,14 +37,9 @@ static inline float hsum8(__m256 v) {
 }
 
 // One row of K floats (K % 32 == 0) to int16 blocks: q[K], d[K/32] (the scale) and
-// s[K/32] (d * the block's integer sum, for Q4's m term). q4_order: each block stored as
-// [x0 x2 .. x14 | x1 x3 .. x15 | x16 x18 .. x30 | x17 x19 .. x31], the order of the int16 lanes
-// a Q4 block's nibbles give in registers (linear_avx2.h, q4_sums); otherwise the natural order.
-static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float *s, int q4_order) {
+// s[K/32] (d * the block's integer sum, for Q4's m term).
+static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    // within each 128-bit lane: the even int16 elements, then the odd ones
-    const __m256i evens_first = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                                 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
@@ -63,58 +59,35 @@ static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float 
         d[b] = db;
         s[b] = db * hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));  // exact integer sum
         // packs works within 128-bit lanes: [a0-3 b0-3 | a4-7 b4-7] -> 64-bit permute restores the order.
-        __m256i i0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(_mm256_cvtps_epi32(v0), _mm256_cvtps_epi32(v1)), 0xD8);
-        __m256i i1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(_mm256_cvtps_epi32(v2), _mm256_cvtps_epi32(v3)), 0xD8);
-        if (q4_order) {  // [e0-6 o1-7 | e8-14 o9-15] -> [e0-14 | o1-15]
-            i0 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(i0, evens_first), 0xD8);
-            i1 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(i1, evens_first), 0xD8);
-        }
+        const __m256i i0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(_mm256_cvtps_epi32(v0), _mm256_cvtps_epi32(v1)), 0xD8);
+        const __m256i i1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(_mm256_cvtps_epi32(v2), _mm256_cvtps_epi32(v3)), 0xD8);
         _mm256_storeu_si256((__m256i *)(q + b * QK), i0);
         _mm256_storeu_si256((__m256i *)(q + b * QK + 16), i1);
     }
 }
 
-// Activations quantized once per call, rows in parallel. e (the AVX2 build, where the Q4/Q8
-// tiles' loops read it; NULL for one Q8 row): each block's four quarters of 8 int16 (in q's
-// order) each stored twice, [x0..7 x0..7 | x8..15 x8..15 | ...], the 256-bit operands those
-// loops would otherwise broadcast at every use.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define QROWS_EXPANDED 0
-#else
-#define QROWS_EXPANDED 1
-#endif
+// Activations quantized once per call, rows in parallel.
 typedef struct {
     int16_t *q;
     float *d, *s;
-    int16_t *e;
 } qrows;
 
-// expand: also fill e (quantize_rows' callers in the tiles' layout; 0 for the GGUF kernels).
-static int quantize_rows(const float *x, int M, int K, int nthreads, int q4_order, int expand, qrows *out) {
+static int quantize_rows(const float *x, int M, int K, int nthreads, qrows *out) {
     const int nb = K / QK;
-    expand = expand && QROWS_EXPANDED;
     out->q = (int16_t *)aligned_alloc(32, sizeof(int16_t) * ((size_t)M * K + 16));
     out->d = (float *)malloc(sizeof(float) * (size_t)M * nb);
     out->s = (float *)malloc(sizeof(float) * (size_t)M * nb);
-    out->e = expand ? (int16_t *)aligned_alloc(32, sizeof(int16_t) * 2 * (size_t)M * K) : NULL;
-    if (!out->q || !out->d || !out->s || (expand && !out->e)) {
-        free(out->q), free(out->d), free(out->s), free(out->e);
+    if (!out->q || !out->d || !out->s) {
+        free(out->q), free(out->d), free(out->s);
         return -1;
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 8)
-    for (int m = 0; m < M; m++) {
-        quantize_row_q16(x + (size_t)m * K, K, out->q + (size_t)m * K, out->d + (size_t)m * nb,
-                         out->s + (size_t)m * nb, q4_order);
-        if (expand)
-            for (size_t i = 0; i < (size_t)K / 8; i++) {
-                const __m128i v = _mm_loadu_si128((const __m128i *)(out->q + (size_t)m * K + 8 * i));
-                _mm256_store_si256((__m256i *)(out->e + 2 * (size_t)m * K + 16 * i), _mm256_broadcastsi128_si256(v));
-            }
-    }
+    for (int m = 0; m < M; m++)
+        quantize_row_q16(x + (size_t)m * K, K, out->q + (size_t)m * K, out->d + (size_t)m * nb, out->s + (size_t)m * nb);
     return 0;
 }
 
-static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s), free(r->e); }
+static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "linear_avx512.h"

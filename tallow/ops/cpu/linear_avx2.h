@@ -1,307 +1,199 @@
-// The block-quantized linear kernel on AVX2 (included by kernels.c where AVX-512 VNNI is
-// not compiled in): weights in tiles of NT = 4 output channels. Q4 blocks are 16 bytes of
-// nibbles per channel: byte j holds element j in its low nibble and element j + 16 in its
-// high one.
+// The block-quantized linear kernel on AVX2 (included by kernels.c where AVX-512 VNNI is not
+// compiled in), over linear_avx512.h's weight layout: tiles of NT = 16 output channels (the
+// last tile padded with zero channels), for tile t and block b:
+//   Q4: 8 groups of 32 bytes; group g holds elements 4g .. 4g+3 of the 16 channels: byte
+//       2c + e = q(c, 4g + e) | q(c, 4g + 2 + e) << 4 (e = 0, 1);
+//   Q8: 16 groups of 32 int8; group j: byte 2c + e = q(c, 2j + e);
+// d (and Q4's m) [tiles][nb][NT] float16.
 //
-// Every row count reads the weights straight into registers, two channels per 256-bit
-// register, and runs up to 4 rows against each loaded block (tile_rows_q4 / tile_rows_q8);
-// a thread's tile (a few KB) stays in L1 across its groups of 4 rows, so the weights are read
-// from memory once per call. (Until 2026-12-05, 4+ rows went through a tile unpacked to int16
-// in a buffer, two rows at a time: 1.2-1.5x slower at 2-8 rows, benchmarks/HISTORY.md.) The
-// activations' 128-bit quarters are read from quantize_rows' broadcast copy (qrows.e), each
-// block's scale products d_w * d_x are formed in the loop from the weight scales all the rows
-// share, and one Q4 row runs with the blocks outer (tile_row1_q4): 1.1-1.2x faster than
-// broadcasting at every use and tabling the products per row (stop 31, HISTORY), the same floats.
-
-#define NT 4
-#define ROW_CHUNK_BYTES 16384
-#define PREFETCH 1024  // bytes of Q4 nibbles ahead of the one-row loop (Q8: twice that)
-
-// Weights are stored in tiles of NT = 4 output channels: for tile t and block b, the NT
-// channels' blocks lie side by side (Q4: 16 bytes of nibbles each, Q8: 32 int8 each), and
-// d [N/NT][nb][NT] (and Q4's m) alike, so a thread reads each tile as one sequential stream
-// and takes the NT channels' scales in one vector.
+// A 256-bit register holds 8 channels, one per 32-bit lane: a group's low 16 bytes (channels
+// 0-7) and its high 16 bytes (channels 8-15) are widened to int16 apart (vpmovzxbw / vpmovsxbw;
+// Q4: then one mask and one shift give the pairs (4g, 4g+1) and (4g+2, 4g+3)), and madd
+// multiplies each by the activation pair broadcast to every lane, adding each pair's two
+// products. One broadcast serves both halves; a row's two int32 accumulators (channels 0-7,
+// 8-15) hold the block's exact dot products (|sum| < 2^24 for Q4; Q8's is rounded to float's
+// 24 bits when converted), with no horizontal sums.
 //
-// A block's integer dot product is exact and kept as 4 int32 lanes, each the sum of a fixed
-// set of 8 of the 32 products, whichever path computes it:
-//   Q4: lane i holds elements 4i..4i+3 and 16+4i..19+4i (activations in Q4 order);
-//   Q8: lane i holds elements 2i, 2i+1, 8+2i, 9+2i and the same + 16 (natural order).
-// Each lane goes to float (exact for Q4: |sum| < 2^24) and into the channel's accumulator as
-// acc += lanes * (d_w * d_x); Q4's m term (sum_b m_b * d_x * sum(q_x)) is accumulated for the
-// NT channels in one vector; tile_out sums the lanes in a fixed order. So a row's result does
-// not depend on which path ran it, or on what else is in the batch.
+// The float arithmetic is linear_avx512.h's, lane for lane: per channel, acc += sum * (d_w *
+// d_x) block by block in order, Q4's m term (sum_b m_b * d_x * sum(q_x)) in a second
+// accumulator added at the end, then the bias. So the two builds compute the same floats, and
+// a row's result does not depend on the rows around it or the threads (threads split the
+// tiles; an integer sum is exact in any grouping).
+//
+// (Until stop 32, 2026-12-05, this build had a layout of its own, tiles of 4 channels two to a register,
+// which needed a horizontal sum and a float conversion per 4 multiply-adds: 1.3-1.45x slower,
+// benchmarks/HISTORY.md.)
+//
+// Many rows: for each tile, the rows in chunks of CHUNK, each block's weights widened once for
+// every ROWS rows (registers hold ROWS rows' accumulators: 3 rows is the most that fits in 16
+// registers without spills), the rows' float accumulators in a small per-thread buffer. One
+// row (decode): blocks in order with the float accumulators in registers (row1).
 
-// Q4 from its nibbles, in registers: of a 256-bit load t (two channels' 16 bytes), int16 lane l
-// of each half holds elements 2l (bits 0-3), 16+2l (4-7), 2l+1 (8-11) and 17+2l (12-15); the
-// masks take them without widening (w0 = t & 0x000F, w1 = (t >> 4) & 0x000F, w2 = t & 0x0F00,
-// w3 = (t >> 4) & 0x0F00), the odd elements scaled by 256, which an exact shift removes from
-// their sums. Against the activations' quarters (Q4 order, each broadcast to both halves) each
-// half's lanes are the Q4 lanes above: exact int32 sums.
-static inline __m256i q4_sums(__m256i w0, __m256i w1, __m256i w2, __m256i w3, __m256i xa, __m256i xc, __m256i xb,
-                              __m256i xd) {
-    const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(w0, xa), _mm256_madd_epi16(w1, xb));
-    const __m256i p2 = _mm256_add_epi32(_mm256_madd_epi16(w2, xc), _mm256_madd_epi16(w3, xd));
-    return _mm256_add_epi32(p1, _mm256_srai_epi32(p2, 8));  // products of 256 * e: |p2| < 2^29
-}
+#define NT 16
+#define ROWS 3
+#define CHUNK 64
+#define PREFETCH 2048  // bytes of Q4 weights ahead of the current block (Q8: 4x: measured best on Zen 3)
 
-// 32 int16 weights (two halves of 16) against the matching activations.
-static inline __m128i block_sums16(__m256i w0, __m256i w1, __m256i x0, __m256i x1) {
-    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
-    return _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-}
-
-static inline __m128i q8_block_sums(const int8_t *wb, __m256i x0, __m256i x1) {
-    return block_sums16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb)),
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16))), x0, x1);
-}
-
-// 4 float16 values (the tile's channels) as float32.
-static inline __m128 half4(const uint16_t *h) { return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)); }
-
-// The NT channels' outputs: each accumulator's lanes summed as (l0 + l2) + (l1 + l3), plus m.
-static inline __m128 tile_out(const __m128 *acc, __m128 m) {
-    const __m128 t0 = _mm_add_ps(_mm_unpacklo_ps(acc[0], acc[1]), _mm_unpackhi_ps(acc[0], acc[1]));
-    const __m128 t1 = _mm_add_ps(_mm_unpacklo_ps(acc[2], acc[3]), _mm_unpackhi_ps(acc[2], acc[3]));
-    return _mm_add_ps(_mm_add_ps(_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0)), m);
-}
-
-// One Q8 row (the LM head at decode) against one tile read from the packed weights, one
-// channel at a time (measured faster than tile_rows_q8 for one row). prod: NT * nb floats of
-// scratch for the block scale products d_w * d_x.
-static inline __m128 tile_row_q8(const int16_t *xq, const float *xd, int nb, const uint8_t *wt, const uint16_t *dt,
-                                 float *prod) {
-    for (int b = 0; b < nb; b++) _mm_store_ps(prod + NT * b, _mm_mul_ps(half4(dt + NT * b), _mm_broadcast_ss(xd + b)));
-    __m128 acc[NT];
-    for (int c = 0; c < NT; c++) acc[c] = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
-        const int8_t *wb = (const int8_t *)wt + (size_t)b * NT * QK;
-        _mm_prefetch((const char *)(wb + 2 * PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + 2 * PREFETCH + 64), _MM_HINT_T0);
-        if ((b & 7) == 0) _mm_prefetch((const char *)(dt + NT * b + PREFETCH / 16), _MM_HINT_T0);
-#pragma GCC unroll 4
-        for (int c = 0; c < NT; c++)
-            acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(q8_block_sums(wb + c * QK, x0, x1)),
-                                  _mm_broadcast_ss(prod + NT * b + c), acc[c]);
+// Group g's four weight vectors: w[0], w[1] = the pair (2g) of channels 0-7, 8-15 (Q4: the
+// elements 4g, 4g+1; Q8: 2(2g), 2(2g)+1), w[2], w[3] = the pair (2g+1) likewise. Q4 has 8 groups
+// of pairs (2g, 2g+1) per block, Q8 16 groups of one pair, taken two at a time (g: 0..7 either).
+static inline __attribute__((always_inline)) void group_weights(const uint8_t *wb, int q8, int g, __m256i w[4]) {
+    if (q8) {
+        const int8_t *p = (const int8_t *)wb + 64 * g;
+        for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * i)));
+        return;
     }
-    return tile_out(acc, _mm_setzero_ps());
+    const __m256i lo = _mm256_set1_epi16(0x0F);
+    const __m256i t0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 32 * g)));
+    const __m256i t1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 32 * g + 16)));
+    w[0] = _mm256_and_si256(t0, lo), w[1] = _mm256_and_si256(t1, lo);
+    w[2] = _mm256_srli_epi16(t0, 4), w[3] = _mm256_srli_epi16(t1, 4);
 }
 
-// Q4 in registers for up to 4 rows at once: 2 channels per 256-bit register (a block's two
-// adjacent channels are 32 contiguous bytes), against the activations' 128-bit quarters
-// broadcast to both halves (read from quantize_rows' copy of them, r->e: a plain 256-bit load
-// there measured 10-15% faster on Zen 3 than a vbroadcasti128 per use): q4_sums' exact lanes,
-// then one fma of the lane sums and the channels' d_w * d_x (formed in the loop from the
-// block's weight scales, which all the rows share). tile_row1_q4 does the same for one row.
-
-// The tile's weight scales of one block for channel pair p, as [d_2p x4 | d_2p+1 x4].
-static inline __m256 pair_scales(const uint16_t *dt, int p) {
-    const __m256i idx = p ? _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3) : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(half4(dt)), idx);
+// The activation pair (x[0], x[1]) in every 32-bit lane.
+static inline __m256i pair_bcast(const int16_t *x) {
+    typedef int32_t __attribute__((may_alias)) pair;
+    return _mm256_set1_epi32(*(const pair *)x);
 }
 
-// R rows' two-channel-pair accumulators to their 4 outputs each (tile_out: the one-row order).
-static inline __attribute__((always_inline)) void rows_out(int R, __m256 acc[][2], const __m128 *mterm, __m128 *out) {
+// The block's integer dot products of R rows (x + i * K: 32 int16 activations each) with the 16
+// channels: sums[2i] (channels 0-7), sums[2i + 1] (8-15).
+static inline __attribute__((always_inline)) void block_dots(const uint8_t *wb, int q8, const int16_t *x, int K, int R,
+                                                              __m256i *sums) {
+    for (int i = 0; i < 2 * R; i++) sums[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        __m256i w[4];
+        group_weights(wb, q8, g, w);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const __m256i xa = pair_bcast(x + (size_t)i * K + 4 * g), xb = pair_bcast(x + (size_t)i * K + 4 * g + 2);
+            sums[2 * i] = _mm256_add_epi32(sums[2 * i], _mm256_add_epi32(_mm256_madd_epi16(w[0], xa),
+                                                                         _mm256_madd_epi16(w[2], xb)));
+            sums[2 * i + 1] = _mm256_add_epi32(sums[2 * i + 1], _mm256_add_epi32(_mm256_madd_epi16(w[1], xa),
+                                                                                 _mm256_madd_epi16(w[3], xb)));
+            // keeps each group's adds in place: gcc otherwise computes the block's madds first
+            // and spills them (1.4x slower)
+            __asm__("" : "+x"(sums[2 * i]), "+x"(sums[2 * i + 1]));
+        }
+    }
+}
+
+// The tile's scales of block b: channels 0-7 and 8-15.
+static inline __m256 half8_at(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
+
+// R rows (from row m of the call, at acc in the chunk's accumulators: per row dot[16], m[16])
+// through block b.
+static inline __attribute__((always_inline)) void rows_block(const qrows *r, int m, int R, int K, int b,
+                                                              const uint8_t *wb, int q8, const __m256 d[2],
+                                                              const __m256 mv[2], float *acc) {
+    const int nb = K / QK;
+    __m256i sums[2 * ROWS];
+    block_dots(wb, q8, r->q + (size_t)m * K + (size_t)b * QK, K, R, sums);
     for (int i = 0; i < R; i++) {
-        const __m128 c[NT] = {_mm256_castps256_ps128(acc[i][0]), _mm256_extractf128_ps(acc[i][0], 1),
-                              _mm256_castps256_ps128(acc[i][1]), _mm256_extractf128_ps(acc[i][1], 1)};
-        out[i] = tile_out(c, mterm[i]);
-    }
-}
-
-// Row m0 + i's activations (the quarter-broadcast copy, r->e), scales and (Q4) scaled sums:
-// tile_rows_q4's and tile_rows_q8's set-up.
-static inline __attribute__((always_inline)) void rows_setup(const qrows *r, int m0, int R, int nb, const int16_t **xq,
-                                                              const float **xd, const float **xs, __m128 *mterm) {
-    for (int i = 0; i < R; i++) {
-        const size_t m = (size_t)(m0 + i);
-        xq[i] = r->e + m * nb * 2 * QK, xd[i] = r->d + m * nb, xs[i] = r->s + m * nb;
-        mterm[i] = _mm_setzero_ps();
-    }
-}
-
-static inline __attribute__((always_inline)) void tile_rows_q4(const qrows *r, int m0, int R, int nb,
-                                                                const uint8_t *wt, const uint16_t *dt,
-                                                                const uint16_t *mt, __m128 *out) {
-    const __m256i lo = _mm256_set1_epi16(0x000F), hi = _mm256_set1_epi16(0x0F00);
-    const int16_t *xq[4];
-    const float *xd[4], *xs[4];
-    __m128 mterm[4];
-    __m256 acc[4][2];
-    rows_setup(r, m0, R, nb, xq, xd, xs, mterm);
-    for (int p = 0; p < 2; p++) {  // channels 2p, 2p + 1
-        __m256 a[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++) a[i] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *wb = wt + (size_t)b * NT * 16 + 32 * p;
-            if (p == 0) _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);
-            const __m256i t = _mm256_loadu_si256((const __m256i *)wb), s = _mm256_srli_epi16(t, 4);
-            const __m256i w0 = _mm256_and_si256(t, lo), w1 = _mm256_and_si256(s, lo);
-            const __m256i w2 = _mm256_and_si256(t, hi), w3 = _mm256_and_si256(s, hi);
-            const __m256 dw = pair_scales(dt + NT * b, p);
-            const __m128 mw = p == 0 ? half4(mt + NT * b) : _mm_setzero_ps();
-#pragma GCC unroll 4
-            for (int i = 0; i < R; i++) {
-                const int16_t *xb = xq[i] + b * 2 * QK;
-                const __m256i xa = _mm256_load_si256((const __m256i *)xb);
-                const __m256i xc = _mm256_load_si256((const __m256i *)(xb + 16));
-                const __m256i xb_ = _mm256_load_si256((const __m256i *)(xb + 32));
-                const __m256i xd_ = _mm256_load_si256((const __m256i *)(xb + 48));
-                const __m256i sums = q4_sums(w0, w1, w2, w3, xa, xc, xb_, xd_);
-                const __m256 prod = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b));
-                a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), prod, a[i]);
-                if (p == 0) mterm[i] = _mm_fmadd_ps(mw, _mm_broadcast_ss(xs[i] + b), mterm[i]);
-            }
+        float *ai = acc + (size_t)i * 2 * NT;
+        const __m256 dx = _mm256_broadcast_ss(r->d + (size_t)(m + i) * nb + b);
+        for (int h = 0; h < 2; h++)
+            _mm256_store_ps(ai + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[2 * i + h]), _mm256_mul_ps(d[h], dx),
+                                                        _mm256_load_ps(ai + 8 * h)));
+        if (!q8) {
+            const __m256 sx = _mm256_broadcast_ss(r->s + (size_t)(m + i) * nb + b);
+            for (int h = 0; h < 2; h++)
+                _mm256_store_ps(ai + NT + 8 * h, _mm256_fmadd_ps(mv[h], sx, _mm256_load_ps(ai + NT + 8 * h)));
         }
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++) acc[i][p] = a[i];
     }
-    rows_out(R, acc, mterm, out);
 }
 
-// One Q4 row (decode) with the blocks outer: its activations are loaded once per block for both
-// channel pairs. The arithmetic is tile_rows_q4's (q4_sums, d_w * d_x, fma and m order).
-static inline __attribute__((always_inline)) void tile_row1_q4(const qrows *r, int m0, int nb, const uint8_t *wt,
-                                                                const uint16_t *dt, const uint16_t *mt, __m128 *out) {
-    const __m256i lo = _mm256_set1_epi16(0x000F), hi = _mm256_set1_epi16(0x0F00);
-    const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-    const int16_t *xq = r->e + (size_t)m0 * nb * 2 * QK;
-    const float *xd = r->d + (size_t)m0 * nb, *xs = r->s + (size_t)m0 * nb;
-    __m256 acc[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
-    __m128 m = _mm_setzero_ps();
+// One row (row m) against one tile, blocks in order, the accumulators in registers: the
+// outputs of its 16 channels (rows_block's arithmetic).
+static inline __attribute__((always_inline)) void row1(const qrows *r, int m, int K, const uint8_t *wt,
+                                                        const uint16_t *dt, const uint16_t *mt, int q8, float *out) {
+    const int nb = K / QK;
+    const size_t block_bytes = (size_t)NT * (q8 ? QK : QK / 2);
+    const int16_t *x = r->q + (size_t)m * K;
+    const float *xd = r->d + (size_t)m * nb, *xs = r->s + (size_t)m * nb;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const int16_t *xb = xq + b * 2 * QK;
-        const __m256i xa = _mm256_load_si256((const __m256i *)xb);
-        const __m256i xc = _mm256_load_si256((const __m256i *)(xb + 16));
-        const __m256i xb_ = _mm256_load_si256((const __m256i *)(xb + 32));
-        const __m256i xd_ = _mm256_load_si256((const __m256i *)(xb + 48));
-        const uint8_t *wb = wt + (size_t)b * NT * 16;
-        _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);
-        const __m256 dw = _mm256_castps128_ps256(half4(dt + NT * b)), dx = _mm256_broadcast_ss(xd + b);
-        m = _mm_fmadd_ps(half4(mt + NT * b), _mm_broadcast_ss(xs + b), m);
-#pragma GCC unroll 2
-        for (int p = 0; p < 2; p++) {
-            const __m256i t = _mm256_loadu_si256((const __m256i *)(wb + 32 * p)), s = _mm256_srli_epi16(t, 4);
-            const __m256i sums = q4_sums(_mm256_and_si256(t, lo), _mm256_and_si256(s, lo), _mm256_and_si256(t, hi),
-                                         _mm256_and_si256(s, hi), xa, xc, xb_, xd_);
-            const __m256 prod = _mm256_mul_ps(_mm256_permutevar8x32_ps(dw, p ? i23 : i01), dx);
-            acc[0][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), prod, acc[0][p]);
+        const uint8_t *wb = wt + (size_t)b * block_bytes;
+        for (size_t p = 0; p < block_bytes; p += 64)  // the hardware's prefetch alone lags
+            _mm_prefetch((const char *)(wb + (q8 ? 4 : 1) * PREFETCH + p), _MM_HINT_T0);
+        __m256i s[2];
+        block_dots(wb, q8, x + (size_t)b * QK, K, 1, s);
+        const __m256 dx = _mm256_broadcast_ss(xd + b);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(half8_at(dt + NT * b), dx), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(half8_at(dt + NT * b + 8), dx), a1);
+        if (mt) {
+            const __m256 sx = _mm256_broadcast_ss(xs + b);
+            c0 = _mm256_fmadd_ps(half8_at(mt + NT * b), sx, c0);
+            c1 = _mm256_fmadd_ps(half8_at(mt + NT * b + 8), sx, c1);
         }
     }
-    rows_out(1, acc, &m, out);
+    _mm256_storeu_ps(out, _mm256_add_ps(a0, c0));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(a1, c1));
 }
 
-// Q8 likewise: a block's two adjacent channels widened to int16 and regrouped by eighths, so
-// one register holds [channel 2p: elements 8g..8g+7 | channel 2p + 1: the same]; against the
-// activations' eighth broadcast to both halves, the 4 eighths' madds summed give each half
-// q8_block_sums' lanes (elements 2i, 2i+1, 8+2i, 9+2i and the same + 16: exact integers).
-static inline __attribute__((always_inline)) void tile_rows_q8(const qrows *r, int m0, int R, int nb,
-                                                                const uint8_t *wt, const uint16_t *dt, __m128 *out) {
-    const int16_t *xq[4];
-    const float *xd[4], *xs[4];
-    __m128 mterm[4];
-    __m256 acc[4][2];
-    rows_setup(r, m0, R, nb, xq, xd, xs, mterm);
-    for (int p = 0; p < 2; p++) {  // channels 2p, 2p + 1
-        __m256 a[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++) a[i] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            const int8_t *wb = (const int8_t *)wt + (size_t)b * NT * QK + 2 * QK * p;
-            if (p == 0) {
-                _mm_prefetch((const char *)(wb + 2 * PREFETCH), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wb + 2 * PREFETCH + 64), _MM_HINT_T0);
-            }
-            const __m256i a0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wb));
-            const __m256i a1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
-            const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + QK)));
-            const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + QK + 16)));
-            const __m256i w0 = _mm256_permute2x128_si256(a0, b0, 0x20), w1 = _mm256_permute2x128_si256(a0, b0, 0x31);
-            const __m256i w2 = _mm256_permute2x128_si256(a1, b1, 0x20), w3 = _mm256_permute2x128_si256(a1, b1, 0x31);
-            const __m256 dw = pair_scales(dt + NT * b, p);
-#pragma GCC unroll 4
-            for (int i = 0; i < R; i++) {
-                const int16_t *xb = xq[i] + b * 2 * QK;
-                const __m256i x0 = _mm256_load_si256((const __m256i *)xb);
-                const __m256i x1 = _mm256_load_si256((const __m256i *)(xb + 16));
-                const __m256i x2 = _mm256_load_si256((const __m256i *)(xb + 32));
-                const __m256i x3 = _mm256_load_si256((const __m256i *)(xb + 48));
-                const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)),
-                                                      _mm256_add_epi32(_mm256_madd_epi16(w2, x2), _mm256_madd_epi16(w3, x3)));
-                const __m256 prod = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b));
-                a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), prod, a[i]);
-            }
-        }
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++) acc[i][p] = a[i];
-    }
-    rows_out(R, acc, mterm, out);
+// The 16 outputs (out) of a tile with `cols` real channels to y's row, plus the bias.
+static inline void store_tile(const float *out, int cols, const float *bias, float *y) {
+    for (int c = 0; c < cols; c++) y[c] = bias ? out[c] + bias[c] : out[c];
 }
 
-// y[M, N] = x[M, K] @ W^T (+ bias), W in tiles (above): Q4: wq [N/NT][nb][NT][16] nibbles, wd and
-// wm [N/NT][nb][NT]; Q8: wq [N/NT][nb][NT][32] int8, wm NULL. K % 32 == 0, N % NT == 0.
-// Returns 0, or -1 out of memory. Rows in groups of 4 against each tile (tile_rows_q4/_q8); one
-// Q4 row through tile_row1_q4, one Q8 row (the LM head at decode) through tile_row_q8. Every path computes
-// a row's outputs with the same arithmetic, so M and the other rows never change them.
+// y[M, N] = x[M, K] @ W^T (+ bias), W in tiles (above): Q4: wq [tiles][nb][8][32] bytes, wd and
+// wm [tiles][nb][NT]; Q8: wq [tiles][nb][16][32] int8, wm NULL; tiles = ceil(N / NT).
+// K % 32 == 0. Returns 0, or -1 out of memory.
 static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd,
                   const uint16_t *wm, const float *bias, float *y, int nthreads, int q8) {
-    const int nb = K / QK;
-    const size_t tile_bytes = (size_t)nb * NT * (q8 ? QK : QK / 2);
-    const int one_q8 = q8 && M == 1;  // tile_row_q8
+    const int nb = K / QK, tiles = (N + NT - 1) / NT, chunk = M < CHUNK ? M : CHUNK;
+    const size_t block_bytes = (size_t)NT * (q8 ? QK : QK / 2), tile_bytes = (size_t)nb * block_bytes;
     qrows r;
-    if (quantize_rows(x, M, K, nthreads, !q8, !one_q8, &r)) return -1;
+    if (quantize_rows(x, M, K, nthreads, &r)) return -1;
     int failed = 0;
-    const int tiles = N / NT;
 #pragma omp parallel num_threads(nthreads)
     {
-        // tile_row_q8's scale products (a multiple of 32 bytes, as aligned_alloc asks)
-        float *prod = one_q8 ? (float *)aligned_alloc(32, sizeof(float) * NT * (size_t)(nb + (nb & 1))) : NULL;
-        const int ok = prod != NULL || !one_q8;
-        if (!ok) {
+        // per row: dot, m (one row needs none)
+        float *acc = M > 1 ? (float *)aligned_alloc(64, sizeof(float) * 2 * NT * (size_t)chunk) : NULL;
+        if (M > 1 && !acc) {
 #pragma omp atomic write
             failed = 1;
         }
-        // Rows in chunks of about ROW_CHUNK_BYTES of activations (their broadcast copy stays in L1
-        // while a thread's tiles go by: 1.3-1.4x at 512-2048 rows on Zen 3, stop 31); each thread
-        // takes the same tiles in every chunk, so no barrier between them.
-        const int rchunk = ROW_CHUNK_BYTES / (4 * K) < 4 ? 4 : ROW_CHUNK_BYTES / (4 * K) / 4 * 4;
-        for (int c0 = 0; c0 < M; c0 += rchunk) {
-            const int c1 = M - c0 < rchunk ? M : c0 + rchunk;
-#pragma omp for schedule(static) nowait
-            for (int t = 0; t < tiles; t++) {
-                if (!ok) continue;
-                const uint8_t *wt = wq + (size_t)t * tile_bytes;
-                const uint16_t *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
-                const __m128 bv = bias ? _mm_loadu_ps(bias + (size_t)t * NT) : _mm_setzero_ps();
-#define STORE(m, out) _mm_storeu_ps(y + (size_t)(m) * N + (size_t)t * NT, bias ? _mm_add_ps(out, bv) : (out))
-                if (one_q8) {
-                    STORE(0, tile_row_q8(r.q, r.d, nb, wt, dt, prod));
-                } else {
-                    for (int m = c0; m < c1; m += 4) {
-                        const int R = c1 - m < 4 ? c1 - m : 4;
-                        __m128 out[4];
-#define ROWS(n) (q8 ? tile_rows_q8(&r, m, n, nb, wt, dt, out) : tile_rows_q4(&r, m, n, nb, wt, dt, mt, out))
-                        switch (R) {  // constant row counts: the rows' loops unrolled
-                            case 4: ROWS(4); break;
-                            case 3: ROWS(3); break;
-                            case 2: ROWS(2); break;
-                            default:
-                                if (q8) tile_rows_q8(&r, m, 1, nb, wt, dt, out);
-                                else tile_row1_q4(&r, m, nb, wt, dt, mt, out);
-                                break;
-                        }
-#undef ROWS
-                        for (int i = 0; i < R; i++) STORE(m + i, out[i]);
-                    }
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            if (M > 1 && !acc) continue;
+            const uint8_t *wt = wq + (size_t)t * tile_bytes;
+            const uint16_t *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
+            const int cols = N - t * NT < NT ? N - t * NT : NT;
+            const float *bt = bias ? bias + (size_t)t * NT : NULL;
+            float out[NT] __attribute__((aligned(32)));
+            if (M == 1) {
+                row1(&r, 0, K, wt, dt, mt, q8, out);
+                store_tile(out, cols, bt, y + (size_t)t * NT);
+                continue;
+            }
+            for (int m0 = 0; m0 < M; m0 += chunk) {
+                const int rows = M - m0 < chunk ? M - m0 : chunk;
+                memset(acc, 0, sizeof(float) * 2 * NT * (size_t)rows);
+                for (int b = 0; b < nb; b++) {
+                    const uint8_t *wb = wt + (size_t)b * block_bytes;
+                    for (size_t p = 0; p < block_bytes; p += 64)
+                        _mm_prefetch((const char *)(wb + (q8 ? 4 : 1) * PREFETCH + p), _MM_HINT_T0);
+                    const __m256 d[2] = {half8_at(dt + NT * b), half8_at(dt + NT * b + 8)};
+                    const __m256 mv[2] = {mt ? half8_at(mt + NT * b) : _mm256_setzero_ps(),
+                                          mt ? half8_at(mt + NT * b + 8) : _mm256_setzero_ps()};
+                    int i = 0;
+                    for (; i + ROWS <= rows; i += ROWS)
+                        rows_block(&r, m0 + i, ROWS, K, b, wb, q8, d, mv, acc + (size_t)i * 2 * NT);
+                    if (rows - i == 2) rows_block(&r, m0 + i, 2, K, b, wb, q8, d, mv, acc + (size_t)i * 2 * NT);
+                    else if (rows - i == 1) rows_block(&r, m0 + i, 1, K, b, wb, q8, d, mv, acc + (size_t)i * 2 * NT);
                 }
-#undef STORE
+                for (int i = 0; i < rows; i++) {
+                    const float *ai = acc + (size_t)i * 2 * NT;
+                    for (int h = 0; h < 2; h++)
+                        _mm256_store_ps(out + 8 * h, _mm256_add_ps(_mm256_load_ps(ai + 8 * h), _mm256_load_ps(ai + NT + 8 * h)));
+                    store_tile(out, cols, bt, y + (size_t)(m0 + i) * N + (size_t)t * NT);
+                }
             }
         }
-        free(prod);
+        free(acc);
     }
     free_rows(&r);
     return failed ? -1 : 0;
 }
-

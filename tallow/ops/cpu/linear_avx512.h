@@ -95,7 +95,7 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
     const int nb = K / QK, tiles = (N + NT - 1) / NT, chunk = M < CHUNK ? M : CHUNK;
     const size_t block_bytes = (size_t)NT * (q8 ? QK : QK / 2), tile_bytes = (size_t)nb * block_bytes;
     qrows r;
-    if (quantize_rows(x, M, K, nthreads, 0, 0, &r)) return -1;
+    if (quantize_rows(x, M, K, nthreads, &r)) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {

@@ -344,10 +344,10 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
     const size_t d_per_tile = (size_t)(kq ? nb / 8 : nb) * GT;  // d (and m/dmin) entries per tile
     const size_t sc_per_tile = (size_t)nb * GT * (halves ? 2 : 1);
     qrows r;
-    if (quantize_rows(x, M, K, nthreads, 0, 0, &r)) return -1;
+    if (quantize_rows(x, M, K, nthreads, &r)) return -1;
     if (M <= GGUF_ROW1_MAX(planes)) {  // the same floats as the loop below, faster on AVX2 (gguf_row1)
         for (int m = 0; m < M; m++) {
-            const qrows rm = {r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb, NULL};
+            const qrows rm = {r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb};
             gguf_gemv1(K, N, fmt, wq, wd, wm, wsc, wmn, bias, y + (size_t)m * N, nthreads, &rm);
         }
         free_rows(&r);
