@@ -37,13 +37,14 @@
 #define GT 16
 #define GCHUNK 64
 // Up to this many rows, each row runs alone through gguf_gemv1 (AVX2: unpack fused with the
-// products; measured on Zen 3 with the lane-ordered planes, stop 31: faster than the many-row
-// loop's unpacked blocks up to 4 rows for Q4_K and the 5-bit formats, 3 for Q6_K; AVX-512: 1 row).
+// products). Measured on Zen 3 against the many-row loop (gguf_rows, 2-3 rows per pass over an
+// unpacked block; stop 32): Q6_K at 2 rows 1.07-1.14x faster alone, Q4_K and the 5-bit formats
+// level at 2 rows and 1.1-1.2x slower alone from 3; AVX-512: 1 row.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define GGUF_ROW1_MAX(planes) 1
 #define GGUF_PLANE_LANES 0
 #else
-#define GGUF_ROW1_MAX(planes) ((planes) == 2 ? 3 : 4)
+#define GGUF_ROW1_MAX(planes) ((planes) == 2 ? 2 : 1)
 #define GGUF_PLANE_LANES 1
 #endif
 
@@ -103,6 +104,18 @@ static inline __attribute__((always_inline)) void gguf_row(const gblock *W, cons
     _mm512_storeu_ps(acc, acc_v);
 }
 
+
+// R rows (row0 + i of r, accumulators acc + i * GT) through a block: gguf_row for each.
+static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, const qrows *r, size_t row0, int R, int K,
+                                                             int b, const float *dw0, const float *dw1, const float *mw,
+                                                             int halves, int has_m, float *acc) {
+    const int nb = K / QK;
+    for (int i = 0; i < R; i++) {
+        const size_t row = row0 + (size_t)i;
+        gguf_row(W, r->q + row * K + (size_t)b * QK, r->d[row * nb + b], r->s[row * nb + b], dw0, dw1, mw, halves,
+                 has_m, acc + (size_t)i * GT);
+    }
+}
 
 // One row against one block (M = 1): the unpack and the row as above.
 static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, int planes, int zero,
@@ -178,7 +191,7 @@ static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk
 }
 
 // Channels 8h..8h+7 of a block's products (a: the first half-block's int32 sums, b: the second)
-// into acc: gguf_row's and gguf_row1's float step, one piece of code so both give the same floats.
+// into acc: gguf_rows' and gguf_row1's float step, one piece of code so both give the same floats.
 static inline __attribute__((always_inline)) void gguf_half_out(__m256i a, __m256i b, int h, __m256 dxv, __m256 sxv,
                                                                  const float *dw0, const float *dw1, const float *mw,
                                                                  int halves, int has_m, float *acc) {
@@ -194,31 +207,46 @@ static inline __attribute__((always_inline)) void gguf_half_out(__m256i a, __m25
     _mm256_storeu_ps(acc + 8 * h, acc_v);
 }
 
-static inline __attribute__((always_inline)) void gguf_row(const gblock *W, const int16_t *xb, float dx, float sx,
-                                                            const float *dw0, const float *dw1, const float *mw,
-                                                            int halves, int has_m, float *acc) {
+// R rows (row0 + i of r, accumulators acc + i * GT) through an unpacked block together: each
+// pair vector is loaded once for the R rows, and each row's activation pair broadcast once for
+// both halves (a row at a time, the pair vectors were loaded R times and the row's 16
+// broadcasts, kept for both halves, spilled). The int32 sums are exact (a block's in one
+// accumulator where it has no halves, passed as a with b = 0), the float math gguf_half_out's:
+// the floats of AVX-512's gguf_row. R <= 3 (Q6_K's halves: R <= 2).
+static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, const qrows *r, size_t row0, int R, int K,
+                                                             int b, const float *dw0, const float *dw1, const float *mw,
+                                                             int halves, int has_m, float *acc) {
     typedef int32_t __attribute__((may_alias)) pair;
-    __m256i x[16];
-    for (int j = 0; j < 16; j++) x[j] = _mm256_set1_epi32(*(const pair *)(xb + 2 * j));
-    const __m256 dxv = _mm256_set1_ps(dx), sxv = _mm256_set1_ps(sx);
-    for (int h = 0; h < 2; h++) {
-        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-        __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j += 2) {
-            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(W->w[h][j], x[j]));
-            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(W->w[h][j + 1], x[j + 1]));
-            b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(W->w[h][j + 8], x[j + 8]));
-            b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(W->w[h][j + 9], x[j + 9]));
+    const int nb = K / QK;
+    const int16_t *x = r->q + row0 * K + (size_t)b * QK;
+    __m256i s[3][2], first[3][2];
+    for (int i = 0; i < R; i++) s[i][0] = s[i][1] = first[i][0] = first[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) {
+        if (halves && j == 8)
+            for (int i = 0; i < R; i++)
+                first[i][0] = s[i][0], first[i][1] = s[i][1], s[i][0] = s[i][1] = _mm256_setzero_si256();
+        __m256i bx[3];
+        for (int i = 0; i < R; i++) bx[i] = _mm256_set1_epi32(*(const pair *)(x + (size_t)i * K + 2 * j));
+        for (int h = 0; h < 2; h++) {
+            const __m256i w = _mm256_load_si256(&W->w[h][j]);
+            for (int i = 0; i < R; i++) s[i][h] = _mm256_add_epi32(s[i][h], _mm256_madd_epi16(w, bx[i]));
         }
-        gguf_half_out(_mm256_add_epi32(a0, a1), _mm256_add_epi32(b0, b1), h, dxv, sxv, dw0, dw1, mw, halves,
-                      has_m, acc);
+        for (int i = 0; i < R; i++) __asm__("" : "+x"(s[i][0]), "+x"(s[i][1]));  // kept in order: no spills
+    }
+    for (int i = 0; i < R; i++) {
+        const size_t row = row0 + (size_t)i;
+        const __m256 dxv = _mm256_set1_ps(r->d[row * nb + b]), sxv = _mm256_set1_ps(r->s[row * nb + b]);
+        for (int h = 0; h < 2; h++)
+            gguf_half_out(halves ? first[i][h] : s[i][h], halves ? s[i][h] : _mm256_setzero_si256(), h, dxv, sxv, dw0,
+                          dw1, mw, halves, has_m, acc + (size_t)i * GT);
     }
 }
 
 // One row against one block (M = 1), unpack and products fused: AVX2 has 16 registers, so the
 // 32 pair vectors of a whole gblock (and the row's 16 broadcasts) would live on the stack; here
 // each pair vector is formed as in gguf_unpack and multiplied at once. The int32 sums are the
-// same integers as gguf_unpack + gguf_row's (exact), and the float math below is gguf_row's, so
+// same integers as gguf_unpack + gguf_rows' (exact), and the float math below is gguf_rows', so
 // a row's result is the same float whichever path computes it.
 static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, int planes, int zero,
                                                              const int16_t *xb, float dx, float sx, const float *dw0,
@@ -380,11 +408,18 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
                     gguf_unpack(wb, planes, zero, &W);
                     float dw0[GT], dw1[GT], mw[GT];
                     gguf_block_scales(fmt, b, dt, mt, sct, mnt, dw0, dw1, mw);
-                    for (int i = 0; i < rows; i++) {
-                        const size_t row = (size_t)(m0 + i);
-                        gguf_row(&W, r.q + row * K + (size_t)b * QK, r.d[row * nb + b], r.s[row * nb + b], dw0, dw1,
-                                 mw, halves, has_m, acc + (size_t)i * GT);
+                    int i = 0;
+                    if (halves)
+                        for (; i + 2 <= rows; i += 2)
+                            gguf_rows(&W, &r, (size_t)(m0 + i), 2, K, b, dw0, dw1, mw, 1, 0, acc + (size_t)i * GT);
+                    else {
+                        for (; i + 3 <= rows; i += 3)
+                            gguf_rows(&W, &r, (size_t)(m0 + i), 3, K, b, dw0, dw1, mw, 0, has_m, acc + (size_t)i * GT);
+                        if (rows - i == 2)
+                            gguf_rows(&W, &r, (size_t)(m0 + i), 2, K, b, dw0, dw1, mw, 0, has_m, acc + (size_t)i * GT), i += 2;
                     }
+                    for (; i < rows; i++)
+                        gguf_rows(&W, &r, (size_t)(m0 + i), 1, K, b, dw0, dw1, mw, halves, has_m, acc + (size_t)i * GT);
                 }
                 for (int i = 0; i < rows; i++) {
                     float *yr = y + (size_t)(m0 + i) * N + (size_t)t * GT;
