@@ -328,6 +328,19 @@ static inline __attribute__((always_inline)) void pv_acc(const float *v, const s
     }
 }
 
+// The largest of x[0..n), n >= 1, eight at a time (a scalar loop was 5% of a long prompt's
+// attention); exact in any order.
+static inline float max_of(const float *x, int n) {
+    __m256 m8 = _mm256_set1_ps(x[0]);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    for (; j < n; j++) mx = x[j] > mx ? x[j] : mx;
+    return mx;
+}
+
 // One chunk of n <= ATT_CHUNK keys (float32 rows at off[] in k and v) for the group's heads
 // q[g]: part[g] = {max, sum, out[D]} with out unnormalized. Head by head: the chunk's K and V
 // rows come from memory (or the float16 gather) for the first head and from L1 for the others.
@@ -343,8 +356,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
         int j = 0;
         for (; j + 8 <= n; j += 8) _mm256_storeu_ps(scores + j, _mm256_mul_ps(qk8(qg, k_cache, off + j, D), sv));
         for (; j < n; j++) scores[j] = qk1(qg, k_cache + off[j], D) * scale;
-        float mx = scores[0];  // exp(s - max) in place, eight at a time, the tail padded with -inf
-        for (j = 1; j < n; j++) mx = scores[j] > mx ? scores[j] : mx;
+        float mx = max_of(scores, n);  // exp(s - max) in place, eight at a time, the tail padded with -inf
         const int n8 = n & ~7;
         const __m256 mv = _mm256_set1_ps(mx);
         __m256 sum = _mm256_setzero_ps();
