@@ -53,7 +53,7 @@ def emulated(layer, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
-@pytest.mark.parametrize("rows", [1, 3, 4, 37], ids=["gemv", "few", "tiled", "many"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 37, 300], ids=["gemv", "few", "tiled", "many", "chunks"])
 def test_linear_matches_exact_emulation(cls, rows):
     g = torch.Generator().manual_seed(rows)
     w, bias = random_weight(96, 160), torch.randn(96, generator=g)
@@ -78,16 +78,18 @@ def test_linear_close_to_float_weights(cls):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
 def test_linear_rows_do_not_depend_on_the_batch(cls, threads):
-    """Rows alone, in small (registers) and large (unpacked tile) batches: bit for bit equal."""
+    """Rows alone, in small and large batches, and across the AVX2 build's row chunks (64 KB of
+    int16 activations: 168 rows of 192 here): bit for bit equal."""
     layer = cls(random_weight(128, 192), torch.randn(128))
-    x = torch.randn(40, 192)
+    x = torch.randn(400, 192)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         full = layer(x)
-        for rows in (1, 2, 3, 4, 5, 16, 33):
+        for rows in (1, 2, 3, 4, 5, 16, 33, 170, 400):
             assert torch.equal(layer(x[:rows]), full[:rows]), rows
         assert torch.equal(layer(x[7:8]), full[7:8])
+        assert torch.equal(layer(x[200:203]), full[200:203])
     finally:
         torch.set_num_threads(old)
 
