@@ -46,7 +46,10 @@ def emulated(layer, x: torch.Tensor) -> torch.Tensor:
     max|x| / 32767, round half to even) times the layer's dequantized weights."""
     groups = x.float().reshape(x.shape[0], -1, GROUP_SIZE)
     amax = groups.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 32767 / amax, 0.0)
+    # a tensor divided by a tensor: IEEE division, as the kernel's (32767 / amax, a Python number
+    # over a tensor, is torch's reciprocal times 32767, one rounding more, which moves a code by
+    # one now and then)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, 0.0)
     xq = (groups * inv).round() * (amax / 32767)
     y = xq.reshape(x.shape).double() @ layer.dequantized_weight().double().T
     return (y if layer.bias is None else y + layer.bias.double()).float()

@@ -60,7 +60,7 @@ def int16_activations(x: torch.Tensor) -> torch.Tensor:
     groups = x.double().reshape(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
     step = (amax.float() / 32767).double()  # the kernel's float32 scale
-    inv = torch.where(amax > 0, 32767 / amax.float(), 0.0).double()
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0).float() / amax.float(), 0.0).double()  # IEEE, as the kernel
     return ((groups.float() * inv.float()).round().double() * step).reshape(x.shape)
 
 
