@@ -97,6 +97,26 @@ def test_linear_rows_do_not_depend_on_the_batch(cls, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
+def test_the_two_builds_compute_the_same_floats(cls, kernels):
+    """One weight layout and one float arithmetic in both builds (linear_avx2.h reads
+    linear_avx512.h's tiles 8 channels to a register): the same packed weights give every row
+    the same bits from the AVX2 build as from the AVX-512 one. Runs where the CPU has both."""
+    if set(cpu_native.supported_variants()) < {"avx2", "avx512"} or kernels is not cpu_native.load("avx512"):
+        pytest.skip("needs a CPU with AVX-512 VNNI (both builds), checked once")
+    n, k = 100, 192  # a partial last tile
+    layer = cls(random_weight(n, k, seed=5), torch.randn(n))
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(6)) * torch.logspace(-3, 1, k)
+    for m in (1, 2, 3, 4, 5, 37, 300):
+        ys = []
+        for variant in ("avx2", "avx512"):
+            y = torch.empty(m, n)
+            fn = getattr(cpu_native.load(variant), cls._kernel)
+            assert fn(x[:m].data_ptr(), m, k, n, *layer._ptrs, y.data_ptr(), 2) == 0
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]), m
+
+
 def test_linear_zero_rows_and_zero_blocks():
     layer = Q4Linear(random_weight(16, 64))
     assert layer(torch.empty(0, 64)).shape == (0, 16)

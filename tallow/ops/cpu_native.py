@@ -239,7 +239,7 @@ def variant() -> str | None:
 
 
 def tile_channels(kernels: ctypes.CDLL | None = None) -> int:
-    """Output channels per weight tile of these kernels (default: lib()'s): 4 (AVX2) or 16."""
+    """Output channels per weight tile of these kernels (default: lib()'s): 16 in both builds."""
     return (kernels or lib()).tl_tile_channels()
 
 
