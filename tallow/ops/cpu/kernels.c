@@ -36,6 +36,16 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+// 8 float16 values as float32 (F16C).
+static inline __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+// The int16 pair (x[0], x[1]) in every 32-bit lane: the activation operand of madd against
+// weight vectors with one channel per lane (linear_avx2.h, linear_gguf.h's AVX2 loops).
+static inline __m256i pair_bcast(const int16_t *x) {
+    typedef int32_t __attribute__((may_alias)) pair;
+    return _mm256_set1_epi32(*(const pair *)x);
+}
+
 // One row of K floats (K % 32 == 0) to int16 blocks: q[K], d[K/32] (the scale) and
 // s[K/32] (d * the block's integer sum, for Q4's m term).
 static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float *s) {
@@ -489,7 +499,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         t1++;
         const long items = (long)bfirst[nblocks] * kv_heads;
         long claimed = 0;  // items handed out
-    #pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads)
         {
             float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)group);
             size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two items' row offsets; dense ones
@@ -497,7 +507,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             float *rows = gather ? (float *)malloc(sizeof(float) * 2 * ATT_CHUNK * (size_t)D) : NULL;  // K, V as float32
             const int ok = scores && off && (rows || !gather);
             if (!ok) {
-    #pragma omp atomic write
+#pragma omp atomic write
                 failed = 1;
             }
             // Items are claimed one ahead: while a thread works on one, the rows of the next it will
@@ -531,19 +541,19 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                     const int n = ctx[t] - j0 < n_cur ? ctx[t] - j0 : n_cur;
                     const float *qh = q + t * q_stride + (size_t)kvh * group * D;
                     float *part = parts + (((size_t)first[t] + c_cur) * kv_heads + kvh) * group * part_len;
-    #if ATTEND16
+#if ATTEND16
                     if (D % 16 == 0) {  // K and V rows read (and converted) in place
-    #define ATTEND16_D(d) attend_chunk16(qh, group, d, scale, k_cache, v_cache, off_cur, half, n, scores, part)
+#define ATTEND16_D(d) attend_chunk16(qh, group, d, scale, k_cache, v_cache, off_cur, half, n, scores, part)
                         if (D == 64)
                             ATTEND16_D(64);
                         else if (D == 128)
                             ATTEND16_D(128);
                         else
                             ATTEND16_D(D);
-    #undef ATTEND16_D
+#undef ATTEND16_D
                         continue;
                     }
-    #endif
+#endif
                     if (D == 64)
                         attend_chunk(qh, group, 64, scale, kc, vc, rows_at, n, scores, part);
                     else if (D == 128)
@@ -555,9 +565,9 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 off_cur = off_next, off_next = swap;
                 cur = next, blk_cur = blk_next, c_cur = c_next, n_cur = n_next;
             }
-    #pragma omp barrier
+#pragma omp barrier
             // (every chunk is done) each (token, head)'s chunks combined in order
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
             for (long th = (long)t0 * H; th < (long)t1 * H; th++) {
                 const int t = (int)(th / H), h = (int)(th % H), kvh = h / group, g = h % group;
                 const int nc = first[t + 1] - first[t];

@@ -52,12 +52,6 @@ static inline __attribute__((always_inline)) void group_weights(const uint8_t *w
     w[2] = _mm256_srli_epi16(t0, 4), w[3] = _mm256_srli_epi16(t1, 4);
 }
 
-// The activation pair (x[0], x[1]) in every 32-bit lane.
-static inline __m256i pair_bcast(const int16_t *x) {
-    typedef int32_t __attribute__((may_alias)) pair;
-    return _mm256_set1_epi32(*(const pair *)x);
-}
-
 // The block's integer dot products of R rows (x + i * K: 32 int16 activations each) with the 16
 // channels: sums[2i] (channels 0-7), sums[2i + 1] (8-15).
 static inline __attribute__((always_inline)) void block_dots(const uint8_t *wb, int q8, const int16_t *x, int K, int R,
@@ -80,9 +74,6 @@ static inline __attribute__((always_inline)) void block_dots(const uint8_t *wb, 
         }
     }
 }
-
-// The tile's scales of block b: channels 0-7 and 8-15.
-static inline __m256 half8_at(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
 
 // R rows (from row m of the call, at acc in the chunk's accumulators: per row dot[16], m[16])
 // through block b.
@@ -122,12 +113,12 @@ static inline __attribute__((always_inline)) void row1(const qrows *r, int m, in
         __m256i s[2];
         block_dots(wb, q8, x + (size_t)b * QK, K, 1, s);
         const __m256 dx = _mm256_broadcast_ss(xd + b);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(half8_at(dt + NT * b), dx), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(half8_at(dt + NT * b + 8), dx), a1);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(half8(dt + NT * b), dx), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(half8(dt + NT * b + 8), dx), a1);
         if (mt) {
             const __m256 sx = _mm256_broadcast_ss(xs + b);
-            c0 = _mm256_fmadd_ps(half8_at(mt + NT * b), sx, c0);
-            c1 = _mm256_fmadd_ps(half8_at(mt + NT * b + 8), sx, c1);
+            c0 = _mm256_fmadd_ps(half8(mt + NT * b), sx, c0);
+            c1 = _mm256_fmadd_ps(half8(mt + NT * b + 8), sx, c1);
         }
     }
     _mm256_storeu_ps(out, _mm256_add_ps(a0, c0));
@@ -147,7 +138,7 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
     const int nb = K / QK, tiles = (N + NT - 1) / NT;
     const size_t block_bytes = (size_t)NT * (q8 ? QK : QK / 2), tile_bytes = (size_t)nb * block_bytes;
     // rows per chunk: about ROW_CHUNK_BYTES of int16 activations, a multiple of ROWS
-    const int fit = ROW_CHUNK_BYTES / (2 * K) / ROWS * ROWS, chunk = M < (fit > ROWS ? fit : ROWS) ? M : (fit > ROWS ? fit : ROWS);
+    const int fit = ROW_CHUNK_BYTES / (2 * K) / ROWS * ROWS, per = fit > ROWS ? fit : ROWS, chunk = M < per ? M : per;
     qrows r;
     if (quantize_rows(x, M, K, nthreads, &r)) return -1;
     int failed = 0;
@@ -181,9 +172,9 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
                     const uint8_t *wb = wt + (size_t)b * block_bytes;
                     for (size_t p = 0; p < block_bytes; p += 64)
                         _mm_prefetch((const char *)(wb + (q8 ? 4 : 1) * PREFETCH + p), _MM_HINT_T0);
-                    const __m256 d[2] = {half8_at(dt + NT * b), half8_at(dt + NT * b + 8)};
-                    const __m256 mv[2] = {mt ? half8_at(mt + NT * b) : _mm256_setzero_ps(),
-                                          mt ? half8_at(mt + NT * b + 8) : _mm256_setzero_ps()};
+                    const __m256 d[2] = {half8(dt + NT * b), half8(dt + NT * b + 8)};
+                    const __m256 mv[2] = {mt ? half8(mt + NT * b) : _mm256_setzero_ps(),
+                                          mt ? half8(mt + NT * b + 8) : _mm256_setzero_ps()};
                     int i = 0;
                     for (; i + ROWS <= rows; i += ROWS)
                         rows_block(&r, m0 + i, ROWS, K, b, wb, q8, d, mv, acc + (size_t)i * 2 * NT);

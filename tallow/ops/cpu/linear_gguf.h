@@ -216,7 +216,6 @@ static inline __attribute__((always_inline)) void gguf_half_out(__m256i a, __m25
 static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, const qrows *r, size_t row0, int R, int K,
                                                              int b, const float *dw0, const float *dw1, const float *mw,
                                                              int halves, int has_m, float *acc) {
-    typedef int32_t __attribute__((may_alias)) pair;
     const int nb = K / QK;
     const int16_t *x = r->q + row0 * K + (size_t)b * QK;
     __m256i s[3][2], first[3][2];
@@ -227,7 +226,7 @@ static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, con
             for (int i = 0; i < R; i++)
                 first[i][0] = s[i][0], first[i][1] = s[i][1], s[i][0] = s[i][1] = _mm256_setzero_si256();
         __m256i bx[3];
-        for (int i = 0; i < R; i++) bx[i] = _mm256_set1_epi32(*(const pair *)(x + (size_t)i * K + 2 * j));
+        for (int i = 0; i < R; i++) bx[i] = pair_bcast(x + (size_t)i * K + 2 * j);
         for (int h = 0; h < 2; h++) {
             const __m256i w = _mm256_load_si256(&W->w[h][j]);
             for (int i = 0; i < R; i++) s[i][h] = _mm256_add_epi32(s[i][h], _mm256_madd_epi16(w, bx[i]));
@@ -252,7 +251,6 @@ static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, 
                                                              const int16_t *xb, float dx, float sx, const float *dw0,
                                                              const float *dw1, const float *mw, int halves, int has_m,
                                                              float *acc) {
-    typedef int32_t __attribute__((may_alias)) pair;
     const __m256i lo = _mm256_set1_epi16(0x0F);
     __m256i v[2][2];
     const int folded = load_planes(blk, planes, zero, v);
@@ -260,8 +258,8 @@ static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, 
                        {_mm256_setzero_si256(), _mm256_setzero_si256()}};  // [h][j >= 8]
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
-        const __m256i x0 = _mm256_set1_epi32(*(const pair *)(xb + 4 * g));
-        const __m256i x1 = _mm256_set1_epi32(*(const pair *)(xb + 4 * g + 2));
+        const __m256i x0 = pair_bcast(xb + 4 * g);
+        const __m256i x1 = pair_bcast(xb + 4 * g + 2);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * g + 16 * h)));
@@ -282,7 +280,6 @@ static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, 
 // The GT channels' float scales of block b of a tile: dw0 (and Q6_K's dw1), mw (has_m formats).
 // Eight channels at a time (F16C conversions and float32 products, exact conversions and one
 // rounding per product: the floats of a scalar loop, in both builds).
-static inline __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m256 u8x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
