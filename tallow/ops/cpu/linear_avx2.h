@@ -20,9 +20,9 @@
 // a row's result does not depend on the rows around it or the threads (threads split the
 // tiles; an integer sum is exact in any grouping).
 //
-// (Until stop 32, 2026-12-05, this build had a layout of its own, tiles of 4 channels two to a register,
-// which needed a horizontal sum and a float conversion per 4 multiply-adds: 1.3-1.45x slower,
-// benchmarks/HISTORY.md.)
+// (Until stop 32, 2026-12-05, this build had a layout of its own, tiles of 4 channels two to a
+// register, which needed a horizontal sum and a float conversion per 4 multiply-adds: 1.1-1.9x
+// slower at 2-7,500 rows, level at one; benchmarks/HISTORY.md.)
 //
 // Many rows: the rows in chunks of about ROW_CHUNK_BYTES of activations (they stay in L2 while a
 // thread's tiles go by: 1.03-1.1x at 512-2048 rows against a tile-outer loop), each block's
