@@ -1,6 +1,6 @@
 // One chunk of paged attention on AVX-512 (included by kernels.c when compiled for it): the
-// AVX2 attend_chunk's contract (part[g] = {max, sum, out[D]} over n <= ATT_CHUNK keys) with
-// 16-wide vectors, for D % 16 == 0.
+// contract of attention_avx2.h's tiles (part[g] = {max, sum, out[D]} over n <= ATT_CHUNK keys)
+// with 16-wide vectors, for D % 16 == 0; a token's group heads at a time.
 //
 // q . k for 16 keys at a time: each key's D products folded into one vector, then the 16
 // vectors summed across their lanes together (hsum16x16) into one vector of 16 scores. The

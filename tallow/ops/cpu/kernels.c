@@ -285,58 +285,13 @@ static void gather_half(const uint16_t *cache, const size_t *off, int n, int D, 
             _mm256_storeu_ps(dst + (size_t)j * D + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cache + off[j] + i))));
 }
 
-// Attention works on chunks of ATT_CHUNK context keys: one work item is (query token, KV head,
-// chunk); the GROUP query heads sharing the KV head read its K and V rows from memory once. A
-// chunk leaves per head its max score, its sum of exp(score - max) and its unnormalized
+// Attention works on chunks of ATT_CHUNK context keys: one work item is (query block, KV head,
+// chunk); the block's tokens' query heads sharing the KV head read its K and V rows from memory
+// once (attention_avx2.h, attention_avx512.h). A chunk leaves per head its max score, its sum of exp(score - max) and its unnormalized
 // output; a token's chunks are then combined in order.
 // The chunks are fixed by the token's context length alone, so the arithmetic of a token does
 // not depend on the batch or the threads, and one decode token still spreads over the threads.
 #define ATT_CHUNK 64
-
-// The 8 horizontal sums of a0..a7 as one vector: [sum a0, sum a1, ..., sum a7].
-static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
-                             __m256 a7) {
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// q . k_r for 8 keys (rows at off[r] from k), one FMA chain per key, the eight sums
-// transposed at once. Inlined with a constant D (64, 128), the loops unroll.
-static inline __attribute__((always_inline)) __m256 qk8(const float *q, const float *k, const size_t *off, int D) {
-    __m256 a[8];
-    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-    for (int i = 0; i < D; i += 8) {
-        const __m256 qi = _mm256_loadu_ps(q + i);
-        for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + off[r] + i), a[r]);
-    }
-    return hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
-}
-
-static inline __attribute__((always_inline)) float qk1(const float *q, const float *k, int D) {
-    __m256 a = _mm256_setzero_ps();
-    for (int i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
-    return hsum8(a);
-}
-
-// acc[0..D) += sum_r p[r] v_r over n rows, the accumulator in registers 128 floats at a time.
-static inline __attribute__((always_inline)) void pv_acc(const float *v, const size_t *off, int n, int D,
-                                                          const float *p, float *acc) {
-    for (int i0 = 0; i0 < D; i0 += 128) {
-        const int w = (D - i0) < 128 ? (D - i0) / 8 : 16;
-        __m256 a[16];
-        for (int r = 0; r < 16; r++)
-            if (r < w) a[r] = _mm256_loadu_ps(acc + i0 + 8 * r);
-        for (int j = 0; j < n; j++) {
-            const float *vr = v + off[j] + i0;
-            const __m256 pj = _mm256_broadcast_ss(p + j);
-            for (int r = 0; r < 16; r++)
-                if (r < w) a[r] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * r), a[r]);
-        }
-        for (int r = 0; r < 16; r++)
-            if (r < w) _mm256_storeu_ps(acc + i0 + 8 * r, a[r]);
-    }
-}
 
 // The largest of x[0..n), n >= 1, eight at a time (a scalar loop was 5% of a long prompt's
 // attention); exact in any order.
@@ -351,42 +306,7 @@ static inline float max_of(const float *x, int n) {
     return mx;
 }
 
-// One chunk of n <= ATT_CHUNK keys (float32 rows at off[] in k and v) for the group's heads
-// q[g]: part[g] = {max, sum, out[D]} with out unnormalized. Head by head: the chunk's K and V
-// rows come from memory (or the float16 gather) for the first head and from L1 for the others.
-// scores: ATT_CHUNK floats of scratch.
-static inline __attribute__((always_inline)) void attend_chunk(const float *q, int group, int D, float scale,
-                                                                const float *k_cache, const float *v_cache,
-                                                                const size_t *off, int n, float *scores, float *part) {
-    const size_t part_len = (size_t)D + 2;
-    const __m256 sv = _mm256_set1_ps(scale);
-    for (int g = 0; g < group; g++) {
-        const float *qg = q + (size_t)g * D;
-        float *pg = part + g * part_len;
-        int j = 0;
-        for (; j + 8 <= n; j += 8) _mm256_storeu_ps(scores + j, _mm256_mul_ps(qk8(qg, k_cache, off + j, D), sv));
-        for (; j < n; j++) scores[j] = qk1(qg, k_cache + off[j], D) * scale;
-        float mx = max_of(scores, n);  // exp(s - max) in place, eight at a time, the tail padded with -inf
-        const int n8 = n & ~7;
-        const __m256 mv = _mm256_set1_ps(mx);
-        __m256 sum = _mm256_setzero_ps();
-        for (j = 0; j < n8; j += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mv));
-            _mm256_storeu_ps(scores + j, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        float total = hsum8(sum);
-        if (n8 < n) {
-            float tail[8];
-            for (j = 0; j < 8; j++) tail[j] = n8 + j < n ? scores[n8 + j] - mx : -INFINITY;
-            _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
-            for (j = n8; j < n; j++) scores[j] = tail[j - n8], total += tail[j - n8];
-        }
-        pg[0] = mx, pg[1] = total;
-        memset(pg + 2, 0, sizeof(float) * (size_t)D);
-        pv_acc(v_cache, off, n, D, scores, pg + 2);
-    }
-}
+#include "attention_avx2.h"
 
 #if defined(__AVX512F__)
 #include "attention_avx512.h"
@@ -501,11 +421,13 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         long claimed = 0;  // items handed out
 #pragma omp parallel num_threads(nthreads)
         {
-            float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)group);
+            // scores: attend_chunk16's group heads or a tile's rows
+            float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)(group > ATT_ROWS ? group : ATT_ROWS));
             size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two items' row offsets; dense ones
-            const int gather = half && !(ATTEND16 && D % 16 == 0);  // float16 rows go through float32 scratch
-            float *rows = gather ? (float *)malloc(sizeof(float) * 2 * ATT_CHUNK * (size_t)D) : NULL;  // K, V as float32
-            const int ok = scores && off && (rows || !gather);
+            const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_tile, else attend_chunk16 (K, V in place)
+            // the tiles' K columns, then (from a float16 cache) V rows as float32: the conversion is exact
+            float *kt = tiles ? (float *)malloc(sizeof(float) * (half ? 2 : 1) * ATT_CHUNK * (size_t)D) : NULL;
+            const int ok = scores && off && (kt || !tiles);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -516,25 +438,28 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             int blk_cur = 0, c_cur = 0, n_cur = 0, blk_next = 0, c_next = 0, n_next = 0;
             long cur = ok ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : items;
             if (ok) {
-                if (gather)
-                    for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
+                for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
                 if (cur < items)
                     n_cur = item_rows(cur, nblocks, bt, bfirst, lo, ctx, seq, block_tables, bt_stride, block_size, kv_heads,
                                       D, k_cache, v_cache, esize, off_cur, &blk_cur, &c_cur);
             }
+            float *vrows = kt && half ? kt + (size_t)ATT_CHUNK * D : NULL;
+            const float *vc = vrows ? vrows : (const float *)v_cache;
             while (cur < items) {
                 const long next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
                 if (next < items)
                     n_next = item_rows(next, nblocks, bt, bfirst, lo, ctx, seq, block_tables, bt_stride, block_size,
                                        kv_heads, D, k_cache, v_cache, esize, off_next, &blk_next, &c_next);
                 const int kvh = (int)(cur % kv_heads);
-                const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;
-                const size_t *rows_at = off_cur;
-                if (gather) {  // the tokens' heads then read float32 rows (the conversion is exact)
-                    gather_half((const uint16_t *)k_cache, off_cur, n_cur, D, rows);
-                    gather_half((const uint16_t *)v_cache, off_cur, n_cur, D, rows + (size_t)ATT_CHUNK * D);
-                    kc = rows, vc = rows + (size_t)ATT_CHUNK * D, rows_at = dense;
+                const size_t *voff = vrows ? dense : off_cur;
+                if (tiles) {
+                    keys_transposed(k_cache, half, off_cur, n_cur, D, kt);
+                    if (vrows) gather_half((const uint16_t *)v_cache, off_cur, n_cur, D, vrows);
                 }
+                // the block's rows (token, head) in tiles of ATT_ROWS, across tokens
+                const float *qr[ATT_ROWS];
+                float *pr[ATT_ROWS];
+                int nr[ATT_ROWS], R = 0;
                 for (int t = bt[blk_cur]; t < bt[blk_cur + 1]; t++) {
                     const int j0 = lo[t] + c_cur * ATT_CHUNK;  // lo is the block's for every token
                     if (j0 >= ctx[t]) continue;  // the chunk is past this token's context
@@ -542,7 +467,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                     const float *qh = q + t * q_stride + (size_t)kvh * group * D;
                     float *part = parts + (((size_t)first[t] + c_cur) * kv_heads + kvh) * group * part_len;
 #if ATTEND16
-                    if (D % 16 == 0) {  // K and V rows read (and converted) in place
+                    if (!tiles) {
 #define ATTEND16_D(d) attend_chunk16(qh, group, d, scale, k_cache, v_cache, off_cur, half, n, scores, part)
                         if (D == 64)
                             ATTEND16_D(64);
@@ -554,13 +479,12 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                         continue;
                     }
 #endif
-                    if (D == 64)
-                        attend_chunk(qh, group, 64, scale, kc, vc, rows_at, n, scores, part);
-                    else if (D == 128)
-                        attend_chunk(qh, group, 128, scale, kc, vc, rows_at, n, scores, part);
-                    else
-                        attend_chunk(qh, group, D, scale, kc, vc, rows_at, n, scores, part);
+                    for (int g = 0; g < group; g++) {
+                        qr[R] = qh + (size_t)g * D, pr[R] = part + g * part_len, nr[R] = n;
+                        if (++R == ATT_ROWS) attend_tile(qr, nr, pr, R, D, scale, kt, vc, voff, scores), R = 0;
+                    }
                 }
+                if (R) attend_tile(qr, nr, pr, R, D, scale, kt, vc, voff, scores);
                 size_t *swap = off_cur;
                 off_cur = off_next, off_next = swap;
                 cur = next, blk_cur = blk_next, c_cur = c_next, n_cur = n_next;
@@ -591,7 +515,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             }
             free(scores);
             free(off);
-            free(rows);
+            free(kt);
         }
     }
     free(parts);

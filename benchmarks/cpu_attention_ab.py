@@ -1,0 +1,99 @@
+"""A/B the CPU paged attention kernel (tl_paged_attention) of two source trees on a prefill chunk.
+
+Builds tallow/ops/cpu of each tree (the variant named) into a temporary folder, loads both into
+this process and times one layer's attention for a prompt chunk of --chunk tokens that ends at
+--context tokens (the default model's heads: 9 query heads, 3 KV heads of 64; a float16 or
+float32 paged cache of 16-token blocks in shuffled order), alternating old and new call by call.
+Prints the median and [min, max] seconds per call, the rate in GFLOP/s (4 * D flops per query
+head and context key: q.k and p.v, the causal half only) and whether the two outputs are
+bit-identical.
+
+    python benchmarks/cpu_attention_ab.py --old /work/wt/base --new . --context 4096 7500
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from tallow.ops import cpu_build, cpu_native  # noqa: E402
+
+
+def build(tree: str, variant: str, tmp: str, tag: str) -> ctypes.CDLL:
+    out = os.path.join(tmp, f"{tag}.so")
+    cpu_build.build(variant, out, cpu_dir=os.path.join(tree, "tallow", "ops", "cpu"))
+    cpu_native.torch_openmp_runtime()
+    lib = ctypes.CDLL(out)
+    fn = lib.tl_paged_attention
+    fn.argtypes, fn.restype = cpu_native._SIGNATURES["tl_paged_attention"]
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", required=True)
+    ap.add_argument("--new", required=True)
+    ap.add_argument("--variant", default="avx2")
+    ap.add_argument("--context", type=int, nargs="+", default=[4096, 7500])
+    ap.add_argument("--chunk", type=int, default=2048, help="query tokens of each sequence (a prefill chunk; 1: decode)")
+    ap.add_argument("--seqs", type=int, default=1, help="sequences in the batch, each with its own blocks")
+    ap.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], metavar=("H", "KV", "D"))
+    ap.add_argument("--window", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    H, KV, D = args.heads
+    bs = 16
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"old": build(args.old, args.variant, tmp, "old"), "new": build(args.new, args.variant, tmp, "new")}
+        print(f"variant {args.variant}, threads {args.threads}, heads {H}/{KV}x{D}, {args.dtype} cache")
+        for ctx in args.context:
+            T = min(args.chunk, ctx)
+            g = torch.Generator().manual_seed(ctx)
+            S = args.seqs
+            per_seq = (ctx + bs - 1) // bs
+            nblocks = per_seq * S
+            dt = getattr(torch, args.dtype)
+            kc = torch.randn(nblocks + 1, bs, KV, D, generator=g).to(dt)
+            vc = torch.randn(nblocks + 1, bs, KV, D, generator=g).to(dt)
+            table = (torch.randperm(nblocks, generator=g).to(torch.int32) + 1).view(S, per_seq).contiguous()
+            q = torch.randn(S * T, H, D, generator=g)
+            qsl = torch.arange(0, S * T + 1, T, dtype=torch.int32)
+            sl = torch.full((S,), ctx, dtype=torch.int32)
+            outs = {k: torch.empty(S * T, H, D) for k in libs}
+            flops = 4.0 * D * H * S * sum(ctx - T + 1 + t for t in range(T))
+            times = {k: [] for k in libs}
+            for r in range(args.rounds):
+                for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                    t0 = time.perf_counter()
+                    rc = libs[name].tl_paged_attention(q.data_ptr(), H * D, outs[name].data_ptr(), H * D,
+                                                       kc.data_ptr(), vc.data_ptr(), qsl.data_ptr(), sl.data_ptr(),
+                                                       table.data_ptr(), table.stride(0), S, H, KV, D, bs,
+                                                       D ** -0.5, int(args.dtype == "float16"), args.window,
+                                                       args.threads)
+                    times[name].append(time.perf_counter() - t0)
+                    assert rc == 0
+            same = torch.equal(outs["old"], outs["new"])
+            diff = (outs["old"] - outs["new"]).abs().max().item()
+            line = [f"{S} x context {ctx}, chunk {T}:"]
+            for name in libs:
+                m = statistics.median(times[name])
+                line.append(f"{name} {m * 1e3:.1f} ms [{min(times[name]) * 1e3:.1f}, {max(times[name]) * 1e3:.1f}]"
+                            f" {flops / m / 1e9:.1f} GFLOP/s;")
+            line.append(f"new/old time {statistics.median(times['new']) / statistics.median(times['old']):.3f};"
+                        f" bit-identical {same} (max diff {diff:.2e})")
+            print(" ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
