@@ -56,6 +56,7 @@ static inline __attribute__((always_inline)) void rows_qk(const float *const *q,
         for (int r = 0; r < R; r++)
             for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
         const float *k = kt + 8 * v;
+#pragma GCC unroll 4
         for (int d = 0; d < D; d++, k += ATT_CHUNK) {  // 12 sums, 3 broadcasts and a K vector: 16 registers
             __m256 b[ATT_ROWS];
             for (int r = 0; r < R; r++) b[r] = _mm256_broadcast_ss(q[r] + d);
@@ -129,39 +130,49 @@ static inline __attribute__((always_inline)) void rows_pv(const float *p, int R,
     }
 }
 
-// R <= ATT_ROWS rows (queries q[r], n[r] >= 1 keys of the chunk each, results at part[r])
-// against the chunk: kt its keys (keys_transposed), V rows at voff[j] of v (float32).
-// scores: ATT_ROWS * ATT_CHUNK floats.
+// A work item's rows (queries q[i], n[i] >= 1 keys of the chunk each, results at part[i],
+// i < rows) against the chunk: kt its keys (keys_transposed), V rows at voff[j] of v (float32).
+// In tiles of ATT_ROWS consecutive rows, in three passes: q.k of every tile (the chunk's K
+// columns stay in L1 for all of them), the rows' softmax, then every tile's p.v (V in L1).
+// scores: rows * ATT_CHUNK floats.
 static inline __attribute__((always_inline)) void attend_rows(const float *const *q, const int *n, float *const *part,
-                                                               int R, int D, float scale, const float *kt,
+                                                               int rows, int D, float scale, const float *kt,
                                                                const float *v, const size_t *voff, float *scores) {
-    int nj = n[0];
-    for (int r = 1; r < R; r++) nj = n[r] > nj ? n[r] : nj;
-    const int nv = (nj + 7) / 8;
-    float *out[ATT_ROWS];
-    switch (R) {  // constant row counts: the accumulators stay in registers
-        case 1: rows_qk(q, 1, kt, D, nv, scale, scores); break;
-        case 2: rows_qk(q, 2, kt, D, nv, scale, scores); break;
-        default: rows_qk(q, 3, kt, D, nv, scale, scores); break;
+    for (int i0 = 0; i0 < rows; i0 += ATT_ROWS) {
+        const int R = rows - i0 < ATT_ROWS ? rows - i0 : ATT_ROWS;
+        int nj = n[i0];
+        for (int r = 1; r < R; r++) nj = n[i0 + r] > nj ? n[i0 + r] : nj;
+        const int nv = (nj + 7) / 8;
+        float *s = scores + (size_t)i0 * ATT_CHUNK;
+        switch (R) {  // constant row counts: the accumulators stay in registers
+            case 1: rows_qk(q + i0, 1, kt, D, nv, scale, s); break;
+            case 2: rows_qk(q + i0, 2, kt, D, nv, scale, s); break;
+            default: rows_qk(q + i0, 3, kt, D, nv, scale, s); break;
+        }
+        for (int r = 0; r < R; r++) row_softmax(s + r * ATT_CHUNK, n[i0 + r], nv, part[i0 + r]);
     }
-    for (int r = 0; r < R; r++) {
-        row_softmax(scores + r * ATT_CHUNK, n[r], nv, part[r]);
-        out[r] = part[r] + 2;
-    }
-    switch (R) {
-        case 1: rows_pv(scores, 1, v, voff, nj, D, out); break;
-        case 2: rows_pv(scores, 2, v, voff, nj, D, out); break;
-        default: rows_pv(scores, 3, v, voff, nj, D, out); break;
+    for (int i0 = 0; i0 < rows; i0 += ATT_ROWS) {
+        const int R = rows - i0 < ATT_ROWS ? rows - i0 : ATT_ROWS;
+        int nj = n[i0];
+        for (int r = 1; r < R; r++) nj = n[i0 + r] > nj ? n[i0 + r] : nj;
+        float *out[ATT_ROWS];
+        for (int r = 0; r < R; r++) out[r] = part[i0 + r] + 2;
+        const float *s = scores + (size_t)i0 * ATT_CHUNK;
+        switch (R) {
+            case 1: rows_pv(s, 1, v, voff, nj, D, out); break;
+            case 2: rows_pv(s, 2, v, voff, nj, D, out); break;
+            default: rows_pv(s, 3, v, voff, nj, D, out); break;
+        }
     }
 }
 
 // attend_rows compiled for the common head sizes (the loops over d unrolled), else any D % 8 == 0.
-static void attend_tile(const float *const *q, const int *n, float *const *part, int R, int D, float scale,
+static void attend_item(const float *const *q, const int *n, float *const *part, int rows, int D, float scale,
                         const float *kt, const float *v, const size_t *voff, float *scores) {
     if (D == 64)
-        attend_rows(q, n, part, R, 64, scale, kt, v, voff, scores);
+        attend_rows(q, n, part, rows, 64, scale, kt, v, voff, scores);
     else if (D == 128)
-        attend_rows(q, n, part, R, 128, scale, kt, v, voff, scores);
+        attend_rows(q, n, part, rows, 128, scale, kt, v, voff, scores);
     else
-        attend_rows(q, n, part, R, D, scale, kt, v, voff, scores);
+        attend_rows(q, n, part, rows, D, scale, kt, v, voff, scores);
 }

@@ -421,13 +421,16 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         long claimed = 0;  // items handed out
 #pragma omp parallel num_threads(nthreads)
         {
-            // scores: attend_chunk16's group heads or a tile's rows
-            float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)(group > ATT_ROWS ? group : ATT_ROWS));
+            // scores: attend_chunk16's group heads, or a work item's rows (rows: their queries, key
+            // counts and results)
+            const int max_rows = ATT_QBLOCK * group;
+            float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)max_rows);
+            void **rows = (void **)malloc((sizeof(void *) * 2 + sizeof(int)) * (size_t)max_rows);
             size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two items' row offsets; dense ones
             const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_tile, else attend_chunk16 (K, V in place)
             // the tiles' K columns, then (from a float16 cache) V rows as float32: the conversion is exact
             float *kt = tiles ? (float *)malloc(sizeof(float) * (half ? 2 : 1) * ATT_CHUNK * (size_t)D) : NULL;
-            const int ok = scores && off && (kt || !tiles);
+            const int ok = scores && off && rows && (kt || !tiles);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -456,10 +459,10 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                     keys_transposed(k_cache, half, off_cur, n_cur, D, kt);
                     if (vrows) gather_half((const uint16_t *)v_cache, off_cur, n_cur, D, vrows);
                 }
-                // the block's rows (token, head) in tiles of ATT_ROWS, across tokens
-                const float *qr[ATT_ROWS];
-                float *pr[ATT_ROWS];
-                int nr[ATT_ROWS], R = 0;
+                // the block's rows (token, head), attend_item's tiles across tokens
+                const float **qr = (const float **)rows;
+                float **pr = (float **)rows + max_rows;
+                int *nr = (int *)(rows + 2 * (size_t)max_rows), nrows = 0;
                 for (int t = bt[blk_cur]; t < bt[blk_cur + 1]; t++) {
                     const int j0 = lo[t] + c_cur * ATT_CHUNK;  // lo is the block's for every token
                     if (j0 >= ctx[t]) continue;  // the chunk is past this token's context
@@ -479,12 +482,10 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                         continue;
                     }
 #endif
-                    for (int g = 0; g < group; g++) {
-                        qr[R] = qh + (size_t)g * D, pr[R] = part + g * part_len, nr[R] = n;
-                        if (++R == ATT_ROWS) attend_tile(qr, nr, pr, R, D, scale, kt, vc, voff, scores), R = 0;
-                    }
+                    for (int g = 0; g < group; g++, nrows++)
+                        qr[nrows] = qh + (size_t)g * D, pr[nrows] = part + g * part_len, nr[nrows] = n;
                 }
-                if (R) attend_tile(qr, nr, pr, R, D, scale, kt, vc, voff, scores);
+                if (nrows) attend_item(qr, nr, pr, nrows, D, scale, kt, vc, voff, scores);
                 size_t *swap = off_cur;
                 off_cur = off_next, off_next = swap;
                 cur = next, blk_cur = blk_next, c_cur = c_next, n_cur = n_next;
@@ -516,6 +517,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             free(scores);
             free(off);
             free(kt);
+            free(rows);
         }
     }
     free(parts);
