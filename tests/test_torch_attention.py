@@ -164,6 +164,22 @@ def test_native_prefill_rows_do_not_depend_on_their_batch(threads, dtype):
 
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_native_rows_over_several_spans_of_chunks(dtype):
+    """Long contexts: a work item merges a span of up to four 64-key chunks, and a token's spans
+    are merged at the end. A prefill chunk whose tokens end on both sides of a span boundary (8
+    and 9+ chunks) and of query blocks: against float64, split differently, and each row the same
+    as that token's decode row alone."""
+    kv = PagedKV([600, 300], backend=CpuAttentionBackend, dtype=dtype)
+    whole = kv.attend([(0, 600, 90), (1, 300, 1)])[0]
+    torch.testing.assert_close(whole, kv.reference(0, 600, 90), atol=1e-5, rtol=1e-5)
+    split = torch.cat(kv.attend([(0, 541, 31), (1, 300, 1)])[:1] + kv.attend([(0, 600, 59)]))
+    assert torch.equal(split, whole)
+    for ctx in (511, 512, 513, 577, 600):  # the token at position ctx - 1 as a lone decode row
+        assert torch.equal(kv.attend([(0, ctx, 1)])[0][0], whole[ctx - 511])
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_native_backend_writes_new_kv_and_skips_padding(dtype):
     """tl_kv_write puts each token's K/V at its slot (rounded to nearest in a float16 cache)
     and leaves slot -1 (padding) unwritten."""

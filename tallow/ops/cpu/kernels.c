@@ -315,22 +315,23 @@ static inline float max_of(const float *x, int n) {
 #define ATTEND16 0
 #endif
 
-// Work item `item` = (chunk, KV head) of a query block (*blk_out: tokens bt[blk] .. bt[blk + 1] - 1
-// of one sequence, whose chunks bfirst[blk] .. bfirst[blk + 1] - 1 are its last token's): the
-// chunk's keys j0 .. j0 + n - 1 of the last token's context (the block's other tokens take a
-// prefix of them), their element offsets in the caches (off), whose lines are prefetched to L2.
-// Returns n; *c_out: the chunk's index within the block.
-static int item_rows(long item, int nblocks, const int *bt, const int *bfirst, const int *key0, const int *ctx,
-                     const int *seq, const int32_t *block_tables, long bt_stride, int block_size, int kv_heads, int D,
-                     const void *k_cache, const void *v_cache, size_t esize, size_t *off, int *blk_out, int *c_out) {
-    const long chunk = item / kv_heads;
-    const int kvh = (int)(item % kv_heads);
-    int lo = 0, hi = nblocks - 1;  // the block of this chunk: bfirst[k] <= chunk < bfirst[k + 1]
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (bfirst[mid] <= chunk) lo = mid; else hi = mid - 1;
-    }
-    const int blk = lo, t = bt[blk + 1] - 1, c = (int)(chunk - bfirst[blk]);
+// Query tokens of one sequence (a prefill chunk) in blocks of up to ATT_QBLOCK share each work
+// item: the chunk's K and V rows are located, fetched (and on AVX2 converted from float16) once
+// for all of them. Each token's arithmetic is the one-token item's (the same chunks from its own
+// context, the same operations), so results do not depend on the blocking.
+// A work item runs a span of up to ATT_SPAN consecutive chunks and merges each row's chunk
+// results (in a thread's scratch, in cache) into one part of the span; a token's spans are
+// merged at the end. (One part per chunk went through memory: a 7,500-token prompt wrote and
+// read back about 1 GB of them per layer.)
+#define ATT_QBLOCK 16
+#define ATT_SPAN 4
+#define ATT_PARTS_MAX ((size_t)4 << 20)  // floats of span results per slab of tokens (16 MB)
+
+// The keys j0 .. j0 + n - 1 (n <= ATT_CHUNK) of chunk c of token t's context, for KV head kvh:
+// their element offsets in the caches (off), whose lines are prefetched to L2. Returns n.
+static int chunk_rows(int t, int c, int kvh, const int *key0, const int *ctx, const int *seq,
+                      const int32_t *block_tables, long bt_stride, int block_size, int kv_heads, int D,
+                      const void *k_cache, const void *v_cache, size_t esize, size_t *off) {
     const int j0 = key0[t] + c * ATT_CHUNK;
     const int n = ctx[t] - j0 < ATT_CHUNK ? ctx[t] - j0 : ATT_CHUNK;
     const int32_t *table = block_tables + (size_t)seq[t] * bt_stride;
@@ -344,16 +345,41 @@ static int item_rows(long item, int nblocks, const int *bt, const int *bfirst, c
             _mm_prefetch((const char *)k_cache + off[j] * esize + i, _MM_HINT_T1);
             _mm_prefetch((const char *)v_cache + off[j] * esize + i, _MM_HINT_T1);
         }
-    *blk_out = blk, *c_out = c;
     return n;
 }
 
-// Query tokens of one sequence (a prefill chunk) in blocks of up to ATT_QBLOCK share each work
-// item: the chunk's K and V rows are located, fetched (and on AVX2 converted from float16) once
-// for all of them. Each token's arithmetic is the one-token item's (the same chunks from its own
-// context, the same operations), so results do not depend on the blocking.
-#define ATT_QBLOCK 16
-#define ATT_PARTS_MAX ((size_t)4 << 20)  // floats of chunk results per slab of tokens (16 MB)
+// Work item `item` = (span, KV head) of a query block (tokens bt[blk] .. bt[blk + 1] - 1 of one
+// sequence, whose spans bspan[blk] .. bspan[blk + 1] - 1 are its last token's): *blk, *kvh, the
+// span's index *s within the block and its chunk count *k (up to ATT_SPAN, fewer at the end).
+static void locate_item(long item, int nblocks, const int *bt, const int *bspan, const int *nch, int kv_heads,
+                        int *blk, int *kvh, int *s, int *k) {
+    const long span = item / kv_heads;
+    int lo = 0, hi = nblocks - 1;  // bspan[lo] <= span < bspan[lo + 1]
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (bspan[mid] <= span) lo = mid; else hi = mid - 1;
+    }
+    const int left = nch[bt[lo + 1] - 1] - (int)(span - bspan[lo]) * ATT_SPAN;
+    *blk = lo, *kvh = (int)(item % kv_heads), *s = (int)(span - bspan[lo]), *k = left < ATT_SPAN ? left : ATT_SPAN;
+}
+
+// Parts {max, sum, out[D]} p[0], p[stride], ... p[(nc - 1) * stride] of one row merged in order:
+// *mx the largest max, *total and o[D] their sums and outputs weighted by exp(max - *mx).
+static void merge_parts(const float *p, size_t stride, int nc, int D, float *mx_out, float *total_out, float *o) {
+    float mx = p[0];
+    for (int c = 1; c < nc; c++) mx = p[c * stride] > mx ? p[c * stride] : mx;
+    float total = 0.0f;
+    memset(o, 0, sizeof(float) * (size_t)D);
+    for (int c = 0; c < nc; c++) {
+        const float *pc = p + c * stride;
+        const float w = expf(pc[0] - mx);
+        total += pc[1] * w;
+        const __m256 wv = _mm256_set1_ps(w);
+        for (int i = 0; i < D; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_loadu_ps(pc + 2 + i), wv, _mm256_loadu_ps(o + i)));
+    }
+    *mx_out = mx, *total_out = total;
+}
 
 // Causal attention of every query token over its sequence's paged context. q [T, H, D] and
 // out [T, H, D] with row strides in floats (heads at stride D); sequence b owns tokens
@@ -368,26 +394,27 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
     const int T = query_start_loc[B];
     const int group = H / kv_heads;
     const size_t part_len = (size_t)D + 2;
-    // token t: sequence seq[t], keys lo[t] .. ctx[t] - 1, nch[t] chunks (per KV head)
-    int *seq = (int *)malloc(sizeof(int) * ((size_t)T + 1) * 7);
+    // token t: sequence seq[t], keys lo[t] .. ctx[t] - 1, nch[t] chunks and nsp[t] spans (per KV head)
+    int *seq = (int *)malloc(sizeof(int) * ((size_t)T + 1) * 8);
     if (!seq) return -1;
-    int *ctx = seq + T + 1, *lo = ctx + T + 1, *nch = lo + T + 1, *first = nch + T + 1, *bt = first + T + 1,
-        *bfirst = bt + T + 1;
+    int *ctx = seq + T + 1, *lo = ctx + T + 1, *nch = lo + T + 1, *nsp = nch + T + 1, *first = nsp + T + 1,
+        *bt = first + T + 1, *bspan = bt + T + 1;
     for (int b = 0; b < B; b++)
         for (int t = query_start_loc[b]; t < query_start_loc[b + 1]; t++) {
             seq[t] = b;
             ctx[t] = seq_lens[b] - (query_start_loc[b + 1] - 1 - t);  // causal: up to itself
             lo[t] = window > 0 && ctx[t] > window ? ctx[t] - window : 0;
             nch[t] = (ctx[t] - lo[t] + ATT_CHUNK - 1) / ATT_CHUNK;
+            nsp[t] = (nch[t] + ATT_SPAN - 1) / ATT_SPAN;
         }
-    // The tokens run in slabs of at most ATT_PARTS_MAX floats of chunk results (a long prompt's
-    // chunk results whole would be hundreds of MB, paged in afresh at every layer); a token's
-    // items and combination are the same in any slab.
-    const size_t per_chunk = (size_t)kv_heads * group * part_len;
+    // The tokens run in slabs of at most ATT_PARTS_MAX floats of span results (a long prompt's
+    // results whole would be hundreds of MB, paged in afresh at every layer); a token's items
+    // and merges are the same in any slab.
+    const size_t per_span = (size_t)kv_heads * group * part_len;
     size_t cap = ATT_PARTS_MAX, need = 0;  // a slab's floats: at least one token's, at most all of them
     for (int t = 0; t < T; t++) {
-        cap = (size_t)nch[t] * per_chunk > cap ? (size_t)nch[t] * per_chunk : cap;
-        need += (size_t)nch[t] * per_chunk;
+        cap = (size_t)nsp[t] * per_span > cap ? (size_t)nsp[t] * per_span : cap;
+        need += (size_t)nsp[t] * per_span;
     }
     cap = need < cap ? need : cap;
     float *parts = (float *)malloc(sizeof(float) * (cap + 1));
@@ -397,78 +424,89 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
     }
     int failed = 0;
     const size_t esize = half ? 2 : 4;
+    const int max_rows = ATT_QBLOCK * group;  // a block's rows (token, head) per KV head
     for (int t0 = 0, t1; t0 < T; t0 = t1) {
-        // slab t0 .. t1 - 1: chunks first[t] .. first[t + 1] - 1 of token t (from 0 at t0); query
-        // block k: tokens bt[k] .. bt[k + 1] - 1, chunks bfirst[k] .. bfirst[k + 1] - 1
+        // slab t0 .. t1 - 1: spans first[t] .. first[t + 1] - 1 of token t (from 0 at t0); query
+        // block k: tokens bt[k] .. bt[k + 1] - 1, spans bspan[k] .. bspan[k + 1] - 1
         first[t0] = 0;
         int nblocks = 0;
-        bt[0] = t0, bfirst[0] = 0;
+        bt[0] = t0, bspan[0] = 0;
         for (t1 = t0;; t1++) {
-            first[t1 + 1] = first[t1] + nch[t1];
-            const int slab_end = t1 + 1 == T || (size_t)(first[t1 + 1] + nch[t1 + 1]) * per_chunk > cap;
+            first[t1 + 1] = first[t1] + nsp[t1];
+            const int slab_end = t1 + 1 == T || (size_t)(first[t1 + 1] + nsp[t1 + 1]) * per_span > cap;
             // a block also ends at its sequence's end and at ATT_QBLOCK tokens; a sliding-window
             // layer's tokens go one a block (their first keys differ, so their chunks do)
             if (slab_end || t1 + 1 == query_start_loc[seq[t1] + 1] || t1 + 1 - bt[nblocks] == ATT_QBLOCK ||
                 window > 0) {
                 bt[nblocks + 1] = t1 + 1;
-                bfirst[nblocks + 1] = bfirst[nblocks] + nch[t1];
+                bspan[nblocks + 1] = bspan[nblocks] + nsp[t1];
                 nblocks++;
             }
             if (slab_end) break;
         }
         t1++;
-        const long items = (long)bfirst[nblocks] * kv_heads;
+        const long items = (long)bspan[nblocks] * kv_heads;
         long claimed = 0;  // items handed out
 #pragma omp parallel num_threads(nthreads)
         {
-            // scores: attend_chunk16's group heads, or a work item's rows (rows: their queries, key
-            // counts and results)
-            const int max_rows = ATT_QBLOCK * group;
+            // scores: attend_chunk16's group heads, or a chunk's rows; cpart: a span's chunk results
+            // (ATT_SPAN x the block's rows); rows: the rows' queries, results and key counts
             float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)max_rows);
+            float *cpart = (float *)malloc(sizeof(float) * ATT_SPAN * (size_t)max_rows * part_len);
             void **rows = (void **)malloc((sizeof(void *) * 2 + sizeof(int)) * (size_t)max_rows);
-            size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two items' row offsets; dense ones
-            const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_tile, else attend_chunk16 (K, V in place)
+            size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two chunks' row offsets; dense ones
+            const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else attend_chunk16 (K, V in place)
             // the tiles' K columns, then (from a float16 cache) V rows as float32: the conversion is exact
             float *kt = tiles ? (float *)malloc(sizeof(float) * (half ? 2 : 1) * ATT_CHUNK * (size_t)D) : NULL;
-            const int ok = scores && off && rows && (kt || !tiles);
+            const int ok = scores && cpart && rows && off && (kt || !tiles);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
             }
-            // Items are claimed one ahead: while a thread works on one, the rows of the next it will
-            // take are already on their way from memory (the rows are scattered over the cache).
+            // Chunks are located one ahead: while a thread works on one, the rows of the next it will
+            // take (in its item, or the first of the next item it claims) are on their way from memory.
             size_t *off_cur = off, *off_next = off + ATT_CHUNK, *dense = off + 2 * ATT_CHUNK;
-            int blk_cur = 0, c_cur = 0, n_cur = 0, blk_next = 0, c_next = 0, n_next = 0;
+            int blk = 0, kvh = 0, s = 0, k = 0, i = 0, n_cur = 0;  // chunk i of the item's k
             long cur = ok ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : items;
             if (ok) {
                 for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
-                if (cur < items)
-                    n_cur = item_rows(cur, nblocks, bt, bfirst, lo, ctx, seq, block_tables, bt_stride, block_size, kv_heads,
-                                      D, k_cache, v_cache, esize, off_cur, &blk_cur, &c_cur);
+                if (cur < items) {
+                    locate_item(cur, nblocks, bt, bspan, nch, kv_heads, &blk, &kvh, &s, &k);
+                    n_cur = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN, kvh, lo, ctx, seq, block_tables, bt_stride,
+                                       block_size, kv_heads, D, k_cache, v_cache, esize, off_cur);
+                }
             }
             float *vrows = kt && half ? kt + (size_t)ATT_CHUNK * D : NULL;
             const float *vc = vrows ? vrows : (const float *)v_cache;
+            const float **qr = (const float **)rows;
+            float **pr = (float **)rows + max_rows;
+            int *nr = (int *)(rows + 2 * (size_t)max_rows);
             while (cur < items) {
-                const long next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-                if (next < items)
-                    n_next = item_rows(next, nblocks, bt, bfirst, lo, ctx, seq, block_tables, bt_stride, block_size,
-                                       kv_heads, D, k_cache, v_cache, esize, off_next, &blk_next, &c_next);
-                const int kvh = (int)(cur % kv_heads);
+                long next = cur;  // the item of the next chunk, and that chunk
+                int nblk = blk, nkvh = kvh, ns = s, nk = k, ni = i + 1;
+                if (ni == k) {
+                    next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), ni = 0;
+                    if (next < items) locate_item(next, nblocks, bt, bspan, nch, kv_heads, &nblk, &nkvh, &ns, &nk);
+                }
+                const int n_next = next < items ? chunk_rows(bt[nblk + 1] - 1, ns * ATT_SPAN + ni, nkvh, lo, ctx, seq,
+                                                             block_tables, bt_stride, block_size, kv_heads, D, k_cache,
+                                                             v_cache, esize, off_next)
+                                                : 0;
+                const int c = s * ATT_SPAN + i, tb = bt[blk];
                 const size_t *voff = vrows ? dense : off_cur;
                 if (tiles) {
                     keys_transposed(k_cache, half, off_cur, n_cur, D, kt);
                     if (vrows) gather_half((const uint16_t *)v_cache, off_cur, n_cur, D, vrows);
                 }
-                // the block's rows (token, head), attend_item's tiles across tokens
-                const float **qr = (const float **)rows;
-                float **pr = (float **)rows + max_rows;
-                int *nr = (int *)(rows + 2 * (size_t)max_rows), nrows = 0;
-                for (int t = bt[blk_cur]; t < bt[blk_cur + 1]; t++) {
-                    const int j0 = lo[t] + c_cur * ATT_CHUNK;  // lo is the block's for every token
+                // chunk i's results of the block's rows (token t's head g at row (t - tb) * group + g)
+                float *ci = cpart + (size_t)i * max_rows * part_len;
+                int nrows = 0;
+                for (int t = tb; t < bt[blk + 1]; t++) {
+                    const int j0 = lo[t] + c * ATT_CHUNK;  // lo is the block's for every token
                     if (j0 >= ctx[t]) continue;  // the chunk is past this token's context
                     const int n = ctx[t] - j0 < n_cur ? ctx[t] - j0 : n_cur;
                     const float *qh = q + t * q_stride + (size_t)kvh * group * D;
-                    float *part = parts + (((size_t)first[t] + c_cur) * kv_heads + kvh) * group * part_len;
+                    float *part = ci + (size_t)(t - tb) * group * part_len;
 #if ATTEND16
                     if (!tiles) {
 #define ATTEND16_D(d) attend_chunk16(qh, group, d, scale, k_cache, v_cache, off_cur, half, n, scores, part)
@@ -486,38 +524,37 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                         qr[nrows] = qh + (size_t)g * D, pr[nrows] = part + g * part_len, nr[nrows] = n;
                 }
                 if (nrows) attend_item(qr, nr, pr, nrows, D, scale, kt, vc, voff, scores);
+                if (i + 1 == k)  // the span's last chunk: each row's chunks merged into its span result
+                    for (int t = tb; t < bt[blk + 1]; t++) {
+                        const int nc = nch[t] - s * ATT_SPAN < k ? nch[t] - s * ATT_SPAN : k;
+                        if (nc <= 0) continue;  // the span is past this token's context
+                        for (int g = 0; g < group; g++) {
+                            float *dst = parts + (((size_t)first[t] + s) * kv_heads + kvh) * group * part_len + g * part_len;
+                            merge_parts(cpart + ((size_t)(t - tb) * group + g) * part_len, (size_t)max_rows * part_len,
+                                        nc, D, dst, dst + 1, dst + 2);
+                        }
+                    }
                 size_t *swap = off_cur;
                 off_cur = off_next, off_next = swap;
-                cur = next, blk_cur = blk_next, c_cur = c_next, n_cur = n_next;
+                cur = next, blk = nblk, kvh = nkvh, s = ns, k = nk, i = ni, n_cur = n_next;
             }
 #pragma omp barrier
-            // (every chunk is done) each (token, head)'s chunks combined in order
+            // (every span is done) each (token, head)'s spans merged in order
 #pragma omp for schedule(static)
             for (long th = (long)t0 * H; th < (long)t1 * H; th++) {
-                const int t = (int)(th / H), h = (int)(th % H), kvh = h / group, g = h % group;
-                const int nc = first[t + 1] - first[t];
-                const size_t stride = (size_t)kv_heads * group * part_len;  // one chunk of t to the next
-                const float *p0 = parts + ((size_t)first[t] * kv_heads + kvh) * group * part_len + g * part_len;
-                float mx = p0[0];
-                for (int c = 1; c < nc; c++) mx = p0[c * stride] > mx ? p0[c * stride] : mx;
-                float total = 0.0f;
+                const int t = (int)(th / H), h = (int)(th % H), kvh_h = h / group, g = h % group;
+                const float *p0 = parts + ((size_t)first[t] * kv_heads + kvh_h) * group * part_len + g * part_len;
                 float *o = out + t * out_stride + (size_t)h * D;
-                memset(o, 0, sizeof(float) * (size_t)D);
-                for (int c = 0; c < nc; c++) {
-                    const float *pc = p0 + c * stride;
-                    const float w = expf(pc[0] - mx);
-                    total += pc[1] * w;
-                    const __m256 wv = _mm256_set1_ps(w);
-                    for (int i = 0; i < D; i += 8)
-                        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_loadu_ps(pc + 2 + i), wv, _mm256_loadu_ps(o + i)));
-                }
+                float mx, total;
+                merge_parts(p0, per_span, first[t + 1] - first[t], D, &mx, &total, o);
                 const __m256 inv = _mm256_set1_ps(1.0f / total);
-                for (int i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
+                for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
             }
             free(scores);
+            free(cpart);
+            free(rows);
             free(off);
             free(kt);
-            free(rows);
         }
     }
     free(parts);
