@@ -364,19 +364,35 @@ static void locate_item(long item, int nblocks, const int *bt, const int *bspan,
 }
 
 // Parts {max, sum, out[D]} p[0], p[stride], ... p[(nc - 1) * stride] of one row merged in order:
-// *mx the largest max, *total and o[D] their sums and outputs weighted by exp(max - *mx).
+// *mx the largest max, *total and o[D] their sums and outputs weighted by w = exp(max - *mx),
+// o 64 floats at a time in registers over a batch of parts.
+#define MERGE_BATCH 64
 static void merge_parts(const float *p, size_t stride, int nc, int D, float *mx_out, float *total_out, float *o) {
     float mx = p[0];
     for (int c = 1; c < nc; c++) mx = p[c * stride] > mx ? p[c * stride] : mx;
-    float total = 0.0f;
-    memset(o, 0, sizeof(float) * (size_t)D);
-    for (int c = 0; c < nc; c++) {
-        const float *pc = p + c * stride;
-        const float w = expf(pc[0] - mx);
-        total += pc[1] * w;
-        const __m256 wv = _mm256_set1_ps(w);
-        for (int i = 0; i < D; i += 8)
-            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_loadu_ps(pc + 2 + i), wv, _mm256_loadu_ps(o + i)));
+    float total = 0.0f, w[MERGE_BATCH];
+    for (int c0 = 0; c0 < nc; c0 += MERGE_BATCH) {
+        const int nb = nc - c0 < MERGE_BATCH ? nc - c0 : MERGE_BATCH;
+        for (int c = 0; c < nb; c++) {
+            w[c] = expf(p[(c0 + c) * stride] - mx);
+            total += p[(c0 + c) * stride + 1] * w[c];
+        }
+        int d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64) {
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = c0 ? _mm256_loadu_ps(o + d0 + 8 * i) : _mm256_setzero_ps();
+            for (int c = 0; c < nb; c++) {
+                const float *pc = p + (c0 + c) * stride + 2 + d0;
+                const __m256 wv = _mm256_set1_ps(w[c]);
+                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(pc + 8 * i), wv, a[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, a[i]);
+        }
+        for (; d0 < D; d0 += 8) {
+            __m256 a = c0 ? _mm256_loadu_ps(o + d0) : _mm256_setzero_ps();
+            for (int c = 0; c < nb; c++) a = _mm256_fmadd_ps(_mm256_loadu_ps(p + (c0 + c) * stride + 2 + d0), _mm256_set1_ps(w[c]), a);
+            _mm256_storeu_ps(o + d0, a);
+        }
     }
     *mx_out = mx, *total_out = total;
 }
