@@ -88,7 +88,7 @@ def main() -> None:
             line = [f"{S} x context {ctx}, chunk {T}:"]
             for name in libs:
                 m = statistics.median(times[name])
-                line.append(f"{name} {m * 1e3:.1f} ms [{min(times[name]) * 1e3:.1f}, {max(times[name]) * 1e3:.1f}]"
+                line.append(f"{name} {m * 1e3:.3g} ms [{min(times[name]) * 1e3:.3g}, {max(times[name]) * 1e3:.3g}]"
                             f" {flops / m / 1e9:.1f} GFLOP/s;")
             line.append(f"new/old time {statistics.median(times['new']) / statistics.median(times['old']):.3f};"
                         f" bit-identical {same} (max diff {diff:.2e})")
