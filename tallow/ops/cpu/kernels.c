@@ -286,9 +286,9 @@ static void gather_half(const uint16_t *cache, const size_t *off, int n, int D, 
 }
 
 // Attention works on chunks of ATT_CHUNK context keys: one work item is (query block, KV head,
-// chunk); the block's tokens' query heads sharing the KV head read its K and V rows from memory
-// once (attention_avx2.h, attention_avx512.h). A chunk leaves per head its max score, its sum of exp(score - max) and its unnormalized
-// output; a token's chunks are then combined in order.
+// span of chunks); the block's tokens' query heads sharing the KV head read each chunk's K and V
+// rows from memory once (attention_avx2.h, attention_avx512.h). A chunk leaves per head its max
+// score, its sum of exp(score - max) and its unnormalized output; they are merged in order.
 // The chunks are fixed by the token's context length alone, so the arithmetic of a token does
 // not depend on the batch or the threads, and one decode token still spreads over the threads.
 #define ATT_CHUNK 64

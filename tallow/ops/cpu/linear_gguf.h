@@ -511,7 +511,7 @@ static inline uint16_t half_times(uint16_t h, float f) { return _cvtss_sh(_cvtsh
 // A GGUF tensor's rows (raw: rows x cols weights in blocks of its type, rows back to back) into
 // the tiles of `tile` output channels its kernel reads (all outputs zeroed by the caller, so
 // padding channels are zero):
-//   Q4_0, Q4_1 -> the Q4 layout of linear_avx2.h (tile 4) or linear_avx512.h (tile 16), Q4_0's
+//   Q4_0, Q4_1 -> the Q4 layout of linear_avx512.h / linear_avx2.h (tiles of 16), Q4_0's
 //     m = -8 d (exact in float16); Q8_0 -> the Q8 layout;
 //   Q5_0, Q5_1, Q4_K, Q5_K, Q6_K -> this file's layout (tile 16), scales as listed at the top.
 // Returns 0, or -1 for a type or tile it does not take.
