@@ -73,3 +73,21 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.2f}"
     return "" if v is None else str(v)
+
+
+def tree_kernels(tree: str, variant: str, out_dir: str, tag: str, names: list[str]):
+    """The CPU kernels of another source tree (its tallow/ops/cpu) built as `variant` into
+    out_dir/tag.so and loaded into this process (bound to torch's OpenMP runtime), with the named
+    functions' signatures from this tree's cpu_native: for A/B runs of two trees' kernels."""
+    import ctypes
+
+    from tallow.ops import cpu_build, cpu_native
+
+    out = os.path.join(out_dir, f"{tag}.so")
+    cpu_build.build(variant, out, cpu_dir=os.path.join(tree, "tallow", "ops", "cpu"))
+    cpu_native.torch_openmp_runtime()
+    lib = ctypes.CDLL(out)
+    for name in names:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = cpu_native._SIGNATURES[name]
+    return lib

@@ -14,7 +14,6 @@ bit-identical.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -25,17 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from tallow.ops import cpu_build, cpu_native  # noqa: E402
-
-
-def build(tree: str, variant: str, tmp: str, tag: str) -> ctypes.CDLL:
-    out = os.path.join(tmp, f"{tag}.so")
-    cpu_build.build(variant, out, cpu_dir=os.path.join(tree, "tallow", "ops", "cpu"))
-    cpu_native.torch_openmp_runtime()
-    lib = ctypes.CDLL(out)
-    fn = lib.tl_paged_attention
-    fn.argtypes, fn.restype = cpu_native._SIGNATURES["tl_paged_attention"]
-    return lib
+from benchmarks.common import tree_kernels  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +44,8 @@ def main() -> None:
     H, KV, D = args.heads
     bs = 16
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"old": build(args.old, args.variant, tmp, "old"), "new": build(args.new, args.variant, tmp, "new")}
+        libs = {tag: tree_kernels(tree, args.variant, tmp, tag, ["tl_paged_attention"])
+                for tag, tree in (("old", args.old), ("new", args.new))}
         print(f"variant {args.variant}, threads {args.threads}, heads {H}/{KV}x{D}, {args.dtype} cache")
         for ctx in args.context:
             T = min(args.chunk, ctx)

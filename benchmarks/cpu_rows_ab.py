@@ -12,7 +12,6 @@ builds' outputs are bit-identical and that each row equals the one-row call's re
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -24,22 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tallow.ops import cpu_build, cpu_native  # noqa: E402
+from benchmarks.common import tree_kernels  # noqa: E402
 
 SHAPES = {"gate_up": (3072, 576, 0), "down": (576, 1536, 0), "qkv": (960, 576, 0), "o": (576, 576, 0),
           "up1536": (1536, 576, 0), "kv192": (192, 576, 0), "lm_head_q8": (49152, 576, 1)}
-
-
-def build(tree: str, variant: str, tmp: str, tag: str) -> ctypes.CDLL:
-    out = os.path.join(tmp, f"{tag}.so")
-    cpu_build.build(variant, out, cpu_dir=os.path.join(tree, "tallow", "ops", "cpu"))
-    cpu_native.torch_openmp_runtime()
-    lib = ctypes.CDLL(out)
-    p, i = ctypes.c_void_p, ctypes.c_int
-    for name in ("tl_q4_linear", "tl_q8_linear"):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = [p, i, i, i, p, p, p, p, p, i], i
-    return lib
 
 
 def main() -> None:
@@ -55,7 +42,8 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"old": build(args.old, args.variant, tmp, "old"), "new": build(args.new, args.variant, tmp, "new")}
+        libs = {tag: tree_kernels(tree, args.variant, tmp, tag, ["tl_q4_linear", "tl_q8_linear", "tl_tile_channels"])
+                for tag, tree in (("old", args.old), ("new", args.new))}
         nt = libs["new"].tl_tile_channels()
         print(f"variant {args.variant}, NT {nt}, threads {args.threads}")
         print(f"{'shape':>11} {'M':>3} {'old us':>18} {'new us':>18} {'new/old':>7}")

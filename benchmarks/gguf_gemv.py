@@ -80,19 +80,14 @@ def main() -> None:
     base_fn = None
     if args.base:
         import copy
-        import ctypes
         import tempfile
 
-        from tallow.ops import cpu_build, cpu_native
+        from benchmarks.common import tree_kernels
+        from tallow.ops import cpu_native
         variant = cpu_native.cpu_kernels_variant() if hasattr(cpu_native, "cpu_kernels_variant") else "avx2"
         variant = variant if variant in cpu_native.VARIANTS else cpu_native.supported_variants()[0]
-        out = os.path.join(tempfile.mkdtemp(), "base.so")
-        cpu_build.build(variant, out, cpu_dir=os.path.join(args.base, "tallow", "ops", "cpu"))
-        base_lib = ctypes.CDLL(out)
-        base_fn = getattr(base_lib, "tl_gguf_linear")
-        base_fn.argtypes, base_fn.restype = cpu_native._SIGNATURES["tl_gguf_linear"]
-        base_q8 = getattr(base_lib, "tl_q8_linear")
-        base_q8.argtypes, base_q8.restype = cpu_native._SIGNATURES["tl_q8_linear"]
+        base_lib = tree_kernels(args.base, variant, tempfile.mkdtemp(), "base", ["tl_gguf_linear", "tl_q8_linear"])
+        base_fn, base_q8 = base_lib.tl_gguf_linear, base_lib.tl_q8_linear
         print(f"A/B against {args.base} ({variant} build)")
         ab = []
         for (name, fmt, n, k, uses, layer) in layers:
