@@ -151,11 +151,18 @@ def test_adaptive_draft_length_pauses_and_resumes():
     for _ in range(first_pause):
         assert state.draft_length() == 0
         state.step_without_draft()
-    assert state.draft_length() == 4
-    # A pause that ends on drafts still not worth it is longer.
-    while not state.paused:
-        state.record(state.draft_length(), 0)
+    assert state.draft_length() == 1  # it tries again with one token
+    # A pause that ends on drafts still not worth it is longer: one failed token is enough.
+    state.record(1, 0)
     assert state.paused == 2 * first_pause
+    for _ in range(state.paused):
+        state.step_without_draft()
+    # Drafts accepted whole: the length doubles back to the full draft.
+    lengths = []
+    for _ in range(3):
+        lengths.append(state.draft_length())
+        state.record(lengths[-1], lengths[-1])
+    assert lengths == [1, 2, 4] and state.draft_length() == 4
     good = SpecState(None, k_max=4, row_cost=0.5)
     for _ in range(20):
         good.record(4, 3)
