@@ -1,6 +1,6 @@
-// One chunk of paged attention with 8-wide vectors (included by kernels.c): up to ATT_ROWS
-// query rows (a row: one token's one head) against a chunk's n <= ATT_CHUNK keys at once, each
-// row leaving part = {max, sum, out[D]} with out unnormalized.
+// One chunk of paged attention with 8-wide vectors (included by kernels.c): a work item's query
+// rows (a row: one token's one head) against a chunk's n <= ATT_CHUNK keys, ATT_ROWS rows to a
+// register tile, each row leaving part = {max, sum, out[D]} with out unnormalized.
 //
 // The chunk's keys are first transposed to float32 columns (kt[d][j]: eight keys to a
 // vector), so q . k needs no sums across lanes: a row's score of key j is lane j's chain of
@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) void attend_rows(const float *const
     }
 }
 
-// attend_rows compiled for the common head sizes (the loops over d unrolled), else any D % 8 == 0.
+// attend_rows compiled with the common head sizes as constants, else any D % 8 == 0.
 static void attend_item(const float *const *q, const int *n, float *const *part, int rows, int D, float scale,
                         const float *kt, const float *v, const size_t *voff, float *scores) {
     if (D == 64)
