@@ -130,33 +130,48 @@ static inline __attribute__((always_inline)) void rows_pv(const float *p, int R,
     }
 }
 
-// A work item's rows (queries q[i], n[i] >= 1 keys of the chunk each, results at part[i],
-// i < rows) against the chunk: kt its keys (keys_transposed), V rows at voff[j] of v (float32).
-// In tiles of ATT_ROWS consecutive rows, in three passes: q.k of every tile (the chunk's K
-// columns stay in L1 for all of them), the rows' softmax, then every tile's p.v (V in L1).
-// scores: rows * ATT_CHUNK floats.
-static inline __attribute__((always_inline)) void attend_rows(const float *const *q, const int *n, float *const *part,
-                                                               int rows, int D, float scale, const float *kt,
-                                                               const float *v, const size_t *voff, float *scores) {
-    for (int i0 = 0; i0 < rows; i0 += ATT_ROWS) {
-        const int R = rows - i0 < ATT_ROWS ? rows - i0 : ATT_ROWS;
-        int nj = n[i0];
-        for (int r = 1; r < R; r++) nj = n[i0 + r] > nj ? n[i0 + r] : nj;
+// A row of a work item: its query, its result part and its n >= 1 keys of the chunk.
+typedef struct {
+    const float *q;
+    float *part;
+    int n;
+} att_row;
+
+// The tile of rows from i0 (ATT_ROWS of them, fewer at the end): returns its row count; *nj
+// its longest key count, q[] and out[] its queries and output vectors.
+static inline int att_tile(const att_row *rows, int nrows, int i0, int *nj, const float **q, float **out) {
+    const int R = nrows - i0 < ATT_ROWS ? nrows - i0 : ATT_ROWS;
+    *nj = 0;
+    for (int r = 0; r < R; r++) {
+        q[r] = rows[i0 + r].q, out[r] = rows[i0 + r].part + 2;
+        *nj = rows[i0 + r].n > *nj ? rows[i0 + r].n : *nj;
+    }
+    return R;
+}
+
+// A work item's rows against the chunk: kt its keys (keys_transposed), V rows at voff[j] of v
+// (float32). In tiles of ATT_ROWS consecutive rows, in three passes: q.k of every tile (the
+// chunk's K columns stay in L1 for all of them), the rows' softmax, then every tile's p.v (V
+// in L1). scores: nrows * ATT_CHUNK floats.
+static inline __attribute__((always_inline)) void attend_rows(const att_row *rows, int nrows, int D, float scale,
+                                                               const float *kt, const float *v, const size_t *voff,
+                                                               float *scores) {
+    const float *q[ATT_ROWS];
+    float *out[ATT_ROWS];
+    int nj;
+    for (int i0 = 0; i0 < nrows; i0 += ATT_ROWS) {
+        const int R = att_tile(rows, nrows, i0, &nj, q, out);
         const int nv = (nj + 7) / 8;
         float *s = scores + (size_t)i0 * ATT_CHUNK;
         switch (R) {  // constant row counts: the accumulators stay in registers
-            case 1: rows_qk(q + i0, 1, kt, D, nv, scale, s); break;
-            case 2: rows_qk(q + i0, 2, kt, D, nv, scale, s); break;
-            default: rows_qk(q + i0, 3, kt, D, nv, scale, s); break;
+            case 1: rows_qk(q, 1, kt, D, nv, scale, s); break;
+            case 2: rows_qk(q, 2, kt, D, nv, scale, s); break;
+            default: rows_qk(q, 3, kt, D, nv, scale, s); break;
         }
-        for (int r = 0; r < R; r++) row_softmax(s + r * ATT_CHUNK, n[i0 + r], nv, part[i0 + r]);
+        for (int r = 0; r < R; r++) row_softmax(s + r * ATT_CHUNK, rows[i0 + r].n, nv, rows[i0 + r].part);
     }
-    for (int i0 = 0; i0 < rows; i0 += ATT_ROWS) {
-        const int R = rows - i0 < ATT_ROWS ? rows - i0 : ATT_ROWS;
-        int nj = n[i0];
-        for (int r = 1; r < R; r++) nj = n[i0 + r] > nj ? n[i0 + r] : nj;
-        float *out[ATT_ROWS];
-        for (int r = 0; r < R; r++) out[r] = part[i0 + r] + 2;
+    for (int i0 = 0; i0 < nrows; i0 += ATT_ROWS) {
+        const int R = att_tile(rows, nrows, i0, &nj, q, out);
         const float *s = scores + (size_t)i0 * ATT_CHUNK;
         switch (R) {
             case 1: rows_pv(s, 1, v, voff, nj, D, out); break;
@@ -167,12 +182,12 @@ static inline __attribute__((always_inline)) void attend_rows(const float *const
 }
 
 // attend_rows compiled with the common head sizes as constants, else any D % 8 == 0.
-static void attend_item(const float *const *q, const int *n, float *const *part, int rows, int D, float scale,
-                        const float *kt, const float *v, const size_t *voff, float *scores) {
+static void attend_item(const att_row *rows, int nrows, int D, float scale, const float *kt, const float *v,
+                        const size_t *voff, float *scores) {
     if (D == 64)
-        attend_rows(q, n, part, rows, 64, scale, kt, v, voff, scores);
+        attend_rows(rows, nrows, 64, scale, kt, v, voff, scores);
     else if (D == 128)
-        attend_rows(q, n, part, rows, 128, scale, kt, v, voff, scores);
+        attend_rows(rows, nrows, 128, scale, kt, v, voff, scores);
     else
-        attend_rows(q, n, part, rows, D, scale, kt, v, voff, scores);
+        attend_rows(rows, nrows, D, scale, kt, v, voff, scores);
 }

@@ -466,10 +466,10 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
 #pragma omp parallel num_threads(nthreads)
         {
             // scores: attend_chunk16's group heads, or a chunk's rows; cpart: a span's chunk results
-            // (ATT_SPAN x the block's rows); rows: the rows' queries, results and key counts
+            // (ATT_SPAN x the block's rows); rows: a chunk's rows for attend_item
             float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)max_rows);
             float *cpart = (float *)malloc(sizeof(float) * ATT_SPAN * (size_t)max_rows * part_len);
-            void **rows = (void **)malloc((sizeof(void *) * 2 + sizeof(int)) * (size_t)max_rows);
+            att_row *rows = (att_row *)malloc(sizeof(att_row) * (size_t)max_rows);
             size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two chunks' row offsets; dense ones
             const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else attend_chunk16 (K, V in place)
             // the tiles' K columns, then (from a float16 cache) V rows as float32: the conversion is exact
@@ -494,9 +494,6 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             }
             float *vrows = kt && half ? kt + (size_t)ATT_CHUNK * D : NULL;
             const float *vc = vrows ? vrows : (const float *)v_cache;
-            const float **qr = (const float **)rows;
-            float **pr = (float **)rows + max_rows;
-            int *nr = (int *)(rows + 2 * (size_t)max_rows);
             while (cur < items) {
                 long next = cur;  // the item of the next chunk, and that chunk
                 int nblk = blk, nkvh = kvh, ns = s, nk = k, ni = i + 1;
@@ -536,10 +533,10 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                         continue;
                     }
 #endif
-                    for (int g = 0; g < group; g++, nrows++)
-                        qr[nrows] = qh + (size_t)g * D, pr[nrows] = part + g * part_len, nr[nrows] = n;
+                    for (int g = 0; g < group; g++)
+                        rows[nrows++] = (att_row){qh + (size_t)g * D, part + g * part_len, n};
                 }
-                if (nrows) attend_item(qr, nr, pr, nrows, D, scale, kt, vc, voff, scores);
+                if (nrows) attend_item(rows, nrows, D, scale, kt, vc, voff, scores);
                 if (i + 1 == k)  // the span's last chunk: each row's chunks merged into its span result
                     for (int t = tb; t < bt[blk + 1]; t++) {
                         const int nc = nch[t] - s * ATT_SPAN < k ? nch[t] - s * ATT_SPAN : k;
