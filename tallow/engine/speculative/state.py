@@ -9,8 +9,8 @@ that proposed a token there and of those that reached it (an optimistic prior, s
 sequence tries its full draft), and proposes only the leading positions whose reach rate is
 above the row cost. When not even the first is, it pauses (PAUSE of its own steps, doubling
 on every pause that ends on drafts still not worth it, up to MAX_PAUSE), then tries again
-from the prior with a draft of one token, the cap doubling on every draft accepted whole (a
-failed retry costs one row, not k_max: plain chat on the CPU lost about a tenth to them).
+from the prior with a draft of one token, the cap doubling on every draft accepted whole (so
+a failed retry costs one verification row, not k_max).
 Everything here depends only on the sequence's own drafts: a seeded request's text does not
 depend on the batch.
 """
