@@ -159,6 +159,42 @@ def gguf_tensor_name(hf_name: str, names: dict[str, str]) -> str:
     return f"{names[base]}.{kind}"
 
 
+def block_activations(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, k] as tallow's CPU block kernels see it, float64: rounded per block of 32 to
+    integers of scale max|x| / levels (int8: 127, linear_gguf.h's GGUF formats; int16: 32767,
+    the Q4/Q8 kernels'), the kernel's float32 operations; and half the scale per element (the
+    rounding's largest error)."""
+    groups = x.double().reshape(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    step = (amax.float() / levels).double()  # the kernel's float32 scale
+    inv = torch.where(amax > 0, torch.full_like(amax, float(levels)).float() / amax.float(), 0.0).double()  # IEEE
+    rounded = ((groups.float() * inv.float()).round().double() * step).reshape(x.shape)
+    return rounded, (step / 2).expand_as(groups).reshape(x.shape)
+
+
+def activation_levels(gguf_type: str) -> int | None:
+    """How tallow's CPU kernels round a layer's input for a GGUF weight type: 127 (int8: Q5_0,
+    Q5_1 and the K-quants), 32767 (int16: Q4_0, Q4_1, Q8_0), None (float weights)."""
+    from tallow.models import gguf_linear as gl
+
+    if gguf_type in gl.GGUF_KERNEL_FORMATS:
+        return 127
+    return 32767 if gguf_type in ("Q4_0", "Q4_1", "Q8_0") else None
+
+
+def round_linear_inputs(linear: torch.nn.Module, levels: int | None) -> None:
+    """A reference float Linear whose input is first rounded as the kernel of levels rounds it
+    (block_activations): then only float rounding separates it from the quantized layer."""
+    if levels is None:
+        return
+
+    def hook(module, args):
+        x = args[0]
+        return (block_activations(x.reshape(-1, x.shape[-1]), levels)[0].to(x.dtype).view(x.shape),)
+
+    linear.register_forward_pre_hook(hook)
+
+
 def run_all(core, prompts_ids, params) -> list:
     """Add a sequence per prompt (per choice) to an EngineCore and step until none has work."""
     seqs = [s for ids in prompts_ids for s in core.make_sequences(ids, params)]

@@ -303,8 +303,15 @@ def test_real_270m_logits_match_transformers_on_the_same_file(gemma_270m_file):
         hidden = model(input_ids, positions, paged.kv_caches, meta)
         logits = model.compute_logits(hidden[rows])
         ref = hf.lm_head(hf.model(torch.tensor([ours])).last_hidden_state[0, rows]).float()
-    assert_close(logits, ref, 2e-3 * ref.abs().max().item())
+    # The Q4_K / Q5_0 / Q6_K layers' int8 activations (as llama.cpp's) move the logits by a few
+    # percent of the largest (3.9% seen over 80 rows; int16: 0.015%); the same argmax, a small
+    # KL per token (llama.cpp rounds coarser: one int8 scale per 256). (Rounding the reference's layer
+    # inputs as the kernels do does not tighten this over 18 layers and 700 tokens: a float
+    # difference that moves one rounding moves every later one.)
+    assert_close(logits, ref, 6e-2 * ref.abs().max().item())
     assert logits.argmax(-1).tolist() == ref.argmax(-1).tolist()
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none")
+    assert kl.sum(-1).max() < 3e-2, kl.sum(-1)  # 1.2e-2 seen (the last row), 2e-4 mean
 
 
 # ---- files from llama.cpp's own converter (LLAMA_CPP_DIR: its source, e.g. the llama-cpp-python sdist's

@@ -144,34 +144,39 @@ def plane_layout() -> int:
 
 
 def _tile_planes(q: torch.Tensor, planes: int, tile: int, layout: int) -> torch.Tensor:
-    """Codes [n, k] -> [tiles, blocks, 256 + 64 planes] bytes: the low nibbles in _tile_q4's
-    16-channel order, then per plane p the bits 4 + p of the codes: layout 0 (words) 16 uint32
-    words, word j's bit 2c + e = bit 4 + p of q(c, 2j + e); layout 1 (lanes) 32 uint16, lane
-    2c + e's bit j = the same bit."""
-    nib = quant._tile_q4(q & 0x0F, tile)
+    """Codes [n, k] -> [tiles, blocks, 256 + 64 planes] bytes (linear_gguf.h): with quad v =
+    inputs 4v..4v+3 of a block, the low nibbles in 4 groups of 64 bytes, group g's byte 4c + i =
+    q(c, 4g + i) & 15 | (q(c, 16 + 4g + i) & 15) << 4; then per plane p the bits 4 + p of the
+    codes: layout 0 (words) 8 uint64 words, word v's bit 4c + i = bit 4 + p of q(c, 4v + i);
+    layout 1 (lanes) 64 bytes, byte 4c + i's bit v = the same bit."""
+    t = quant._tiles_of(q.to(torch.uint8), tile)  # [T, tile, k]
+    T, nb = t.shape[0], q.shape[1] // QK
+    t = t.view(T, tile, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [T, nb, v, c, i]
+    nib = ((t[:, :, :4] & 0x0F) | ((t[:, :, 4:] & 0x0F) << 4)).reshape(T, nb, 16 * tile).contiguous()
     if not planes:
         return nib
-    t = quant._tiles_of(q, tile)  # [T, tile, k]
-    T, nb = t.shape[0], q.shape[1] // QK
-    t = t.view(T, tile, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(T, nb, 16, 2 * tile).numpy()  # [T, nb, j, 2c + e]
+    t = t.numpy()
     if layout:
-        t = np.ascontiguousarray(t.transpose(0, 1, 3, 2))  # [T, nb, 2c + e, j]
+        t = np.ascontiguousarray(t.transpose(0, 1, 3, 4, 2))  # [T, nb, c, i, v]
+    else:
+        t = t.reshape(T, nb, 8, 4 * tile)  # [T, nb, v, 4c + i]
     words = [np.packbits((t >> (4 + p)) & 1, axis=-1, bitorder="little").reshape(T, nb, 64) for p in range(planes)]
     return torch.cat((nib, torch.from_numpy(np.concatenate(words, axis=-1))), dim=-1).contiguous()
 
 
 def _untile_planes(packed: torch.Tensor, n: int, planes: int, tile: int, layout: int) -> torch.Tensor:
-    q = quant._untile_q4(packed[..., :256].contiguous(), n, tile)
+    """The inverse of _tile_planes: codes [n, k] as uint8."""
     T, nb = packed.shape[:2]
+    nib = packed[..., :16 * tile].reshape(T, nb, 4, tile, 4)
+    t = torch.cat((nib & 0x0F, nib >> 4), dim=2)  # [T, nb, v, c, i]
     for p in range(planes):
-        words = packed[..., 256 + 64 * p: 256 + 64 * (p + 1)].contiguous().numpy()
-        if layout:  # [T, nb, 2c + e, j] -> [T, nb, j, 2c + e]
-            bits = np.unpackbits(words.reshape(T, nb, 2 * tile, 2), axis=-1, bitorder="little").transpose(0, 1, 3, 2)
-        else:
-            bits = np.unpackbits(words.reshape(T, nb, 16, 4), axis=-1, bitorder="little")  # [T, nb, j, 2c + e]
-        bits = torch.from_numpy(np.ascontiguousarray(bits)).view(T, nb, 16, tile, 2)
-        q = q | (bits.permute(0, 3, 1, 2, 4).reshape(T * tile, -1)[:n] << (4 + p))
-    return q
+        words = packed[..., 16 * tile + 64 * p: 16 * tile + 64 * (p + 1)].contiguous().numpy()
+        if layout:  # [T, nb, c, i] bytes, bit v -> [T, nb, v, c, i]
+            bits = np.unpackbits(words.reshape(T, nb, tile, 4, 1), axis=-1, bitorder="little").transpose(0, 1, 4, 2, 3)
+        else:  # [T, nb, v] words, bit 4c + i
+            bits = np.unpackbits(words.reshape(T, nb, 8, 8), axis=-1, bitorder="little").reshape(T, nb, 8, tile, 4)
+        t = t | (torch.from_numpy(np.ascontiguousarray(bits)) << (4 + p))
+    return t.permute(0, 3, 1, 2, 4).reshape(T * tile, -1)[:n]
 
 
 def _tile_k(x: torch.Tensor, tile: int) -> torch.Tensor:

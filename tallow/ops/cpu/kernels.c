@@ -5,7 +5,9 @@
 // to int16 (scale = max|x| / 32767: a relative error of 2^-16 of the block's largest value,
 // finer than bfloat16), each block's integer dot product with the weights is exact (madd,
 // or vpdpwssd), and is scaled into a float32 accumulator. (int8 activations, as llama.cpp's
-// q8_1, moved SmolLM2's greedy answers: 0.3-1.7% error per layer.)
+// q8_1, moved SmolLM2's greedy answers: 0.3-1.7% error per layer.) GGUF's 5-bit and K-quant
+// formats (linear_gguf.h) take int8 activations instead (quantize_rows8): byte products at
+// twice the rate, as llama.cpp computes those formats.
 //   Q4: w = d * q + m, q in 0..15 (GGUF's Q4_1).
 //   Q8: w = d * q, q in -127..127 (GGUF's Q8_0).
 // d and m are float16 (as in GGUF), one per (output channel, block). The weights are stored
@@ -26,7 +28,7 @@
 
 #define QK 32
 
-int tl_abi_version(void) { return 11; }
+int tl_abi_version(void) { return 12; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -98,6 +100,71 @@ static int quantize_rows(const float *x, int M, int K, int nthreads, qrows *out)
 }
 
 static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s); }
+
+// One row of K floats (K % 32 == 0) to int8 blocks (linear_gguf.h's formats): block b's 32
+// values at q + b * bs (round(x * 127 / max|x|), |q| <= 127), d[b] = max|x| / 127, s[b] = d[b] *
+// the block's integer sum, hs[2 b + h] = the integer sum of its half h (16 values).
+static void quantize_row_q8(const float *x, int K, int8_t *q, size_t bs, float *d, float *s, int16_t *hs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+        __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float db = amax / 127.0f;
+        const __m256 id = _mm256_set1_ps(db > 0.0f ? 127.0f / amax : 0.0f);
+        v0 = _mm256_round_ps(_mm256_mul_ps(v0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v1 = _mm256_round_ps(_mm256_mul_ps(v1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v2 = _mm256_round_ps(_mm256_mul_ps(v2, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v3 = _mm256_round_ps(_mm256_mul_ps(v3, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const float h0 = hsum8(_mm256_add_ps(v0, v1)), h1 = hsum8(_mm256_add_ps(v2, v3));  // exact integers
+        d[b] = db;
+        s[b] = db * (h0 + h1);
+        hs[2 * b] = (int16_t)h0, hs[2 * b + 1] = (int16_t)h1;
+        // packs work within 128-bit lanes: [v0 0-3, v1 0-3, v2 0-3, v3 0-3 | the 4-7s]; the
+        // dword permute restores the order.
+        const __m256i w01 = _mm256_packs_epi32(_mm256_cvtps_epi32(v0), _mm256_cvtps_epi32(v1));
+        const __m256i w23 = _mm256_packs_epi32(_mm256_cvtps_epi32(v2), _mm256_cvtps_epi32(v3));
+        _mm256_storeu_si256((__m256i *)(q + b * bs), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order));
+    }
+}
+
+// int8 activations (quantize_row_q8) of M rows, laid out as qrows.
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int16_t *hs;
+    size_t rs, bs;
+} qrows8;
+
+static inline const int8_t *q8block(const qrows8 *r, size_t row, int b) { return r->q + row * r->rs + b * r->bs; }
+
+static int quantize_rows8(const float *x, int M, int K, int nthreads, int block_major, qrows8 *out) {
+    const int nb = K / QK;
+    out->rs = block_major ? QK : (size_t)K;
+    out->bs = block_major ? (size_t)QK * M : QK;
+    out->q = (int8_t *)aligned_alloc(32, (size_t)M * K + 64);
+    out->d = (float *)malloc(sizeof(float) * (size_t)M * nb);
+    out->s = (float *)malloc(sizeof(float) * (size_t)M * nb);
+    out->hs = (int16_t *)malloc(sizeof(int16_t) * 2 * (size_t)M * nb);
+    if (!out->q || !out->d || !out->s || !out->hs) {
+        free(out->q), free(out->d), free(out->s), free(out->hs);
+        return -1;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 8)
+    for (int m = 0; m < M; m++)
+        quantize_row_q8(x + (size_t)m * K, K, out->q + (size_t)m * out->rs, out->bs, out->d + (size_t)m * nb,
+                        out->s + (size_t)m * nb, out->hs + (size_t)2 * m * nb);
+    return 0;
+}
+
+static void free_rows8(qrows8 *r) { free(r->q), free(r->d), free(r->s), free(r->hs); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "linear_avx512.h"

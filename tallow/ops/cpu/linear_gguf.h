@@ -2,21 +2,29 @@
 // the Q4/Q8 kernels, in both builds): Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. (Q4_0, Q4_1 and Q8_0 run on
 // the Q4/Q8 kernels: Q4_0 is Q4_1 with m = -8 d.)
 //
+// The activations are int8 per block of 32 here (quantize_rows8: scale max|x| / 127), as
+// llama.cpp's K-quant dot products take them (its q8_K: one scale per 256): the products are
+// byte products, twice the int16 madds' rate on AVX2 (maddubs) and AVX-512 VNNI (vpdpbusd).
+// On Gemma 3 270M's Q4_K_M file this moved the logits by up to 3.9% of the largest against
+// transformers' float32 model of the same file (int16 activations: 0.015%), KL 2e-4 per token
+// on average over 80 positions, the same argmax at each.
+//
 // The file's integer codes and scales are kept; only their order changes (tallow/models/
 // gguf_linear.py repacks at load). Weights are in tiles of GT = 16 output channels in both
-// builds (the last tile padded with zero channels); for tile t and sub-block b of 32 inputs:
-//   nib  256 bytes: the codes' low 4 bits, linear_avx512.h's Q4 order: 8 groups of 32 bytes,
-//        group g's byte 2c + e = q(c, 4g + e) & 15 | (q(c, 4g + 2 + e) & 15) << 4;
+// builds (the last tile padded with zero channels); for tile t and sub-block b of 32 inputs,
+// with quad v = inputs 4v..4v+3 (v = 0..7):
+//   nib  256 bytes: the codes' low 4 bits, 4 groups of 64 bytes, group g's byte 4c + i =
+//        q(c, 4g + i) & 15 | (q(c, 16 + 4g + i) & 15) << 4 (quads g and g + 4 of the 16
+//        channels: one AVX-512 load, or two AVX2 loads of 8 channels each);
 //   then `planes` (0, 1 or 2) bit planes of 64 bytes each, holding bit 4 + p of every code, in
 //        one of two orders (the build's, tl_gguf_plane_layout):
-//        words (AVX-512, GGUF_PLANE_LANES 0): 16 uint32, word j's bit 2c + e = bit 4 + p of q(c, 2j + e);
-//        lanes (AVX2, GGUF_PLANE_LANES 1): 32 uint16, lane 2c + e's bit j = the same bit, so
-//        pair vector j's bits are one shift and one mask of a loaded vector (words needed a
-//        broadcast, a byte shuffle, a compare and two masks per half: Q6_K ran at half Q4_K's
-//        rate on Zen 3).
+//        words (AVX-512, GGUF_PLANE_LANES 0): 8 uint64, word v's bit 4c + i = bit 4 + p of
+//        q(c, 4v + i) (a byte mask for quad v's vector);
+//        lanes (AVX2, GGUF_PLANE_LANES 1): byte 4c + i's bit v = the same bit, so quad v's bits
+//        are one shift and one mask of a loaded vector.
 // So a block is 256, 320 or 384 bytes for 512 weights: 4, 5 or 6 bits per weight, as in the file.
-// Widened to int16, pair vector j (j = 0..15) holds (q(c, 2j), q(c, 2j + 1)) - zero in the
-// 32-bit lane of channel c, zero = 16 (Q5_0), 32 (Q6_K) or 0.
+// Unpacked, quad v of channel c is 4 unsigned bytes q(c, 4v + i) (0..63) in the 32-bit lane c
+// (AVX2: lane c - 8h of half h's vector).
 //
 // Scales, float16 unless said otherwise, channels side by side:
 //   Q5_0: d [tiles][nb][GT]                    w = d * (q - 16)
@@ -25,9 +33,10 @@
 //         mins unpacked)                       w = (d * sc) * q - dmin * mn
 //   Q6_K: d [tiles][nb/8][GT]; sc int8 [tiles][nb][2][GT] (one per 16 inputs)
 //                                              w = (d * sc) * (q - 32)
-// The integer dot product of a sub-block (Q6_K: of each half of 16) with the int16 activations
-// (quantize_rows, natural order) is exact in int32 (|sum| < 2^26). Per output channel the
-// float math then runs in this fixed order, block by block:
+// The integer dot product of a sub-block (Q6_K: of each half of 16) with the int8 activations
+// is exact in int32: sum q * x - zero * sum x (zero = 16 for Q5_0, 32 for Q6_K, else 0; the
+// activations' half sums come with them). Per output channel the float math then runs in this
+// fixed order, block by block:
 //   acc = fma(float(isum), dw * dx, acc)     dw = d (Q5_x) or d * sc (K: exact in float)
 //   acc = fma(float(isum1), dw1 * dx, acc)   Q6_K's second half
 //   acc = fma(mw, sx, acc)                   mw = m or -(dmin * mn); sx = dx * sum(q_x)
@@ -36,15 +45,9 @@
 
 #define GT 16
 #define GCHUNK 64
-// Up to this many rows, each row runs alone through gguf_gemv1 (AVX2: unpack fused with the
-// products). Measured on Zen 3 against the many-row loop (gguf_rows, 2-3 rows per pass over an
-// unpacked block; stop 32): Q6_K at 2 rows 1.07-1.14x faster alone, Q4_K and the 5-bit formats
-// level at 2 rows and 1.1-1.2x slower alone from 3; AVX-512: 1 row.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define GGUF_ROW1_MAX(planes) 1
 #define GGUF_PLANE_LANES 0
 #else
-#define GGUF_ROW1_MAX(planes) ((planes) == 2 ? 2 : 1)
 #define GGUF_PLANE_LANES 1
 #endif
 
@@ -53,225 +56,208 @@ enum { TL_Q5_0 = 0, TL_Q5_1 = 1, TL_Q4_K = 2, TL_Q5_K = 3, TL_Q6_K = 4 };
 static inline int gguf_planes(int fmt) { return fmt == TL_Q6_K ? 2 : fmt == TL_Q4_K ? 0 : 1; }
 static inline int gguf_zero(int fmt) { return fmt == TL_Q5_0 ? 16 : fmt == TL_Q6_K ? 32 : 0; }
 
+// The four bytes x[0..3] in every 32-bit lane.
+static inline int32_t quad_of(const int8_t *x) {
+    typedef int32_t __attribute__((may_alias)) quad;
+    return *(const quad *)x;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
 typedef struct {
-    __m512i w[16];
+    __m512i w[8];  // quad v of the 16 channels
 } gblock;
 
-static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk, int planes, int zero, gblock *W) {
-    const __m512i lo = _mm512_set1_epi16(0x0F), z = _mm512_set1_epi16((short)zero);
-    for (int g = 0; g < 8; g++) {
-        const __m512i t = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * g)));
-        W->w[2 * g] = _mm512_and_si512(t, lo);
-        W->w[2 * g + 1] = _mm512_srli_epi16(t, 4);
+static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk, int planes, gblock *W) {
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < 4; g++) {
+        const __m512i t = _mm512_loadu_si512((const void *)(blk + 64 * g));
+        W->w[g] = _mm512_and_si512(t, lo);
+        W->w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), lo);
     }
-    const uint32_t *pl = (const uint32_t *)(blk + 256);
+    const uint64_t *pl = (const uint64_t *)(blk + 256);
     for (int p = 0; p < planes; p++) {
-        const __m512i bit = _mm512_set1_epi16((short)(16 << p));
-        for (int j = 0; j < 16; j++)
-            W->w[j] = _mm512_mask_add_epi16(W->w[j], _cvtu32_mask32(pl[16 * p + j]), W->w[j], bit);
+        const __m512i bit = _mm512_set1_epi8((char)(16 << p));
+        for (int v = 0; v < 8; v++) W->w[v] = _mm512_mask_add_epi8(W->w[v], _cvtu64_mask64(pl[8 * p + v]), W->w[v], bit);
     }
-    if (zero)
-        for (int j = 0; j < 16; j++) W->w[j] = _mm512_sub_epi16(W->w[j], z);
 }
 
 // One row through a block: the block's integer dot products with the row's 32 activations per
-// channel (Q6_K: one per half of 16), then the float scale math of the top of this file on the
-// GT channels' accumulators acc (dw0, dw1, mw: the block's float scales per channel).
-static inline __attribute__((always_inline)) void gguf_row(const gblock *W, const int16_t *xb, float dx, float sx,
-                                                            const float *dw0, const float *dw1, const float *mw,
-                                                            int halves, int has_m, float *acc) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-    __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j += 2) {
-        a0 = dpwssd_bcast(a0, W->w[j], xb + 2 * j);
-        a1 = dpwssd_bcast(a1, W->w[j + 1], xb + 2 * j + 2);
-        b0 = dpwssd_bcast(b0, W->w[j + 8], xb + 2 * j + 16);
-        b1 = dpwssd_bcast(b1, W->w[j + 9], xb + 2 * j + 18);
+// channel (quads 0-3 and 4-7 apart: Q6_K's halves), then the float scale math of the top of
+// this file on the GT channels' accumulators acc (dw0, dw1, mw: the block's float scales).
+static inline __attribute__((always_inline)) void gguf_row(const gblock *W, const int8_t *xb, float dx, float sx,
+                                                            const int16_t *hs, int zero, const float *dw0,
+                                                            const float *dw1, const float *mw, int halves, int has_m,
+                                                            float *acc) {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (int v = 0; v < 4; v++) {
+        a = _mm512_dpbusd_epi32(a, W->w[v], _mm512_set1_epi32(quad_of(xb + 4 * v)));
+        b = _mm512_dpbusd_epi32(b, W->w[v + 4], _mm512_set1_epi32(quad_of(xb + 16 + 4 * v)));
     }
-    const __m512i a = _mm512_add_epi32(a0, a1), b = _mm512_add_epi32(b0, b1);
     const __m512 dxv = _mm512_set1_ps(dx);
     __m512 acc_v = _mm512_loadu_ps(acc);
     if (halves) {
+        a = _mm512_sub_epi32(a, _mm512_set1_epi32(zero * hs[0]));
+        b = _mm512_sub_epi32(b, _mm512_set1_epi32(zero * hs[1]));
         acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(_mm512_loadu_ps(dw0), dxv), acc_v);
         acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(_mm512_loadu_ps(dw1), dxv), acc_v);
     } else {
-        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), _mm512_mul_ps(_mm512_loadu_ps(dw0), dxv),
-                                acc_v);
+        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(a, b), _mm512_set1_epi32(zero * (hs[0] + hs[1])));
+        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_loadu_ps(dw0), dxv), acc_v);
     }
     if (has_m) acc_v = _mm512_fmadd_ps(_mm512_loadu_ps(mw), _mm512_set1_ps(sx), acc_v);
     _mm512_storeu_ps(acc, acc_v);
 }
 
-
-// R rows (row0 + i of r, accumulators acc + i * GT) through a block: gguf_row for each.
-static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, const qrows *r, size_t row0, int R, int K,
-                                                             int b, const float *dw0, const float *dw1, const float *mw,
-                                                             int halves, int has_m, float *acc) {
-    const int nb = K / QK;
+// R rows (row0 + i of r, accumulators acc + i * GT) through an unpacked block: gguf_row each.
+static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, const qrows8 *r, size_t row0, int R,
+                                                             int nb, int b, int zero, int group, const float *dw0,
+                                                             const float *dw1, const float *mw, int halves, int has_m,
+                                                             float *acc) {
+    (void)group;
     for (int i = 0; i < R; i++) {
         const size_t row = row0 + (size_t)i;
-        gguf_row(W, r->q + row * K + (size_t)b * QK, r->d[row * nb + b], r->s[row * nb + b], dw0, dw1, mw, halves,
-                 has_m, acc + (size_t)i * GT);
+        gguf_row(W, q8block(r, row, b), r->d[row * nb + b], r->s[row * nb + b], r->hs + 2 * (row * nb + b), zero, dw0,
+                 dw1, mw, halves, has_m, acc + (size_t)i * GT);
     }
 }
 
 // One row against one block (M = 1): the unpack and the row as above.
-static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, int planes, int zero,
-                                                             const int16_t *xb, float dx, float sx, const float *dw0,
-                                                             const float *dw1, const float *mw, int halves, int has_m,
-                                                             float *acc) {
+static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, int planes, int zero, int group,
+                                                             const int8_t *xb, float dx, float sx, const int16_t *hs,
+                                                             const float *dw0, const float *dw1, const float *mw,
+                                                             int halves, int has_m, float *acc) {
+    (void)group;
     gblock W;
-    gguf_unpack(blk, planes, zero, &W);
-    gguf_row(&W, xb, dx, sx, dw0, dw1, mw, halves, has_m, acc);
+    gguf_unpack(blk, planes, &W);
+    gguf_row(&W, xb, dx, sx, hs, zero, dw0, dw1, mw, halves, has_m, acc);
 }
 
 #else
 
 typedef struct {
-    __m256i w[2][16];  // channels 0..7, 8..15
+    __m256i w[2][8];  // [h][v]: quad v of channels 8h..8h+7
 } gblock;
 
-// Plane p's bit for pair vector j, as a value: (bit j of each lane) << (4 + p), from the
-// plane's half v (16 lanes: channels 8h..8h+7, lane 2c + e); one shift and one mask.
-static inline __attribute__((always_inline)) __m256i plane_bits(__m256i v, int j, int p) {
-    const int s = 4 + p - j;
-    const __m256i t = s >= 0 ? _mm256_slli_epi16(v, s) : _mm256_srli_epi16(v, -s);
-    return _mm256_and_si256(t, _mm256_set1_epi16((short)(16 << p)));
+// Plane p's bit for quad v, as a value: (bit v of each byte) << (4 + p), from the plane's half
+// (32 bytes: channels 8h..8h+7); one shift and one mask (16-bit shifts: the mask keeps each
+// byte's own bit).
+static inline __attribute__((always_inline)) __m256i plane_bits(__m256i pl, int v, int p) {
+    const int s = 4 + p - v;
+    const __m256i t = s >= 0 ? _mm256_slli_epi16(pl, s) : _mm256_srli_epi16(pl, -s);
+    return _mm256_and_si256(t, _mm256_set1_epi8((char)(16 << p)));
 }
 
-// The block's planes, half h of each in v[p][h] (channels 8h..8h+7). Where the zero point is the
-// last plane's bit (Q5_0: 16, Q6_K: 32: `folded`), that plane is loaded inverted, so q - zero is
-// formed as q_lo (+ 16 b4) - zero * (1 - b_last): no subtraction pass.
-static inline __attribute__((always_inline)) int load_planes(const uint8_t *blk, int planes, int zero,
-                                                             __m256i v[2][2]) {
-    const int folded = planes > 0 && zero == 16 << (planes - 1);
-    for (int p = 0; p < planes; p++)
-        for (int h = 0; h < 2; h++) {
-            v[p][h] = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * p + 32 * h));
-            if (folded && p == planes - 1) v[p][h] = _mm256_xor_si256(v[p][h], _mm256_set1_epi16(-1));
-        }
-    return folded;
-}
-
-// Pair vector j of half h, q - zero, from its low-nibble codes w and the planes (load_planes).
-static inline __attribute__((always_inline)) __m256i with_planes(__m256i w, __m256i v[2][2], int h, int j, int planes,
-                                                                 int zero, int folded) {
-    for (int p = 0; p < planes; p++)
-        w = folded && p == planes - 1 ? _mm256_sub_epi16(w, plane_bits(v[p][h], j, p))
-                                      : _mm256_add_epi16(w, plane_bits(v[p][h], j, p));
-    return zero && !folded ? _mm256_sub_epi16(w, _mm256_set1_epi16((short)zero)) : w;
-}
-
-// The many-row loop's unpack (planes and zero known only at run time there): the low nibbles,
-// then each plane over them, the plane's loop innermost (faster here than with_planes per pair
-// vector, which gguf_row1 uses with the format's constants).
-static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk, int planes, int zero, gblock *W) {
-    const __m256i lo = _mm256_set1_epi16(0x0F);
-    for (int h = 0; h < 2; h++)
-        for (int g = 0; g < 8; g++) {
-            const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * g + 16 * h)));
-            W->w[h][2 * g] = _mm256_and_si256(t, lo);
-            W->w[h][2 * g + 1] = _mm256_srli_epi16(t, 4);
-        }
-    __m256i v[2][2];
-    const int folded = load_planes(blk, planes, zero, v);
+// Quads g and g + 4 of half h of a block, from its bytes.
+static inline __attribute__((always_inline)) void gguf_quads(const uint8_t *blk, int planes, int h, int g, __m256i *lo,
+                                                              __m256i *hi) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    const __m256i t = _mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h));
+    __m256i a = _mm256_and_si256(t, m), b = _mm256_and_si256(_mm256_srli_epi16(t, 4), m);
     for (int p = 0; p < planes; p++) {
-        const int last = folded && p == planes - 1;
-        for (int h = 0; h < 2; h++)
-#pragma GCC unroll 16
-            for (int j = 0; j < 16; j++)
-                W->w[h][j] = last ? _mm256_sub_epi16(W->w[h][j], plane_bits(v[p][h], j, p))
-                                  : _mm256_add_epi16(W->w[h][j], plane_bits(v[p][h], j, p));
+        const __m256i pl = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * p + 32 * h));
+        a = _mm256_or_si256(a, plane_bits(pl, g, p));
+        b = _mm256_or_si256(b, plane_bits(pl, g + 4, p));
     }
-    if (zero && !folded)
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < 16; j++) W->w[h][j] = _mm256_sub_epi16(W->w[h][j], _mm256_set1_epi16((short)zero));
+    *lo = a, *hi = b;
 }
 
-// Channels 8h..8h+7 of a block's products (a: the first half-block's int32 sums, b: the second)
-// into acc: gguf_rows' and gguf_row1's float step, one piece of code so both give the same floats.
-static inline __attribute__((always_inline)) void gguf_half_out(__m256i a, __m256i b, int h, __m256 dxv, __m256 sxv,
-                                                                 const float *dw0, const float *dw1, const float *mw,
-                                                                 int halves, int has_m, float *acc) {
+static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk, int planes, gblock *W) {
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 4; g++) gguf_quads(blk, planes, h, g, &W->w[h][g], &W->w[h][g + 4]);
+}
+
+// Half h of a block's integer sums for R rows (x: row 0's 32 activations, the next row xs
+// further): A[i] over quads 0-3, B[i] over 4-7 (group 8: A over all, B zero), each channel's
+// in its 32-bit lane. The byte products (maddubs: a pair is at most 2 * 63 * 127) add up in
+// int16 for `group` quads (Q4_K 8, the 5-bit formats 4, Q6_K 2: the most whose sum cannot
+// pass 32767 for the format's largest code), then widen to int32 (madd by ones): exact.
+// Quads from W (an unpacked block) or, W NULL, unpacked from blk as they are used (one row).
+static inline __attribute__((always_inline)) void gguf_half_sums(const gblock *W, const uint8_t *blk, int planes,
+                                                                  int group, int h, const int8_t *x, size_t xs, int R,
+                                                                  __m256i *A, __m256i *B) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a16[3], b16[3];
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+        __m256i wl, wh;
+        if (W)
+            wl = _mm256_load_si256(&W->w[h][g]), wh = _mm256_load_si256(&W->w[h][g + 4]);
+        else
+            gguf_quads(blk, planes, h, g, &wl, &wh);
+        for (int i = 0; i < R; i++) {
+            const __m256i pa = _mm256_maddubs_epi16(wl, _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 4 * g)));
+            const __m256i pb = _mm256_maddubs_epi16(wh, _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 16 + 4 * g)));
+            if (group == 8) {
+                a16[i] = g == 0 ? _mm256_add_epi16(pa, pb) : _mm256_add_epi16(a16[i], _mm256_add_epi16(pa, pb));
+                continue;
+            }
+            a16[i] = g % group == 0 ? pa : _mm256_add_epi16(a16[i], pa);
+            b16[i] = g % group == 0 ? pb : _mm256_add_epi16(b16[i], pb);
+            if (g % group == group - 1) {
+                const __m256i a32 = _mm256_madd_epi16(a16[i], ones), b32 = _mm256_madd_epi16(b16[i], ones);
+                A[i] = g < group ? a32 : _mm256_add_epi32(A[i], a32);
+                B[i] = g < group ? b32 : _mm256_add_epi32(B[i], b32);
+            }
+        }
+        for (int i = 0; i < R; i++) {  // kept in order: otherwise gcc hoists the broadcasts and spills
+            __asm__("" : "+x"(a16[i]));
+            if (group != 8) __asm__("" : "+x"(b16[i]));
+        }
+    }
+    if (group == 8)
+        for (int i = 0; i < R; i++) A[i] = _mm256_madd_epi16(a16[i], ones), B[i] = _mm256_setzero_si256();
+}
+
+// Channels 8h..8h+7 of a block for one row: the integer sums A, B (gguf_half_sums) less the
+// zero point's share, then the float math of the top of this file into acc: AVX-512's gguf_row
+// for these channels.
+static inline __attribute__((always_inline)) void gguf_half_out(__m256i A, __m256i B, int h, float dx, float sx,
+                                                                 const int16_t *hs, int zero, const float *dw0,
+                                                                 const float *dw1, const float *mw, int halves,
+                                                                 int has_m, float *acc) {
+    const __m256 dxv = _mm256_set1_ps(dx);
     __m256 acc_v = _mm256_loadu_ps(acc + 8 * h);
     if (halves) {
-        acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
-        acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_mul_ps(_mm256_loadu_ps(dw1 + 8 * h), dxv), acc_v);
+        A = _mm256_sub_epi32(A, _mm256_set1_epi32(zero * hs[0]));
+        B = _mm256_sub_epi32(B, _mm256_set1_epi32(zero * hs[1]));
+        acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A), _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
+        acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(B), _mm256_mul_ps(_mm256_loadu_ps(dw1 + 8 * h), dxv), acc_v);
     } else {
-        acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)),
-                                _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
+        const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(A, B), _mm256_set1_epi32(zero * (hs[0] + hs[1])));
+        acc_v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_loadu_ps(dw0 + 8 * h), dxv), acc_v);
     }
-    if (has_m) acc_v = _mm256_fmadd_ps(_mm256_loadu_ps(mw + 8 * h), sxv, acc_v);
+    if (has_m) acc_v = _mm256_fmadd_ps(_mm256_loadu_ps(mw + 8 * h), _mm256_set1_ps(sx), acc_v);
     _mm256_storeu_ps(acc + 8 * h, acc_v);
 }
 
 // R rows (row0 + i of r, accumulators acc + i * GT) through an unpacked block together: each
-// pair vector is loaded once for the R rows, and each row's activation pair broadcast once for
-// both halves (a row at a time, the pair vectors were loaded R times and the row's 16
-// broadcasts, kept for both halves, spilled). The int32 sums are exact (a block's in one
-// accumulator where it has no halves, passed as a with b = 0), the float math gguf_half_out's:
-// the floats of AVX-512's gguf_row. R <= 3 (Q6_K's halves: R <= 2).
-static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, const qrows *r, size_t row0, int R, int K,
-                                                             int b, const float *dw0, const float *dw1, const float *mw,
-                                                             int halves, int has_m, float *acc) {
-    const int nb = K / QK;
-    const int16_t *x = r->q + row0 * K + (size_t)b * QK;
-    __m256i s[3][2], first[3][2];
-    for (int i = 0; i < R; i++) s[i][0] = s[i][1] = first[i][0] = first[i][1] = _mm256_setzero_si256();
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; j++) {
-        if (halves && j == 8)
-            for (int i = 0; i < R; i++)
-                first[i][0] = s[i][0], first[i][1] = s[i][1], s[i][0] = s[i][1] = _mm256_setzero_si256();
-        __m256i bx[3];
-        for (int i = 0; i < R; i++) bx[i] = pair_bcast(x + (size_t)i * K + 2 * j);
-        for (int h = 0; h < 2; h++) {
-            const __m256i w = _mm256_load_si256(&W->w[h][j]);
-            for (int i = 0; i < R; i++) s[i][h] = _mm256_add_epi32(s[i][h], _mm256_madd_epi16(w, bx[i]));
+// quad vector is loaded once for the R rows, half by half. R <= 3 (group 2: R <= 2).
+static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, const qrows8 *r, size_t row0, int R,
+                                                             int nb, int b, int zero, int group, const float *dw0,
+                                                             const float *dw1, const float *mw, int halves, int has_m,
+                                                             float *acc) {
+    for (int h = 0; h < 2; h++) {
+        __m256i A[3], B[3];
+        gguf_half_sums(W, NULL, 0, group, h, q8block(r, row0, b), r->rs, R, A, B);
+        for (int i = 0; i < R; i++) {
+            const size_t k = (row0 + (size_t)i) * nb + b;
+            gguf_half_out(A[i], B[i], h, r->d[k], r->s[k], r->hs + 2 * k, zero, dw0, dw1, mw, halves, has_m,
+                          acc + (size_t)i * GT);
         }
-        for (int i = 0; i < R; i++) __asm__("" : "+x"(s[i][0]), "+x"(s[i][1]));  // kept in order: no spills
-    }
-    for (int i = 0; i < R; i++) {
-        const size_t row = row0 + (size_t)i;
-        const __m256 dxv = _mm256_set1_ps(r->d[row * nb + b]), sxv = _mm256_set1_ps(r->s[row * nb + b]);
-        for (int h = 0; h < 2; h++)
-            gguf_half_out(halves ? first[i][h] : s[i][h], halves ? s[i][h] : _mm256_setzero_si256(), h, dxv, sxv, dw0,
-                          dw1, mw, halves, has_m, acc + (size_t)i * GT);
     }
 }
 
-// One row against one block (M = 1), unpack and products fused: AVX2 has 16 registers, so the
-// 32 pair vectors of a whole gblock (and the row's 16 broadcasts) would live on the stack; here
-// each pair vector is formed as in gguf_unpack and multiplied at once. The int32 sums are the
-// same integers as gguf_unpack + gguf_rows' (exact), and the float math below is gguf_rows', so
-// a row's result is the same float whichever path computes it.
-static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, int planes, int zero,
-                                                             const int16_t *xb, float dx, float sx, const float *dw0,
-                                                             const float *dw1, const float *mw, int halves, int has_m,
-                                                             float *acc) {
-    const __m256i lo = _mm256_set1_epi16(0x0F);
-    __m256i v[2][2];
-    const int folded = load_planes(blk, planes, zero, v);
-    __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
-                       {_mm256_setzero_si256(), _mm256_setzero_si256()}};  // [h][j >= 8]
-#pragma GCC unroll 8
-    for (int g = 0; g < 8; g++) {
-        const __m256i x0 = pair_bcast(xb + 4 * g);
-        const __m256i x1 = pair_bcast(xb + 4 * g + 2);
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * g + 16 * h)));
-            const __m256i w[2] = {with_planes(_mm256_and_si256(t, lo), v, h, 2 * g, planes, zero, folded),
-                                  with_planes(_mm256_srli_epi16(t, 4), v, h, 2 * g + 1, planes, zero, folded)};
-            s[h][g >= 4] = _mm256_add_epi32(s[h][g >= 4], _mm256_add_epi32(_mm256_madd_epi16(w[0], x0),
-                                                                             _mm256_madd_epi16(w[1], x1)));
-        }
-    }
-    const __m256 dxv = _mm256_set1_ps(dx), sxv = _mm256_set1_ps(sx);
+// One row against one block (M = 1), the quads unpacked as they are used (the same integers as
+// gguf_unpack + gguf_rows, the same float math).
+static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, int planes, int zero, int group,
+                                                             const int8_t *xb, float dx, float sx, const int16_t *hs,
+                                                             const float *dw0, const float *dw1, const float *mw,
+                                                             int halves, int has_m, float *acc) {
     for (int h = 0; h < 2; h++) {
-        gguf_half_out(s[h][0], s[h][1], h, dxv, sxv, dw0, dw1, mw, halves, has_m, acc);
+        __m256i A[1], B[1];
+        gguf_half_sums(NULL, blk, planes, group, h, xb, 0, 1, A, B);
+        gguf_half_out(A[0], B[0], h, dx, sx, hs, zero, dw0, dw1, mw, halves, has_m, acc);
     }
 }
 
@@ -315,24 +301,36 @@ static inline void gguf_block_scales(int fmt, int b, const uint16_t *d, const ui
 
 // y[1, N] (M = 1): tl_gguf_linear's loop for one row, through gguf_row1 with the format's
 // constants (one unrolled body per format), kept apart so the many-row loop compiles as before.
-static inline __attribute__((always_inline)) void gguf_tile1(int fmt_planes, int fmt_zero, int halves, int has_m,
+
+// Each format's constants (planes, zero, halves, has_m, group), as gguf_planes / gguf_zero /
+// tl_gguf_linear / gguf_half_sums: the loops below are compiled once per format.
+#define GGUF_FORMATS(F)               \
+    case TL_Q4_K: F(0, 0, 0, 1, 8); break;  \
+    case TL_Q6_K: F(2, 32, 1, 0, 2); break; \
+    case TL_Q5_K: F(1, 0, 0, 1, 4); break;  \
+    case TL_Q5_0: F(1, 16, 0, 0, 4); break; \
+    default: F(1, 0, 0, 1, 4); break;  // Q5_1
+
+// y[1, N] (M = 1): tl_gguf_linear's loop for one row, through gguf_row1.
+static inline __attribute__((always_inline)) void gguf_tile1(int planes, int zero, int halves, int has_m, int group,
                                                               int fmt, int nb, const uint8_t *wt, size_t block_bytes,
                                                               const uint16_t *dt, const uint16_t *mt,
                                                               const uint8_t *sct, const uint8_t *mnt,
-                                                              const qrows *r, float *acc) {
+                                                              const qrows8 *r, float *acc) {
     for (int c = 0; c < GT; c++) acc[c] = 0.0f;
     for (int b = 0; b < nb; b++) {
         const uint8_t *wb = wt + (size_t)b * block_bytes;
         for (size_t p = 0; p < block_bytes; p += 64) _mm_prefetch((const char *)(wb + 12 * block_bytes + p), _MM_HINT_T0);
         float dw0[GT], dw1[GT], mw[GT];
         gguf_block_scales(fmt, b, dt, mt, sct, mnt, dw0, dw1, mw);
-        gguf_row1(wb, fmt_planes, fmt_zero, r->q + (size_t)b * QK, r->d[b], r->s[b], dw0, dw1, mw, halves, has_m, acc);
+        gguf_row1(wb, planes, zero, group, q8block(r, 0, b), r->d[b], r->s[b], r->hs + 2 * b, dw0, dw1, mw, halves,
+                  has_m, acc);
     }
 }
 
 static __attribute__((noinline)) void gguf_gemv1(int K, int N, int fmt, const uint8_t *wq, const uint16_t *wd,
                                                  const uint16_t *wm, const uint8_t *wsc, const uint8_t *wmn,
-                                                 const float *bias, float *y, int nthreads, const qrows *r) {
+                                                 const float *bias, float *y, int nthreads, const qrows8 *r) {
     const int nb = K / QK, tiles = (N + GT - 1) / GT;
     const int planes = gguf_planes(fmt), halves = fmt == TL_Q6_K, kq = fmt >= TL_Q4_K;
     const size_t block_bytes = 256 + (size_t)64 * planes, tile_bytes = (size_t)nb * block_bytes;
@@ -345,15 +343,38 @@ static __attribute__((noinline)) void gguf_gemv1(int K, int N, int fmt, const ui
         const uint16_t *dt = wd + (size_t)t * d_per_tile, *mt = wm ? wm + (size_t)t * d_per_tile : NULL;
         const uint8_t *sct = wsc ? wsc + (size_t)t * sc_per_tile : NULL;
         const uint8_t *mnt = wmn ? wmn + (size_t)t * nb * GT : NULL;
-        switch (fmt) {  // planes, zero, halves, has_m as gguf_planes / gguf_zero / tl_gguf_linear
-        case TL_Q4_K: gguf_tile1(0, 0, 0, 1, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc); break;
-        case TL_Q6_K: gguf_tile1(2, 32, 1, 0, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc); break;
-        case TL_Q5_K: gguf_tile1(1, 0, 0, 1, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc); break;
-        case TL_Q5_0: gguf_tile1(1, 16, 0, 0, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc); break;
-        default: gguf_tile1(1, 0, 0, 1, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc); break;  // Q5_1
-        }
+#define TILE1(pl, z, hv, hm, gr) gguf_tile1(pl, z, hv, hm, gr, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc)
+        switch (fmt) { GGUF_FORMATS(TILE1) }
+#undef TILE1
         const int cols = N - t * GT < GT ? N - t * GT : GT;
         for (int c = 0; c < cols; c++) y[(size_t)t * GT + c] = bias ? acc[c] + bias[(size_t)t * GT + c] : acc[c];
+    }
+}
+
+// Rows m0 .. m0 + rows - 1 through one tile (accumulators acc, zeroed by the caller): block by
+// block, each block unpacked once for all the rows, taken 3 at a time (group 2: 2).
+static inline __attribute__((always_inline)) void gguf_tile_rows(int planes, int zero, int halves, int has_m,
+                                                                  int group, int fmt, int nb, const uint8_t *wt,
+                                                                  size_t block_bytes, const uint16_t *dt,
+                                                                  const uint16_t *mt, const uint8_t *sct,
+                                                                  const uint8_t *mnt, const qrows8 *r, int m0,
+                                                                  int rows, float *acc) {
+    const int R = group == 2 ? 2 : 3;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = wt + (size_t)b * block_bytes;
+        for (size_t p = 0; p < block_bytes; p += 64) _mm_prefetch((const char *)(wb + 4 * block_bytes + p), _MM_HINT_T0);
+        gblock W;
+        gguf_unpack(wb, planes, &W);
+        float dw0[GT], dw1[GT], mw[GT];
+        gguf_block_scales(fmt, b, dt, mt, sct, mnt, dw0, dw1, mw);
+        int i = 0;
+        for (; i + R <= rows; i += R)
+            gguf_rows(&W, r, (size_t)(m0 + i), R, nb, b, zero, group, dw0, dw1, mw, halves, has_m, acc + (size_t)i * GT);
+        if (rows - i == 2)
+            gguf_rows(&W, r, (size_t)(m0 + i), 2, nb, b, zero, group, dw0, dw1, mw, halves, has_m, acc + (size_t)i * GT),
+                i += 2;
+        for (; i < rows; i++)
+            gguf_rows(&W, r, (size_t)(m0 + i), 1, nb, b, zero, group, dw0, dw1, mw, halves, has_m, acc + (size_t)i * GT);
     }
 }
 
@@ -363,19 +384,17 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
                    const uint16_t *wm, const uint8_t *wsc, const uint8_t *wmn, const float *bias, float *y,
                    int nthreads) {
     const int nb = K / QK, tiles = (N + GT - 1) / GT, chunk = M < GCHUNK ? M : GCHUNK;
-    const int planes = gguf_planes(fmt), zero = gguf_zero(fmt), halves = fmt == TL_Q6_K;
-    const int has_m = fmt != TL_Q5_0 && fmt != TL_Q6_K, kq = fmt >= TL_Q4_K;
+    const int planes = gguf_planes(fmt), halves = fmt == TL_Q6_K, kq = fmt >= TL_Q4_K;
     const size_t block_bytes = 256 + (size_t)64 * planes, tile_bytes = (size_t)nb * block_bytes;
     const size_t d_per_tile = (size_t)(kq ? nb / 8 : nb) * GT;  // d (and m/dmin) entries per tile
     const size_t sc_per_tile = (size_t)nb * GT * (halves ? 2 : 1);
-    qrows r;
-    if (quantize_rows(x, M, K, nthreads, &r)) return -1;
-    if (M <= GGUF_ROW1_MAX(planes)) {  // the same floats as the loop below, faster on AVX2 (gguf_row1)
-        for (int m = 0; m < M; m++) {
-            const qrows rm = {r.q + (size_t)m * K, r.d + (size_t)m * nb, r.s + (size_t)m * nb};
-            gguf_gemv1(K, N, fmt, wq, wd, wm, wsc, wmn, bias, y + (size_t)m * N, nthreads, &rm);
-        }
-        free_rows(&r);
+    qrows8 r;
+    // Many rows: block-major activations (a block's rows side by side; rows K bytes apart share
+    // L1 sets where K is a multiple of 4,096, as 8,192 is).
+    if (quantize_rows8(x, M, K, nthreads, M > 1, &r)) return -1;
+    if (M == 1) {
+        gguf_gemv1(K, N, fmt, wq, wd, wm, wsc, wmn, bias, y, nthreads, &r);
+        free_rows8(&r);
         return 0;
     }
     int failed = 0;
@@ -397,27 +416,10 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
             for (int m0 = 0; m0 < M; m0 += chunk) {
                 const int rows = M - m0 < chunk ? M - m0 : chunk;
                 memset(acc, 0, sizeof(float) * GT * (size_t)rows);
-                for (int b = 0; b < nb; b++) {
-                    const uint8_t *wb = wt + (size_t)b * block_bytes;
-                    for (size_t p = 0; p < block_bytes; p += 64)
-                        _mm_prefetch((const char *)(wb + 4 * block_bytes + p), _MM_HINT_T0);
-                    gblock W;
-                    gguf_unpack(wb, planes, zero, &W);
-                    float dw0[GT], dw1[GT], mw[GT];
-                    gguf_block_scales(fmt, b, dt, mt, sct, mnt, dw0, dw1, mw);
-                    int i = 0;
-                    if (halves)
-                        for (; i + 2 <= rows; i += 2)
-                            gguf_rows(&W, &r, (size_t)(m0 + i), 2, K, b, dw0, dw1, mw, 1, 0, acc + (size_t)i * GT);
-                    else {
-                        for (; i + 3 <= rows; i += 3)
-                            gguf_rows(&W, &r, (size_t)(m0 + i), 3, K, b, dw0, dw1, mw, 0, has_m, acc + (size_t)i * GT);
-                        if (rows - i == 2)
-                            gguf_rows(&W, &r, (size_t)(m0 + i), 2, K, b, dw0, dw1, mw, 0, has_m, acc + (size_t)i * GT), i += 2;
-                    }
-                    for (; i < rows; i++)
-                        gguf_rows(&W, &r, (size_t)(m0 + i), 1, K, b, dw0, dw1, mw, halves, has_m, acc + (size_t)i * GT);
-                }
+#define ROWS(pl, z, hv, hm, gr) \
+    gguf_tile_rows(pl, z, hv, hm, gr, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, &r, m0, rows, acc)
+                switch (fmt) { GGUF_FORMATS(ROWS) }
+#undef ROWS
                 for (int i = 0; i < rows; i++) {
                     float *yr = y + (size_t)(m0 + i) * N + (size_t)t * GT;
                     const float *a = acc + (size_t)i * GT;
@@ -427,7 +429,7 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
         }
         free(acc);
     }
-    free_rows(&r);
+    free_rows8(&r);
     return failed ? -1 : 0;
 }
 
@@ -573,19 +575,18 @@ int tl_gguf_repack(int type, const uint8_t *raw, int rows, int cols, int tile, u
                     const size_t tb = (size_t)t * nb + b;
                     const uint8_t *qb = q + 32 * s;
                     uint8_t *blk = wq + tb * gblock_bytes;
-                    for (int g = 0; g < 8; g++)
-                        for (int e = 0; e < 2; e++)
-                            blk[32 * g + 2 * c + e] = (qb[4 * g + e] & 15) | ((qb[4 * g + 2 + e] & 15) << 4);
-                    for (int p = 0; p < planes; p++) {
-                        for (int j = 0; j < 16; j++)
-                            for (int e = 0; e < 2; e++) {
-                                const int bit = (qb[2 * j + e] >> (4 + p)) & 1;
+                    for (int g = 0; g < 4; g++)
+                        for (int i = 0; i < 4; i++)
+                            blk[64 * g + 4 * c + i] = (qb[4 * g + i] & 15) | ((qb[16 + 4 * g + i] & 15) << 4);
+                    for (int p = 0; p < planes; p++)
+                        for (int v = 0; v < 8; v++)
+                            for (int i = 0; i < 4; i++) {
+                                const int bit = (qb[4 * v + i] >> (4 + p)) & 1;
                                 if (GGUF_PLANE_LANES)
-                                    ((uint16_t *)(blk + 256 + 64 * p))[2 * c + e] |= (uint16_t)(bit << j);
+                                    blk[256 + 64 * p + 4 * c + i] |= (uint8_t)(bit << v);
                                 else
-                                    ((uint32_t *)(blk + 256) + 16 * p)[j] |= (uint32_t)bit << (2 * c + e);
+                                    ((uint64_t *)(blk + 256) + 8 * p)[v] |= (uint64_t)bit << (4 * c + i);
                             }
-                    }
                     if (type == GGML_Q5_0 || type == GGML_Q5_1) {
                         wd[tb * GT + c] = d;
                         if (type == GGML_Q5_1) wm[tb * GT + c] = m;
