@@ -167,49 +167,38 @@ static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk
         for (int g = 0; g < 4; g++) gguf_quads(blk, planes, h, g, &W->w[h][g], &W->w[h][g + 4]);
 }
 
-// Half h of a block's integer sums for R rows (x: row 0's 32 activations, the next row xs
-// further): A[i] over quads 0-3, B[i] over 4-7 (group 8: A over all, B zero), each channel's
-// in its 32-bit lane. The byte products (maddubs: a pair is at most 2 * 63 * 127) add up in
-// int16 for `group` quads (Q4_K 8, the 5-bit formats 4, Q6_K 2: the most whose sum cannot
-// pass 32767 for the format's largest code), then widen to int32 (madd by ones): exact.
-// Quads from W (an unpacked block) or, W NULL, unpacked from blk as they are used (one row).
-static inline __attribute__((always_inline)) void gguf_half_sums(const gblock *W, const uint8_t *blk, int planes,
-                                                                  int group, int h, const int8_t *x, size_t xs, int R,
-                                                                  __m256i *A, __m256i *B) {
+// One row's integer sums of half h of a block (M = 1), the quads unpacked from blk as they are
+// used: A over quads 0-3, B over 4-7 (group 8: A over all, B zero), each channel's in its 32-bit
+// lane. The byte products (maddubs: a pair is at most 2 * 63 * 127) add up in int16 for
+// `group` quads (Q4_K 8, the 5-bit formats 4, Q6_K 2: the most whose sum cannot pass 32767 for
+// the format's largest code), then widen to int32 (madd by ones): exact, so the same integers
+// as the many-row loop's (gguf_sums, gguf_rows_q6), which sum in another order.
+static inline __attribute__((always_inline)) void gguf_half_sums1(const uint8_t *blk, int planes, int group, int h,
+                                                                   const int8_t *x, __m256i *A, __m256i *B) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i a16[3], b16[3];
+    __m256i a16 = _mm256_setzero_si256(), b16 = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
         __m256i wl, wh;
-        if (W)
-            wl = _mm256_load_si256(&W->w[h][g]), wh = _mm256_load_si256(&W->w[h][g + 4]);
-        else
-            gguf_quads(blk, planes, h, g, &wl, &wh);
-        for (int i = 0; i < R; i++) {
-            const __m256i pa = _mm256_maddubs_epi16(wl, _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 4 * g)));
-            const __m256i pb = _mm256_maddubs_epi16(wh, _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 16 + 4 * g)));
-            if (group == 8) {
-                a16[i] = g == 0 ? _mm256_add_epi16(pa, pb) : _mm256_add_epi16(a16[i], _mm256_add_epi16(pa, pb));
-                continue;
-            }
-            a16[i] = g % group == 0 ? pa : _mm256_add_epi16(a16[i], pa);
-            b16[i] = g % group == 0 ? pb : _mm256_add_epi16(b16[i], pb);
-            if (g % group == group - 1) {
-                const __m256i a32 = _mm256_madd_epi16(a16[i], ones), b32 = _mm256_madd_epi16(b16[i], ones);
-                A[i] = g < group ? a32 : _mm256_add_epi32(A[i], a32);
-                B[i] = g < group ? b32 : _mm256_add_epi32(B[i], b32);
-            }
+        gguf_quads(blk, planes, h, g, &wl, &wh);
+        const __m256i pa = _mm256_maddubs_epi16(wl, _mm256_set1_epi32(quad_of(x + 4 * g)));
+        const __m256i pb = _mm256_maddubs_epi16(wh, _mm256_set1_epi32(quad_of(x + 16 + 4 * g)));
+        if (group == 8) {
+            a16 = g == 0 ? _mm256_add_epi16(pa, pb) : _mm256_add_epi16(a16, _mm256_add_epi16(pa, pb));
+            continue;
         }
-        for (int i = 0; i < R; i++) {  // kept in order: otherwise gcc hoists the broadcasts and spills
-            __asm__("" : "+x"(a16[i]));
-            if (group != 8) __asm__("" : "+x"(b16[i]));
+        a16 = g % group == 0 ? pa : _mm256_add_epi16(a16, pa);
+        b16 = g % group == 0 ? pb : _mm256_add_epi16(b16, pb);
+        if (g % group == group - 1) {
+            const __m256i a32 = _mm256_madd_epi16(a16, ones), b32 = _mm256_madd_epi16(b16, ones);
+            *A = g < group ? a32 : _mm256_add_epi32(*A, a32);
+            *B = g < group ? b32 : _mm256_add_epi32(*B, b32);
         }
     }
-    if (group == 8)
-        for (int i = 0; i < R; i++) A[i] = _mm256_madd_epi16(a16[i], ones), B[i] = _mm256_setzero_si256();
+    if (group == 8) *A = _mm256_madd_epi16(a16, ones), *B = _mm256_setzero_si256();
 }
 
-// Channels 8h..8h+7 of a block for one row: the integer sums A, B (gguf_half_sums) less the
+// Channels 8h..8h+7 of a block for one row: the integer sums A, B (gguf_half_sums1) less the
 // zero point's share, then the float math of the top of this file into acc: AVX-512's gguf_row
 // for these channels.
 static inline __attribute__((always_inline)) void gguf_half_out(__m256i A, __m256i B, int h, float dx, float sx,
@@ -231,20 +220,93 @@ static inline __attribute__((always_inline)) void gguf_half_out(__m256i A, __m25
     _mm256_storeu_ps(acc + 8 * h, acc_v);
 }
 
+// R rows through an unpacked block, both halves of the channels at once (formats without
+// halves): each row's quads broadcast once for the two. The int16 sums take quads g and g + 4
+// for `group` / 2 steps of g (group 8: all eight quads, 4: four), then widen: A[i][h] is
+// gguf_half_sums1's A + B.
+static inline __attribute__((always_inline)) void gguf_sums(const gblock *W, const int8_t *x, size_t xs, int R,
+                                                             int group, __m256i A[3][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int steps = group / 2;  // steps of g per int16 sum
+    __m256i s16[3][2];
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+        const __m256i w0 = _mm256_load_si256(&W->w[0][g]), w1 = _mm256_load_si256(&W->w[1][g]);
+        const __m256i w4 = _mm256_load_si256(&W->w[0][g + 4]), w5 = _mm256_load_si256(&W->w[1][g + 4]);
+        for (int i = 0; i < R; i++) {
+            const __m256i lo = _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 4 * g));
+            const __m256i hi = _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 16 + 4 * g));
+            const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, lo), _mm256_maddubs_epi16(w4, hi));
+            const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(w1, lo), _mm256_maddubs_epi16(w5, hi));
+            s16[i][0] = g % steps == 0 ? p0 : _mm256_add_epi16(s16[i][0], p0);
+            s16[i][1] = g % steps == 0 ? p1 : _mm256_add_epi16(s16[i][1], p1);
+            if (g % steps == steps - 1)
+                for (int h = 0; h < 2; h++) {
+                    const __m256i a32 = _mm256_madd_epi16(s16[i][h], ones);
+                    A[i][h] = g < steps ? a32 : _mm256_add_epi32(A[i][h], a32);
+                }
+        }
+        for (int i = 0; i < R; i++) __asm__("" : "+x"(s16[i][0]), "+x"(s16[i][1]));  // kept in order: no spills
+    }
+}
+
+// Q6_K (group 2, halves): R rows through an unpacked block, both halves of the channels at once,
+// quad by quad (each row's quad broadcast once for the two): the int16 sums take two quads, then
+// widen; after quad 3 the first half of the inputs is done and goes into acc (gguf_half_out's
+// first fma), after quad 7 the second.
+static inline __attribute__((always_inline)) void gguf_rows_q6(const gblock *W, const qrows8 *r, size_t row0, int R,
+                                                                int nb, int b, const float *dw0, const float *dw1,
+                                                                float *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *x = q8block(r, row0, b);
+    __m256i s16[3][2], s32[3][2];
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; v++) {
+        const __m256i w0 = _mm256_load_si256(&W->w[0][v]), w1 = _mm256_load_si256(&W->w[1][v]);
+        for (int i = 0; i < R; i++) {
+            const __m256i xv = _mm256_set1_epi32(quad_of(x + (size_t)i * r->rs + 4 * v));
+            const __m256i p0 = _mm256_maddubs_epi16(w0, xv), p1 = _mm256_maddubs_epi16(w1, xv);
+            s16[i][0] = v % 2 == 0 ? p0 : _mm256_add_epi16(s16[i][0], p0);
+            s16[i][1] = v % 2 == 0 ? p1 : _mm256_add_epi16(s16[i][1], p1);
+            if (v % 2 == 1)
+                for (int h = 0; h < 2; h++) {
+                    const __m256i a32 = _mm256_madd_epi16(s16[i][h], ones);
+                    s32[i][h] = v % 4 == 1 ? a32 : _mm256_add_epi32(s32[i][h], a32);
+                }
+            if (v % 4 == 3) {  // a half of the inputs done: (sum - 32 * its activations' sum) * dw * dx into acc
+                const size_t k = (row0 + (size_t)i) * nb + b;
+                const __m256 dxv = _mm256_set1_ps(r->d[k]);
+                const __m256i z = _mm256_set1_epi32(32 * r->hs[2 * k + v / 4]);
+                const float *dw = v < 4 ? dw0 : dw1;
+                for (int h = 0; h < 2; h++) {
+                    float *a = acc + (size_t)i * GT + 8 * h;
+                    const __m256 sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(s32[i][h], z));
+                    _mm256_storeu_ps(a, _mm256_fmadd_ps(sum, _mm256_mul_ps(_mm256_loadu_ps(dw + 8 * h), dxv),
+                                                        _mm256_loadu_ps(a)));
+                }
+            }
+        }
+        for (int i = 0; i < R; i++) __asm__("" : "+x"(s16[i][0]), "+x"(s16[i][1]));  // kept in order: no spills
+    }
+}
+
 // R rows (row0 + i of r, accumulators acc + i * GT) through an unpacked block together: each
-// quad vector is loaded once for the R rows, half by half. R <= 3 (group 2: R <= 2).
+// quad vector is loaded once for the R rows (gguf_sums; Q6_K: gguf_rows_q6). R <= 3.
 static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, const qrows8 *r, size_t row0, int R,
                                                              int nb, int b, int zero, int group, const float *dw0,
                                                              const float *dw1, const float *mw, int halves, int has_m,
                                                              float *acc) {
-    for (int h = 0; h < 2; h++) {
-        __m256i A[3], B[3];
-        gguf_half_sums(W, NULL, 0, group, h, q8block(r, row0, b), r->rs, R, A, B);
-        for (int i = 0; i < R; i++) {
-            const size_t k = (row0 + (size_t)i) * nb + b;
-            gguf_half_out(A[i], B[i], h, r->d[k], r->s[k], r->hs + 2 * k, zero, dw0, dw1, mw, halves, has_m,
-                          acc + (size_t)i * GT);
-        }
+    if (halves) {  // Q6_K
+        gguf_rows_q6(W, r, row0, R, nb, b, dw0, dw1, acc);
+        return;
+    }
+    __m256i A[3][2];
+    gguf_sums(W, q8block(r, row0, b), r->rs, R, group, A);
+    for (int i = 0; i < R; i++) {
+        const size_t k = (row0 + (size_t)i) * nb + b;
+        for (int h = 0; h < 2; h++)
+            gguf_half_out(A[i][h], _mm256_setzero_si256(), h, r->d[k], r->s[k], r->hs + 2 * k, zero, dw0, dw1, mw, 0,
+                          has_m, acc + (size_t)i * GT);
     }
 }
 
@@ -255,9 +317,9 @@ static inline __attribute__((always_inline)) void gguf_row1(const uint8_t *blk, 
                                                              const float *dw0, const float *dw1, const float *mw,
                                                              int halves, int has_m, float *acc) {
     for (int h = 0; h < 2; h++) {
-        __m256i A[1], B[1];
-        gguf_half_sums(NULL, blk, planes, group, h, xb, 0, 1, A, B);
-        gguf_half_out(A[0], B[0], h, dx, sx, hs, zero, dw0, dw1, mw, halves, has_m, acc);
+        __m256i A, B;
+        gguf_half_sums1(blk, planes, group, h, xb, &A, &B);
+        gguf_half_out(A, B, h, dx, sx, hs, zero, dw0, dw1, mw, halves, has_m, acc);
     }
 }
 
@@ -303,7 +365,7 @@ static inline void gguf_block_scales(int fmt, int b, const uint16_t *d, const ui
 // constants (one unrolled body per format), kept apart so the many-row loop compiles as before.
 
 // Each format's constants (planes, zero, halves, has_m, group), as gguf_planes / gguf_zero /
-// tl_gguf_linear / gguf_half_sums: the loops below are compiled once per format.
+// tl_gguf_linear / the AVX2 sums: the loops below are compiled once per format.
 #define GGUF_FORMATS(F)               \
     case TL_Q4_K: F(0, 0, 0, 1, 8); break;  \
     case TL_Q6_K: F(2, 32, 1, 0, 2); break; \
@@ -352,14 +414,14 @@ static __attribute__((noinline)) void gguf_gemv1(int K, int N, int fmt, const ui
 }
 
 // Rows m0 .. m0 + rows - 1 through one tile (accumulators acc, zeroed by the caller): block by
-// block, each block unpacked once for all the rows, taken 3 at a time (group 2: 2).
+// block, each block unpacked once for all the rows, taken 3 at a time.
 static inline __attribute__((always_inline)) void gguf_tile_rows(int planes, int zero, int halves, int has_m,
                                                                   int group, int fmt, int nb, const uint8_t *wt,
                                                                   size_t block_bytes, const uint16_t *dt,
                                                                   const uint16_t *mt, const uint8_t *sct,
                                                                   const uint8_t *mnt, const qrows8 *r, int m0,
                                                                   int rows, float *acc) {
-    const int R = group == 2 ? 2 : 3;
+    const int R = 3;  // AVX2: 16 registers (AVX-512's gguf_rows takes any)
     for (int b = 0; b < nb; b++) {
         const uint8_t *wb = wt + (size_t)b * block_bytes;
         for (size_t p = 0; p < block_bytes; p += 64) _mm_prefetch((const char *)(wb + 4 * block_bytes + p), _MM_HINT_T0);
