@@ -187,7 +187,7 @@ def _tile_k(x: torch.Tensor, tile: int) -> torch.Tensor:
 class GgufLinear(quant._NativeBlockLinear):
     """A GGUF Q5_0, Q5_1, Q4_K, Q5_K or Q6_K weight, its codes and scales as in the file,
     repacked into tiles of 16 output channels (both builds; linear_gguf.h): 5, 6 or 4.x bits
-    per weight. float32 in and out, activations int16 per block of 32, exact integer dot
+    per weight. float32 in and out, activations int8 per block of 32, exact integer dot
     products per block, float scale math in a fixed order per output (batch invariant).
     Build with from_codes (or linear_from_raw, which packs a large tensor a chunk of rows at
     a time)."""
