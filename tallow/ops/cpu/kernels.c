@@ -48,26 +48,31 @@ static inline __m256i pair_bcast(const int16_t *x) {
     return _mm256_set1_epi32(*(const pair *)x);
 }
 
+// A block of 32 floats as integers of scale d = max|x| / levels: v[0..3] (loaded from xb) become
+// round(x * levels / max|x|) (to nearest even; all 0 for a block of zeros); returns d.
+static inline __attribute__((always_inline)) float block_round(const float *xb, float levels, __m256 v[4]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float db = amax / levels;
+    const __m256 id = _mm256_set1_ps(db > 0.0f ? levels / amax : 0.0f);
+    for (int i = 0; i < 4; i++)
+        v[i] = _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return db;
+}
+
 // One row of K floats (K % 32 == 0) to int16 blocks: q[K], d[K/32] (the scale) and
 // s[K/32] (d * the block's integer sum, for Q4's m term).
 static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float *s) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < K / QK; b++) {
-        const float *xb = x + b * QK;
-        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
-        __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-        const float db = amax / 32767.0f;
-        const __m256 id = _mm256_set1_ps(db > 0.0f ? 32767.0f / amax : 0.0f);
-        v0 = _mm256_round_ps(_mm256_mul_ps(v0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v1 = _mm256_round_ps(_mm256_mul_ps(v1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v2 = _mm256_round_ps(_mm256_mul_ps(v2, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v3 = _mm256_round_ps(_mm256_mul_ps(v3, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256 v[4];
+        const float db = block_round(x + b * QK, 32767.0f, v);
+        const __m256 v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];
         d[b] = db;
         s[b] = db * hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));  // exact integer sum
         // packs works within 128-bit lanes: [a0-3 b0-3 | a4-7 b4-7] -> 64-bit permute restores the order.
@@ -105,24 +110,11 @@ static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s); }
 // values at q + b * bs (round(x * 127 / max|x|), |q| <= 127), d[b] = max|x| / 127, s[b] = d[b] *
 // the block's integer sum, hs[2 b + h] = the integer sum of its half h (16 values).
 static void quantize_row_q8(const float *x, int K, int8_t *q, size_t bs, float *d, float *s, int16_t *hs) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int b = 0; b < K / QK; b++) {
-        const float *xb = x + b * QK;
-        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
-        __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-        const float db = amax / 127.0f;
-        const __m256 id = _mm256_set1_ps(db > 0.0f ? 127.0f / amax : 0.0f);
-        v0 = _mm256_round_ps(_mm256_mul_ps(v0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v1 = _mm256_round_ps(_mm256_mul_ps(v1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v2 = _mm256_round_ps(_mm256_mul_ps(v2, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v3 = _mm256_round_ps(_mm256_mul_ps(v3, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256 v[4];
+        const float db = block_round(x + b * QK, 127.0f, v);
+        const __m256 v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];
         const float h0 = hsum8(_mm256_add_ps(v0, v1)), h1 = hsum8(_mm256_add_ps(v2, v3));  // exact integers
         d[b] = db;
         s[b] = db * (h0 + h1);
