@@ -55,6 +55,10 @@ enum { TL_Q5_0 = 0, TL_Q5_1 = 1, TL_Q4_K = 2, TL_Q5_K = 3, TL_Q6_K = 4 };
 
 static inline int gguf_planes(int fmt) { return fmt == TL_Q6_K ? 2 : fmt == TL_Q4_K ? 0 : 1; }
 static inline int gguf_zero(int fmt) { return fmt == TL_Q5_0 ? 16 : fmt == TL_Q6_K ? 32 : 0; }
+static inline int gguf_halves(int fmt) { return fmt == TL_Q6_K; }  // two scales per block of 32
+static inline int gguf_has_m(int fmt) { return fmt != TL_Q5_0 && fmt != TL_Q6_K; }
+// AVX2: quads whose byte products may add up in int16 (the format's largest code: 15, 31, 63)
+static inline int gguf_group(int fmt) { return fmt == TL_Q4_K ? 8 : fmt == TL_Q6_K ? 2 : 4; }
 
 // The four bytes x[0..3] in every 32-bit lane.
 static inline int32_t quad_of(const int8_t *x) {
@@ -361,17 +365,15 @@ static inline void gguf_block_scales(int fmt, int b, const uint16_t *d, const ui
     }
 }
 
-// y[1, N] (M = 1): tl_gguf_linear's loop for one row, through gguf_row1 with the format's
-// constants (one unrolled body per format), kept apart so the many-row loop compiles as before.
-
-// Each format's constants (planes, zero, halves, has_m, group), as gguf_planes / gguf_zero /
-// tl_gguf_linear / the AVX2 sums: the loops below are compiled once per format.
+// The loops below are compiled once per format: F(f) with f a constant, so each format's
+// constants (gguf_planes, gguf_zero, ...) are constants in its body.
 #define GGUF_FORMATS(F)               \
-    case TL_Q4_K: F(0, 0, 0, 1, 8); break;  \
-    case TL_Q6_K: F(2, 32, 1, 0, 2); break; \
-    case TL_Q5_K: F(1, 0, 0, 1, 4); break;  \
-    case TL_Q5_0: F(1, 16, 0, 0, 4); break; \
-    default: F(1, 0, 0, 1, 4); break;  // Q5_1
+    case TL_Q4_K: F(TL_Q4_K); break;  \
+    case TL_Q6_K: F(TL_Q6_K); break;  \
+    case TL_Q5_K: F(TL_Q5_K); break;  \
+    case TL_Q5_0: F(TL_Q5_0); break;  \
+    default: F(TL_Q5_1); break;
+#define GGUF_CONSTS(f) gguf_planes(f), gguf_zero(f), gguf_halves(f), gguf_has_m(f), gguf_group(f)
 
 // y[1, N] (M = 1): tl_gguf_linear's loop for one row, through gguf_row1.
 static inline __attribute__((always_inline)) void gguf_tile1(int planes, int zero, int halves, int has_m, int group,
@@ -394,7 +396,7 @@ static __attribute__((noinline)) void gguf_gemv1(int K, int N, int fmt, const ui
                                                  const uint16_t *wm, const uint8_t *wsc, const uint8_t *wmn,
                                                  const float *bias, float *y, int nthreads, const qrows8 *r) {
     const int nb = K / QK, tiles = (N + GT - 1) / GT;
-    const int planes = gguf_planes(fmt), halves = fmt == TL_Q6_K, kq = fmt >= TL_Q4_K;
+    const int planes = gguf_planes(fmt), halves = gguf_halves(fmt), kq = fmt >= TL_Q4_K;
     const size_t block_bytes = 256 + (size_t)64 * planes, tile_bytes = (size_t)nb * block_bytes;
     const size_t d_per_tile = (size_t)(kq ? nb / 8 : nb) * GT;
     const size_t sc_per_tile = (size_t)nb * GT * (halves ? 2 : 1);
@@ -405,7 +407,7 @@ static __attribute__((noinline)) void gguf_gemv1(int K, int N, int fmt, const ui
         const uint16_t *dt = wd + (size_t)t * d_per_tile, *mt = wm ? wm + (size_t)t * d_per_tile : NULL;
         const uint8_t *sct = wsc ? wsc + (size_t)t * sc_per_tile : NULL;
         const uint8_t *mnt = wmn ? wmn + (size_t)t * nb * GT : NULL;
-#define TILE1(pl, z, hv, hm, gr) gguf_tile1(pl, z, hv, hm, gr, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc)
+#define TILE1(f) gguf_tile1(GGUF_CONSTS(f), f, nb, wt, block_bytes, dt, mt, sct, mnt, r, acc)
         switch (fmt) { GGUF_FORMATS(TILE1) }
 #undef TILE1
         const int cols = N - t * GT < GT ? N - t * GT : GT;
@@ -446,7 +448,7 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
                    const uint16_t *wm, const uint8_t *wsc, const uint8_t *wmn, const float *bias, float *y,
                    int nthreads) {
     const int nb = K / QK, tiles = (N + GT - 1) / GT, chunk = M < GCHUNK ? M : GCHUNK;
-    const int planes = gguf_planes(fmt), halves = fmt == TL_Q6_K, kq = fmt >= TL_Q4_K;
+    const int planes = gguf_planes(fmt), halves = gguf_halves(fmt), kq = fmt >= TL_Q4_K;
     const size_t block_bytes = 256 + (size_t)64 * planes, tile_bytes = (size_t)nb * block_bytes;
     const size_t d_per_tile = (size_t)(kq ? nb / 8 : nb) * GT;  // d (and m/dmin) entries per tile
     const size_t sc_per_tile = (size_t)nb * GT * (halves ? 2 : 1);
@@ -478,8 +480,7 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
             for (int m0 = 0; m0 < M; m0 += chunk) {
                 const int rows = M - m0 < chunk ? M - m0 : chunk;
                 memset(acc, 0, sizeof(float) * GT * (size_t)rows);
-#define ROWS(pl, z, hv, hm, gr) \
-    gguf_tile_rows(pl, z, hv, hm, gr, fmt, nb, wt, block_bytes, dt, mt, sct, mnt, &r, m0, rows, acc)
+#define ROWS(f) gguf_tile_rows(GGUF_CONSTS(f), f, nb, wt, block_bytes, dt, mt, sct, mnt, &r, m0, rows, acc)
                 switch (fmt) { GGUF_FORMATS(ROWS) }
 #undef ROWS
                 for (int i = 0; i < rows; i++) {
