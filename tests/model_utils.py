@@ -159,17 +159,15 @@ def gguf_tensor_name(hf_name: str, names: dict[str, str]) -> str:
     return f"{names[base]}.{kind}"
 
 
-def block_activations(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_activations(x: torch.Tensor, levels: int) -> torch.Tensor:
     """x [rows, k] as tallow's CPU block kernels see it, float64: rounded per block of 32 to
     integers of scale max|x| / levels (int8: 127, linear_gguf.h's GGUF formats; int16: 32767,
-    the Q4/Q8 kernels'), the kernel's float32 operations; and half the scale per element (the
-    rounding's largest error)."""
+    the Q4/Q8 kernels'), the kernel's float32 operations."""
     groups = x.double().reshape(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
     step = (amax.float() / levels).double()  # the kernel's float32 scale
     inv = torch.where(amax > 0, torch.full_like(amax, float(levels)).float() / amax.float(), 0.0).double()  # IEEE
-    rounded = ((groups.float() * inv.float()).round().double() * step).reshape(x.shape)
-    return rounded, (step / 2).expand_as(groups).reshape(x.shape)
+    return ((groups.float() * inv.float()).round().double() * step).reshape(x.shape)
 
 
 def activation_levels(gguf_type: str) -> int | None:
@@ -190,7 +188,7 @@ def round_linear_inputs(linear: torch.nn.Module, levels: int | None) -> None:
 
     def hook(module, args):
         x = args[0]
-        return (block_activations(x.reshape(-1, x.shape[-1]), levels)[0].to(x.dtype).view(x.shape),)
+        return (block_activations(x.reshape(-1, x.shape[-1]), levels).to(x.dtype).view(x.shape),)
 
     linear.register_forward_pre_hook(hook)
 
