@@ -93,9 +93,11 @@ class EngineConfig:
     ngram_min: int = 2
     # What one more query row of a step costs, relative to a plain decode step of one sequence:
     # a sequence proposes a draft position only while its recent drafts reached that position
-    # more often than this (the adaptive off-switch). None: 0.7 on the CPU (tallow's int4
-    # kernels on AVX2 run each of 2-3 rows on its own, ~0.7 of a one-row step per extra row
-    # for the default model), 0.1 on CUDA. A constant, not a timing: a seeded request's text
+    # more often than this (the adaptive off-switch; engine/speculative/state.py scales it up
+    # with the batch for requests whose text cannot depend on it). None: by the kernels in use,
+    # measured on the default model: 0.25 for tallow's AVX-512 VNNI build (a 2-core Xeon: 5.0 ms
+    # for one row, +1.3 ms a row), 0.4 for the AVX2 one (Zen 3: 5 rows cost 2.2-2.9x one), 0.7
+    # for torch's CPU kernels, 0.1 on CUDA. A constant, not a timing: a seeded request's text
     # must not depend on how fast the machine was.
     speculative_row_cost: float | None = None
 

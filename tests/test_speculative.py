@@ -14,6 +14,7 @@ import json
 import math
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.engine.speculative import verify as verify_module
 from tallow.engine.speculative.ngram import NgramProposer
+from tallow.engine.speculative.speculator import Speculator
 from tallow.engine.speculative.state import SpecState
 from tallow.llm import LLM
 from tallow.models.config import ModelConfig
@@ -169,6 +171,44 @@ def test_adaptive_draft_length_pauses_and_resumes():
     assert good.paused == 0 and good.draft_length() == 3
 
 
+def test_a_position_cut_by_early_rejections_is_tried_again():
+    """Early drafts that fail at their second token cut the draft to one token; once the first
+    token keeps being accepted, the later positions are proposed again (a position no longer
+    proposed is never judged, so its rate must not stay where the rejections left it)."""
+    state = SpecState(None, k_max=4, row_cost=0.25)
+    for proposed, accepted in [(4, 0), (4, 4), (4, 4), (4, 1), (4, 0), (4, 0)]:
+        state.record(proposed, accepted)
+    assert state.draft_length() == 1
+    lengths = []
+    for _ in range(12):  # every proposed token accepted
+        lengths.append(state.draft_length())
+        state.record(lengths[-1], lengths[-1])
+    assert lengths[-1] == 4, lengths
+
+
+def test_rows_are_priced_at_the_batch_unless_a_seeded_text_depends_on_them():
+    """A row costs more, against a plain step's tokens, the more sequences share the step: a
+    draft position reached half the time pays at one sequence (row cost 0.25), not among 16.
+    A seeded sampled request's drafts must not depend on the batch (rejection sampling draws
+    its text differently where a draft was verified), so it keeps its one-sequence price."""
+    speculator = Speculator(EngineConfig(speculative_method="ngram", speculative_row_cost=0.25))
+
+    def seq(params):
+        state = SpecState(None, k_max=4, row_cost=0.25)
+        for i in range(12):  # one-token drafts, every other one accepted
+            state.record(1, i % 2)
+        return SimpleNamespace(params=params, spec=state, prompt_logprobs=None, max_output_tokens=100,
+                               num_output_tokens=10, token_ids=list(range(30)))
+
+    greedy = seq(SamplingParams(temperature=0.0, seed=7))
+    unseeded = seq(SamplingParams(temperature=0.8))
+    seeded = seq(SamplingParams(temperature=0.8, seed=7))
+    for s in (greedy, unseeded):
+        assert speculator.draft_length(s, 10_000, batch=1) > 0
+        assert speculator.draft_length(s, 10_000, batch=16) == 0
+    assert speculator.draft_length(seeded, 10_000, batch=16) == speculator.draft_length(seeded, 10_000, batch=1) > 0
+
+
 # ---- greedy: token for token plain decoding -------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -240,7 +280,7 @@ def test_off_switch_stops_bad_drafts_and_keeps_outputs(default_model, prompts, g
     each sequence drafts a few times, then pauses (longer each time); the tokens stay plain
     decoding's."""
     adaptive = make_core(default_model, **dict(SPEC, speculative_row_cost=None))
-    assert adaptive.speculator.row_cost == 0.7
+    assert 0.0 < adaptive.speculator.row_cost < 1.0  # the kernels' default (config.py)
     bad = adaptive.model_config.vocab_size - 1  # never a greedy pick here
     assert all(bad not in out for out in greedy_reference)
     adaptive.speculator.proposer.propose = lambda index, token_ids, k: [bad] * k

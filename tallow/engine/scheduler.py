@@ -179,7 +179,7 @@ class Scheduler:
                 n = 1  # forced tokens, one per step: the step stays one a decode graph replays
             draft = ()
             if seq.spec is not None and computed + n == len(seq.token_ids):
-                drafted = self._draft(seq, n, budget)
+                drafted = self._draft(seq, n, budget, len(running))
                 if drafted is None:  # a decode row whose draft does not fit this step: the next one
                     i += 1
                     continue
@@ -217,7 +217,7 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, budget, self.max_chunk)
             draft = ()
             if seq.spec is not None and num_cached + n == seq.num_tokens:
-                drafted = self._draft(seq, n, budget)
+                drafted = self._draft(seq, n, budget, len(self.running) + 1)
                 if drafted is None:
                     break
                 draft, n = drafted
@@ -248,8 +248,9 @@ class Scheduler:
         if spec is None:
             return False
         pool = self.pool_tokens
+        batch = len(self.running)
         for seq in self.running:
-            if seq.spec is not None and not seq.stopping and spec.may_draft(seq, pool):
+            if seq.spec is not None and not seq.stopping and spec.may_draft(seq, pool, batch):
                 return True
         room = self.max_num_seqs - len(self.running)
         for seq in self.waiting:
@@ -260,17 +261,18 @@ class Scheduler:
                     or (seq.grammar is not None and seq.grammar.matcher is None)):
                 continue
             room -= 1
-            if seq.spec is not None and spec.may_draft(seq, pool):
+            if seq.spec is not None and spec.may_draft(seq, pool, batch + 1):
                 return True
         return False
 
-    def _draft(self, seq: Sequence, n: int, budget: int) -> tuple[list[int], int] | None:
+    def _draft(self, seq: Sequence, n: int, budget: int, batch: int) -> tuple[list[int], int] | None:
         """The draft of a speculating sequence's row of n tokens that reaches its end, and the
         row's tokens. The draft is never cut to the step's budget (a seeded sequence's text
         would depend on the batch): a row it does not fit gets no draft and stops one token
         short of the end, so it does not sample (a prefill chunk), or waits for the next step
-        (None: a decode row)."""
-        draft = self.speculator.propose(seq, self.pool_tokens)
+        (None: a decode row). batch: the sequences running with it (the price of its rows,
+        Speculator.draft_length)."""
+        draft = self.speculator.propose(seq, self.pool_tokens, batch)
         if n + len(draft) <= budget:
             return draft, n
         return None if n == 1 else ([], n - 1)

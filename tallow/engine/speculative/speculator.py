@@ -25,7 +25,7 @@ class Speculator:
         self.k = k
         self.row_cost = config.speculative_row_cost
         if self.row_cost is None:
-            self.row_cost = 0.1 if device_type == "cuda" else 0.7
+            self.row_cost = default_row_cost(device_type)
         if not 0.0 <= self.row_cost < 1.0:
             raise TallowError(f"speculative_row_cost must be in [0, 1), got {self.row_cost}",
                               param="speculative_row_cost")
@@ -51,12 +51,18 @@ class Speculator:
         if first:
             self.num_requests += 1
 
-    def draft_length(self, seq: Sequence, pool_tokens: int) -> int:
+    def draft_length(self, seq: Sequence, pool_tokens: int, batch: int = 1) -> int:
+        """How many tokens seq may propose now, `batch` sequences running (the step's rows)."""
         if _prompt_logprobs_pending(seq):
             return 0
         spec = seq.spec
-        return max(0, min(spec.draft_length(), seq.max_output_tokens - seq.num_output_tokens - 1,
-                          pool_tokens - len(seq.token_ids)))
+        # A seeded sampled request's text depends on where drafts were verified (rejection
+        # sampling draws differently from plain sampling): its draft lengths must depend on its
+        # own drafts only. Any other request's text does not depend on them (greedy: plain
+        # decoding's tokens; unseeded: random anyway), so its rows are priced at the batch.
+        fixed = seq.params.seed is not None and not seq.params.greedy
+        k = spec.draft_length(None if fixed else batch_row_cost(self.row_cost, batch))
+        return max(0, min(k, seq.max_output_tokens - seq.num_output_tokens - 1, pool_tokens - len(seq.token_ids)))
 
     def prepare(self, running: list[Sequence], pool_tokens: int) -> None:
         """Before the scheduler runs: a proposer that drafts for the whole batch at once (a
@@ -68,7 +74,7 @@ class Speculator:
         for seq in running:
             if seq.spec is None or seq.stopping or seq.num_computed_tokens != len(seq.token_ids) - 1:
                 continue
-            k = self.draft_length(seq, pool_tokens)
+            k = self.draft_length(seq, pool_tokens, len(running))
             if k > 0:
                 wanted.append((seq, k))
         prepare(wanted)
@@ -79,22 +85,22 @@ class Speculator:
         if release is not None:
             release(seq.spec.index)
 
-    def propose(self, seq: Sequence, pool_tokens: int) -> list[int]:
+    def propose(self, seq: Sequence, pool_tokens: int, batch: int = 1) -> list[int]:
         """The draft of seq's next sampling row: at most k tokens, fewer where its output limit
         or the pool would end it first (never fewer because of the batch). Nothing while its last
         token is pending (asynchronous scheduling): the engine runs such a step only when
         may_draft() said no draft could come."""
-        k = self.draft_length(seq, pool_tokens)
+        k = self.draft_length(seq, pool_tokens, batch)
         if k <= 0 or seq.token_ids[-1] < 0:
             return []
         return self.proposer.propose(seq.spec.index, seq.token_ids, k)
 
-    def may_draft(self, seq: Sequence, pool_tokens: int) -> bool:
+    def may_draft(self, seq: Sequence, pool_tokens: int, batch: int = 1) -> bool:
         """Whether seq's next sampling row could carry a draft, known before its last token is
         (asynchronous scheduling: it may still be sampled on the device). False means propose()
         gives nothing whatever that token is, so the step can run as a plain one without waiting
         for it. A proposer without may_propose (a draft model) could always draft."""
-        k = self.draft_length(seq, pool_tokens)
+        k = self.draft_length(seq, pool_tokens, batch)
         if k <= 0:
             return False
         may = getattr(self.proposer, "may_propose", None)
@@ -127,6 +133,24 @@ class Speculator:
             "mean_accepted_length": (1 + self.num_accepted_tokens / self.num_drafts) if self.num_drafts else 0.0,
             "accepted_per_position": list(self.accepted_per_position),
         }
+
+
+def default_row_cost(device_type: str) -> float:
+    """speculative_row_cost's default (EngineConfig): by the kernels that run the rows."""
+    if device_type == "cuda":
+        return 0.1
+    from tallow.ops import cpu_native
+
+    return {"avx512": 0.25, "avx2": 0.4}.get(cpu_native.variant() or "", 0.7)
+
+
+def batch_row_cost(row_cost: float, batch: int) -> float:
+    """What one more row costs against the tokens of a plain step of `batch` sequences, for a
+    step that costs 1 - row_cost + batch * row_cost one-sequence steps (a fixed part and a
+    part per row: the measured shape on the CPU): row_cost at one sequence, towards 1 as the
+    batch grows (a row then costs about a token's share of the step)."""
+    b = max(1, batch)
+    return b * row_cost / (1.0 + (b - 1) * row_cost)
 
 
 def _prompt_logprobs_pending(seq: Sequence) -> bool:

@@ -2,17 +2,21 @@
 speculation_refusal: why a request does not speculate.
 
 The adaptive off-switch. Verifying a draft of k tokens adds k query rows to the step, each
-costing `row_cost` of a plain decode step (EngineConfig.speculative_row_cost); the draft's
-i-th token pays for itself when drafts reach position i (all of its first i tokens accepted)
-more often than that. Each sequence keeps, per position, a decaying count of its recent drafts
-that proposed a token there and of those that reached it (an optimistic prior, so a fresh
-sequence tries its full draft), and proposes only the leading positions whose reach rate is
-above the row cost. When not even the first is, it pauses (PAUSE of its own steps, doubling
-on every pause that ends on drafts still not worth it, up to MAX_PAUSE), then tries again
-from the prior with a draft of one token, the cap doubling on every draft accepted whole (so
-a failed retry costs one verification row, not k_max).
-Everything here depends only on the sequence's own drafts: a seeded request's text does not
-depend on the batch.
+costing `row_cost` of a plain decode step (EngineConfig.speculative_row_cost; the Speculator
+raises it with the batch for requests whose text cannot depend on it); the draft's i-th token
+pays for itself when drafts reach position i (all of its first i tokens accepted) more often
+than that. Each sequence keeps, per position, a decaying count of its recent drafts whose token
+there was judged (every token before it accepted) and of those accepted there (an optimistic
+prior, so a fresh sequence tries its full draft); the chance of reaching position i is the
+product of the acceptance rates up to i, and it proposes the leading positions whose chance is
+above the row cost. A position no longer proposed is not judged, so its rate would stay where
+its last rejections left it: each draft accepted whole moves the next position's rate back
+towards the prior (a position that fails is retried later, sooner where rows are cheap).
+When not even the first position pays, it pauses (PAUSE of its own steps, doubling on every
+pause that ends on drafts still not worth it, up to MAX_PAUSE), then tries again from the prior
+with a draft of one token, the cap doubling on every draft accepted whole (so a failed retry
+costs one verification row, not k_max).
+Everything here depends only on the sequence's own drafts and the row cost it is asked at.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def speculation_refusal(params: SamplingParams) -> str | None:
 
 
 class SpecState:
-    __slots__ = ("index", "proposed", "accepted", "num_drafts", "tried", "reached", "paused", "pause",
+    __slots__ = ("index", "proposed", "accepted", "num_drafts", "judged", "passed", "paused", "pause",
                  "k_max", "cap", "row_cost")
 
     def __init__(self, index: object, k_max: int = 4, row_cost: float = 0.7):
@@ -58,17 +62,22 @@ class SpecState:
         self.k_max = k_max
         self.cap = k_max  # longest draft for now: 1 after a pause, doubling on drafts accepted whole
         self.row_cost = row_cost
-        self.tried = [PRIOR] * k_max  # decaying count of drafts with a token at position i
-        self.reached = [PRIOR] * k_max  # of those, drafts whose first i + 1 tokens were accepted
+        self.judged = [PRIOR] * k_max  # decaying count of drafts whose token i was judged
+        self.passed = [PRIOR] * k_max  # of those, drafts whose token i was accepted
         self.paused = 0  # own steps left without proposals
         self.pause = PAUSE
 
-    def draft_length(self) -> int:
-        """How many tokens this step's draft may have (0: none)."""
+    def draft_length(self, row_cost: float | None = None) -> int:
+        """How many tokens this step's draft may have (0: none), a row costing row_cost (by
+        default the sequence's own, that of a step of one sequence)."""
         if self.paused:
             return 0
-        k = 0
-        while k < self.cap and self.reached[k] > self.row_cost * self.tried[k]:
+        cost = self.row_cost if row_cost is None else row_cost
+        k, reach = 0, 1.0
+        while k < self.cap:
+            reach *= self.passed[k] / self.judged[k]
+            if reach <= cost:
+                break
             k += 1
         return k
 
@@ -84,18 +93,19 @@ class SpecState:
         self.proposed += proposed
         self.accepted += accepted
         self.num_drafts += 1
-        tried, reached = self.tried, self.reached
-        for i in range(self.k_max):
-            tried[i] *= DECAY
-            reached[i] *= DECAY
-            if i < proposed:
-                tried[i] += 1.0
-                reached[i] += 1.0 if i < accepted else 0.0
+        judged, passed = self.judged, self.passed
+        # Tokens up to the first rejected one were judged; later ones followed a wrong token.
+        for i in range(min(proposed, accepted + 1)):
+            judged[i] = judged[i] * DECAY + 1.0
+            passed[i] = passed[i] * DECAY + (1.0 if i < accepted else 0.0)
+        if accepted == proposed < self.k_max:  # the next position, not proposed: back towards the prior
+            judged[proposed] = judged[proposed] * DECAY + (1.0 - DECAY) * PRIOR
+            passed[proposed] = passed[proposed] * DECAY + (1.0 - DECAY) * PRIOR
         if self.draft_length() == 0:
             self.paused = self.pause
             self.pause = min(self.pause * 2, MAX_PAUSE)
-            self.tried = [PRIOR] * self.k_max
-            self.reached = [PRIOR] * self.k_max
+            self.judged = [PRIOR] * self.k_max
+            self.passed = [PRIOR] * self.k_max
             self.cap = 1
         elif accepted == proposed:
             self.pause = PAUSE
