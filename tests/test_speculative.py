@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 from collections import Counter
 from types import SimpleNamespace
 
@@ -449,30 +450,88 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "age", "role"], "additionalProperties": False}
 
 
-def test_grammar_request_in_a_speculating_batch_is_plain_and_valid(plain_core, spec_core, prompts):
-    """A grammar request decodes plainly beside speculating sequences (its masks, the grammar's
-    end and jump-forward fill as without speculation) and its reply is valid for the schema."""
+COLORS = r"( (red|green|blue)){6,14}\."
+
+
+def grammar_requests(tok):
+    """A JSON-schema request (forced keys: jump-forward fill) and a regex whose reply repeats
+    (so ngram drafts it), with a start_after variant: the grammar applies once the output has
+    said " Colors:" (as the prompt's answers do: the marker may complete inside a draft)."""
     from tallow.engine.grammar import GrammarSpec
 
+    person = GrammarSpec("json_schema", json.dumps(PERSON, separators=(",", ":")))
+    colors = GrammarSpec("regex", COLORS)
+    marker = tuple(tok.encode(" Colors:"))
+    late = GrammarSpec("regex", COLORS, start_after=marker)
+    greedy = dict(temperature=0.0, max_tokens=48)
+    return [
+        (tok.encode("Describe a user as JSON:"), SamplingParams(**greedy, grammar=person)),
+        (tok.encode("red green blue red green blue red green blue red green"), SamplingParams(**greedy, grammar=colors)),
+        (tok.encode("Q: colors? A: Colors: red green blue.\nQ: colors? A: Colors: red green blue.\nQ: colors? A:"),
+         SamplingParams(**greedy, grammar=late)),
+    ]
+
+
+def test_grammar_requests_speculate_as_plain_decoding(plain_core, spec_core, prompts):
+    """Grammar requests speculate beside other speculating sequences: their drafts are cut to
+    what the grammar allows, the verified positions masked by a matcher advanced over the draft;
+    tokens, finish reasons and validity are plain decoding's, and they took drafts of their own."""
     jsonschema = pytest.importorskip("jsonschema")
     tok = plain_core.tokenizer
-    grammar = GrammarSpec("json_schema", json.dumps(PERSON, separators=(",", ":")))
-    person = (tok.encode("Describe a user as JSON:"), SamplingParams(temperature=0.0, max_tokens=64, grammar=grammar))
+    requests = grammar_requests(tok)
     accepted0, refused0 = spec_counts(spec_core)
     results = []
     for core in (plain_core, spec_core):
-        seqs, outs = staged(core, speculating_batch(prompts) + [person], [person])
-        # The speculating sequences' outputs come in runs: their tokens are compared; the
-        # grammar ones' outputs one by one (forced tokens and fill where they were).
-        results.append([s.output_ids for s in seqs[:4]] + [
-            (s.output_ids, s.finish_reason, [(o.token_ids, o.fill) for o in outs[s.seq_id]]) for s in seqs[4:]])
-        for s in (seqs[4], seqs[5]):
-            assert s.spec is None and s.finish_reason == "stop" and outs[s.seq_id][-1].fill > 0
-            jsonschema.validate(json.loads(tok.decode(s.output_ids)), PERSON)
+        seqs, outs = staged(core, speculating_batch(prompts) + requests[:1], requests[1:])
+        results.append([(s.output_ids, s.finish_reason) for s in seqs])
+        person, colors, late = seqs[4], seqs[5], seqs[6]
+        assert person.finish_reason == "stop" and sum(o.fill for o in outs[person.seq_id]) > 0
+        jsonschema.validate(json.loads(tok.decode(person.output_ids)), PERSON)
+        assert re.fullmatch(COLORS, tok.decode(colors.output_ids)), tok.decode(colors.output_ids)
+        text = tok.decode(late.output_ids)
+        assert re.fullmatch(COLORS, text[text.index("Colors:") + len("Colors:"):]), text
+        if core is spec_core:
+            assert all(s.spec is not None for s in seqs[4:])
+            assert colors.spec.accepted > 0 and late.spec.accepted > 0  # their own drafts stood
     assert results[1] == results[0]
     accepted, refused = spec_counts(spec_core)
-    assert accepted > accepted0
-    assert refused["grammar"] - refused0["grammar"] == 2
+    assert accepted > accepted0 and refused == refused0
+
+
+def test_sampled_grammar_request_speculates_within_its_grammar(spec_core):
+    """Rejection sampling over masked rows: a sampled color request (seeded) drafts, and every
+    token it emits is one the grammar allows (its reply matches the regex, it ends by it)."""
+    tok = spec_core.tokenizer
+    ids, greedy = grammar_requests(tok)[1]
+    params = dataclasses.replace(greedy, temperature=0.7, seed=11)
+    for seed in (11, 12, 13):
+        s = run_all(spec_core, [ids], dataclasses.replace(params, seed=seed))[0]
+        assert s.finish_reason == "stop" and re.fullmatch(COLORS, tok.decode(s.output_ids)), tok.decode(s.output_ids)
+        assert s.spec.proposed > 0
+
+
+def test_grammar_cuts_drafts_at_a_token_it_rejects(default_model, plain_core, prompts):
+    """A proposer whose drafts carry a token the grammar forbids after their first: each draft is
+    cut before it (one token verified), and the tokens stay plain decoding's."""
+    tok = plain_core.tokenizer
+    requests = grammar_requests(tok)[1:]
+    plain = [s.output_ids for ids, p in requests for s in run_all(plain_core, [ids], p)]
+    core = make_core(default_model, **SPEC)
+    bad = tok.encode("{")[0]  # never allowed by the color regex
+    ngram = core.speculator.proposer.propose
+    core.speculator.proposer.propose = lambda index, ids, k: (d := ngram(index, ids, k))[:1] + [bad] * (len(d) > 0)
+    got, drafts = [], []
+    for ids, p in requests:
+        before = core.stats()["speculative"]
+        got += [s.output_ids for s in run_all(core, [ids], p)]
+        after = core.stats()["speculative"]
+        drafts.append((after["num_drafts"] - before["num_drafts"],
+                       after["num_draft_tokens"] - before["num_draft_tokens"]))
+    assert got == plain
+    # The color regex applies from the first token: every draft was cut to one token. The
+    # start_after one drafts freely until its marker (its grammar does not apply before).
+    assert drafts[0][0] > 0 and drafts[0][1] == drafts[0][0], drafts
+    assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
 def test_reasoning_budget_request_in_a_speculating_batch_is_plain(plain_core, spec_core, prompts):

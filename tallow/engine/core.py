@@ -478,8 +478,9 @@ class EngineCore:
             self._record_speculation(out, res)
         else:
             self.scheduler.update(out, res.token_ids)
-        # After either update (a grammar row never speculates: one token per row).
-        forced = self._advance_grammars(out) if self.scheduler.num_grammar_seqs else None
+        # After either update: each grammar row's matcher consumes its token, or its verified run.
+        forced = (self._advance_grammars(out, runs=res.runs if out.speculative else None)
+                  if self.scheduler.num_grammar_seqs else None)
         if not self.scheduler.running:  # nothing runs on: the sampler's cached batch plan is stale
             self.runner.sampler.release()
         return self._outputs(out, res, forced=forced)
@@ -491,22 +492,29 @@ class EngineCore:
             if not seq.prompt_logprobs_sent:
                 seq.prompt_logprobs.extend(entries)
 
-    def _advance_grammars(self, out: SchedulerOutput,
-                          following: SchedulerOutput | None = None) -> dict[int, list[int]] | None:
-        """Each grammar row's matcher consumes the token just sampled; a complete grammar ends
-        its sequence ("stop"); tokens the grammar forces next are appended (jump-forward, within
-        the length limits): seq_id -> those tokens. following: the step launched since
-        (asynchronous scheduling), whose row of a sequence given forced tokens is dropped."""
+    def _advance_grammars(self, out: SchedulerOutput, following: SchedulerOutput | None = None,
+                          runs: list[list[int]] | None = None) -> dict[int, list[int]] | None:
+        """Each grammar row's matcher consumes the token just sampled (runs: a verified step's
+        runs per sampling row, as the scheduler kept them: all of the run's tokens); a complete
+        grammar ends its sequence ("stop"); tokens the grammar forces next are appended
+        (jump-forward, within the length limits): seq_id -> those tokens. following: the step
+        launched since (asynchronous scheduling), whose row of a sequence given forced tokens is
+        dropped."""
         forced: dict[int, list[int]] = {}
         ended: dict[str, list[Sequence]] = {}
         pool_tokens = self.scheduler.pool_tokens
         next_rows = None
+        i = -1  # sampling row
         for s in out.scheduled:
             seq = s.seq
             g = seq.grammar
+            i += bool(s.samples)
             if g is None or not s.samples or s.dropped or seq.is_finished:
                 continue
-            reason, tokens = g.advance(seq.token_ids, seq.num_prompt_tokens, self.jump_forward)
+            new = len(runs[i]) if runs is not None else 1
+            if new == 0:
+                continue
+            reason, tokens = g.advance(seq.token_ids, seq.num_prompt_tokens, self.jump_forward, new)
             if tokens:
                 room = min(seq.max_output_tokens - seq.num_output_tokens, pool_tokens - len(seq.token_ids))
                 take = tokens[:max(room, 0)]

@@ -361,6 +361,12 @@ class GrammarBackend:
             self._executor = llg.LLExecutor(num_threads=max(1, min(8, os.cpu_count() or 1)))
         fill_next_token_bitmask_par(self._executor, [(m, j) for j, m in enumerate(matchers)], out)
 
+    def fill_bitmask(self, matcher, out: np.ndarray, row: int) -> None:
+        """Row `row` of out <- one matcher's allowed next tokens (fill_bitmasks' layout)."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(matcher, out, row)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -465,24 +471,34 @@ class GrammarState:
         """The next token is masked by the grammar."""
         return self.active and self.matcher is not None
 
-    def advance(self, token_ids: list[int], num_prompt_tokens: int,
-                jump_forward: bool) -> tuple[str | None, list[int]]:
-        """After a token was appended to the sequence (token_ids: prompt and output, the last
-        one new): consume it.
+    def _opens_at(self, tokens: list[int], end: int, num_prompt_tokens: int) -> bool:
+        """Whether tokens[:end] ends with the start_after marker inside the output (the grammar
+        applies from the token after it)."""
+        marker = self.spec.start_after
+        k = len(marker)
+        return end - num_prompt_tokens >= k and tuple(tokens[end - k:end]) == marker
+
+    def advance(self, token_ids: list[int], num_prompt_tokens: int, jump_forward: bool,
+                new: int = 1) -> tuple[str | None, list[int]]:
+        """After `new` tokens were appended to the sequence (token_ids: prompt and output, the
+        last `new` of them new: one sampled token, or a verified speculative run): consume them.
         Returns (finish reason or None, tokens forced next: append them without sampling;
         the matcher has consumed them). "stop": the grammar is complete (nothing but the end
-        can follow); "error": the token was not one the grammar allows."""
+        can follow); "error": a token was not one the grammar allows."""
         m = self.matcher
         if m is None:
             return None, []
+        for end in range(len(token_ids) - new + 1, len(token_ids) + 1):
+            if not self.active:
+                if self._opens_at(token_ids, end, num_prompt_tokens):
+                    self.active = True  # the grammar applies from the next token on
+                continue
+            if not m.consume_token(token_ids[end - 1]):
+                return "error", []
+            if m.is_stopped():
+                return "stop", []
         if not self.active:
-            marker = self.spec.start_after
-            k = len(marker)
-            if len(token_ids) - num_prompt_tokens < k or tuple(token_ids[-k:]) != marker:
-                return None, []
-            self.active = True  # the grammar applies from the next token on
-        elif not m.consume_token(token_ids[-1]):
-            return "error", []
+            return None, []
         if m.is_stopped():
             return "stop", []
         if not jump_forward:
@@ -491,6 +507,54 @@ class GrammarState:
         if forced and not m.consume_tokens(forced):
             return "error", []
         return ("stop" if forced and m.is_stopped() else None), forced
+
+    def _draft_start(self, token_ids: list[int], num_prompt_tokens: int, draft: list[int]) -> int:
+        """The first draft position the grammar constrains: 0 when it applies already; else the
+        position after the draft token that completes the start_after marker (len(draft) + 1:
+        none does)."""
+        if self.active:
+            return 0
+        tokens = token_ids + list(draft)
+        for j in range(len(draft)):
+            if self._opens_at(tokens, len(token_ids) + j + 1, num_prompt_tokens):
+                return j + 1
+        return len(draft) + 1
+
+    def draft_prefix(self, token_ids: list[int], num_prompt_tokens: int, draft: list[int]) -> int:
+        """How many leading tokens of a speculative draft (proposed after token_ids) may be
+        verified: it ends before the first token the grammar rejects and before the token that
+        would complete it (that one is left to the target's own pick, which ends the run, as a
+        plain step ends the sequence there). A copy of the matcher is advanced; this one is not."""
+        m = self.matcher
+        start = self._draft_start(token_ids, num_prompt_tokens, draft)
+        if m is None or start > len(draft):
+            return len(draft)
+        if m.is_stopped():
+            return 0
+        probe = m.deep_copy()
+        for j in range(start, len(draft)):
+            if not probe.consume_token(draft[j]) or probe.is_stopped():
+                return j
+        return len(draft)
+
+    def draft_masks(self, token_ids: list[int], num_prompt_tokens: int,
+                    draft: list[int]) -> tuple[list[int], np.ndarray] | None:
+        """The masks of the len(draft) + 1 positions a verified draft scores (position j: the
+        token after token_ids + draft[:j]), from a copy of the matcher advanced over the draft
+        (which draft_prefix cut to tokens it accepts): (the constrained positions, their bitmasks
+        [n, words] int32), or None when none is constrained."""
+        m = self.matcher
+        start = self._draft_start(token_ids, num_prompt_tokens, draft)
+        if m is None or start > len(draft):
+            return None
+        positions = list(range(start, len(draft) + 1))
+        words = np.empty((len(positions), self.backend.words), dtype=np.int32)
+        probe = m.deep_copy()
+        for row, j in enumerate(positions):
+            if j > start and not probe.consume_token(draft[j - 1]):
+                raise ValueError(f"draft token {draft[j - 1]} is not one the grammar allows")
+            self.backend.fill_bitmask(probe, words, row)
+        return positions, words
 
     def release(self) -> None:
         self.matcher = None

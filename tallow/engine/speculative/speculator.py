@@ -93,7 +93,11 @@ class Speculator:
         k = self.draft_length(seq, pool_tokens, batch)
         if k <= 0 or seq.token_ids[-1] < 0:
             return []
-        return self.proposer.propose(seq.spec.index, seq.token_ids, k)
+        draft = self.proposer.propose(seq.spec.index, seq.token_ids, k)
+        g = seq.grammar
+        if draft and g is not None:  # cut before the first token the grammar rejects, or completes it on
+            draft = draft[:g.draft_prefix(seq.token_ids, seq.num_prompt_tokens, draft)]
+        return draft
 
     def may_draft(self, seq: Sequence, pool_tokens: int, batch: int = 1) -> bool:
         """Whether seq's next sampling row could carry a draft, known before its last token is

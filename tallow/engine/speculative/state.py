@@ -33,18 +33,17 @@ def speculation_refusal(params: SamplingParams) -> str | None:
     """Why a request with these params does not speculate (None: it may).
 
     - "request": it asked not to (`speculative: false`)
-    - "grammar": its masks follow the matcher token by token (a draft's K+1 masks would need a
-      matcher advanced over a copy, not done yet); it decodes plainly in the speculating batch
     - "reasoning_budget": its forced end-of-reasoning tokens replace the sampled ones one step
-      at a time (engine/forced_tokens.py); it decodes plainly too
+      at a time (engine/forced_tokens.py); it decodes plainly in the speculating batch
 
     A request that asked for prompt logprobs speculates only once they are out (with its first
-    token): Speculator.propose drafts nothing for it before that.
+    token): Speculator.propose drafts nothing for it before that. A request with a grammar
+    speculates: its drafts are cut before the first token the grammar rejects (or the one that
+    would complete it), and the verified positions are masked by a copy of its matcher advanced
+    over the draft (GrammarState.draft_prefix, draft_masks).
     """
     if not params.speculative:
         return "request"
-    if params.grammar is not None:
-        return "grammar"
     if params.reasoning_budget is not None:
         return "reasoning_budget"
     return None

@@ -3,7 +3,8 @@
 A speculating row with draft d_1..d_k has k + 1 logits rows: row j is the target's
 distribution for the token after d_1..d_j. Each row is processed as plain sampling would
 process it at that position (logit_bias; min_tokens with the output length as of that
-position; temperature, top_k, top_p, min_p), so:
+position; the grammar's mask from a copy of the sequence's matcher advanced over d_1..d_j;
+temperature, top_k, top_p, min_p), so:
 
 - greedy: d_j is accepted while it is the row's argmax; the first row whose argmax differs
   (or row k when all stand) emits its argmax: token for token plain greedy decoding.
@@ -27,9 +28,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from tallow.engine.grammar import apply_bitmasks
 from tallow.engine.runner import StepResult
 from tallow.engine.sampler import Sampler, SamplingTensors
 from tallow.engine.scheduler import SchedulerOutput
@@ -130,6 +133,7 @@ def _verify_groups(sampler, logits, groups, runs, run_lp, run_top, proposed, acc
     x = logits.index_select(0, _long(index, logits.device))
     _apply_bias_and_min_tokens(x, row_seq, vocab)
     _apply_penalties(x, row_seq, drafts, vocab)
+    _apply_grammars(x, groups)
     highest, greedy = x.max(dim=-1)
     finite = highest.isfinite().tolist()
     greedy = greedy.tolist()
@@ -183,6 +187,24 @@ def _verify_groups(sampler, logits, groups, runs, run_lp, run_top, proposed, acc
             if top_ids is not None:
                 run_top[at] = [list(zip(top_ids[base + j], top_vals[base + j])) for j in range(len(run))]
         base += k + 1
+
+
+def _apply_grammars(x: Tensor, groups: list) -> None:
+    """Each grammar row's tokens its grammar forbids at that position get -inf (after the bias
+    and penalties, as the Sampler masks): the masks of a copy of the sequence's matcher advanced
+    over its draft (GrammarState.draft_masks)."""
+    rows, masks = [], []
+    base = 0
+    for _, seq, _, draft in groups:
+        g = seq.grammar
+        if g is not None:
+            got = g.draft_masks(seq.token_ids, seq.num_prompt_tokens, draft)
+            if got is not None:
+                rows += [base + j for j in got[0]]
+                masks.append(got[1])
+        base += len(draft) + 1
+    if rows:
+        apply_bitmasks(x, rows, np.concatenate(masks), in_place=True)
 
 
 def _apply_penalties(x: Tensor, row_seq: list, drafts: list, vocab: int) -> None:
