@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import os
+import signal
 import subprocess
 import sys
 
@@ -293,69 +294,71 @@ def test_kernels_link_torchs_openmp_runtime():
     mapped = ast.literal_eval(out.strip().splitlines()[-1])
     assert len(mapped) == 1 and mapped[0].startswith(os.path.dirname(torch.__file__)), mapped
     assert ctypes.CDLL(cpu_native.lib()._name).tl_abi_version() == cpu_native.ABI_VERSION
-    assert cpu_native.report() == f"tallow CPU kernels: {cpu_native.lib()._name}"  # what make install prints
+    # what make install prints
+    assert cpu_native.report() == f"tallow CPU kernels: {cpu_native.lib()._name} (AMX {cpu_native.amx_state()})"
 
 
-# ---- the fused decoder layer (tl_llama_layer) against the module path -------------------------
+# ---- AMX tiles ------------------------------------------------------------------------------------
 
-# qwen2: biases on q/k/v; qwen3: q/k norms; gemma3: q/k and sandwich norms, GeGLU, sliding-window
-# layers (a window of 6 positions: the steps' sequences pass it) with their own rotary table
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_fused_layers_equal_the_module_path(family, tmp_path, monkeypatch):
-    """LlamaModel's one-call-per-layer path gives bit for bit the logits of running its modules
-    over the same kernels: prefill chunks with cached prefixes, mixed and decode steps."""
-    from model_utils import PagedBatches, tiny_hf_model
-
-    from tallow.attention.cpu_backend import CpuAttentionBackend
-    from tallow.engine.runner import set_attention_backend
-    from tallow.models import cpu_fused
-    from tallow.models.loader import load_model
-
-    tiny_hf_model(family).save_pretrained(tmp_path)
-    model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu")).model
-    assert quantize_model_(model, "int4") == "int4"
-    set_attention_backend(model, CpuAttentionBackend())
-
-    def run(fused: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(cpu_fused.FusedCpuLayers, "supported", staticmethod(lambda m: fused))
-        model.model.__dict__.pop("_fused", None)
-        paged = PagedBatches(model.config, num_blocks=48, block_size=4)
-        g = torch.Generator().manual_seed(1)
-        ids = lambda n: torch.randint(0, 96, (n,), generator=g).tolist()  # noqa: E731
-        steps = [[("a", ids(9)), ("b", ids(5))], [("a", ids(1)), ("b", ids(6)), ("c", ids(13))],
-                 [("a", ids(1)), ("b", ids(1)), ("c", ids(1))], [("c", ids(1)), ("a", ids(1))]]
-        outs = []
-        with torch.no_grad():
-            for chunks in steps:
-                input_ids, positions, meta = paged.step(chunks)
-                outs.append(model.compute_logits(model(input_ids, positions, paged.kv_caches, meta)))
-        assert (model.model.__dict__["_fused"][1] is not None) == fused
-        return outs
-
-    fused, modules = run(True), run(False)
-    for a, b in zip(fused, modules):
-        assert torch.equal(a, b)
+def _amx_on() -> bool:
+    return cpu_native.amx_state() == "on"
 
 
-def test_fused_layers_need_the_native_pieces(tmp_path):
-    """torch's layers or the torch attention backend: the module path (Qwen3's q/k norms and
-    Gemma 3's options run fused)."""
-    from model_utils import tiny_hf_model
+@pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
+def test_the_amx_kernel_computes_the_floats_of_the_vnni_one(cls, kernels):
+    """Where the CPU runs AMX tiles (its probe passed), rows of 16 and more go to the tile kernel
+    (linear_amx.h): every row's result equals, bit for bit, the one the AVX-512 VNNI kernel
+    gives with the tiles turned off, so which one runs (the batch decides) never moves an
+    output. Blocks of very different scales (the int16 activations' high bytes in use), a
+    partial last tile, a bias, row counts across the 16-row tile groups and 64-row chunks."""
+    if kernels is not cpu_native.load("avx512") or not _amx_on():
+        pytest.skip(f"AMX not in use here ({cpu_native.amx_state()})")
+    n, k = 100, 256
+    layer = cls(random_weight(n, k, seed=7), torch.randn(n))
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(8)) * torch.logspace(-3, 2, k)
+    try:
+        for m in (16, 17, 31, 64, 65, 300):
+            kernels.tl_amx_set(0)
+            vnni = layer(x[:m])
+            kernels.tl_amx_set(1)
+            assert torch.equal(layer(x[:m]), vnni), m
+        ref = emulated(layer, x)
+        scale = (x.abs() @ layer.dequantized_weight().abs().T).max().item()
+        torch.testing.assert_close(layer(x), ref, rtol=0, atol=1e-6 * scale)
+    finally:
+        kernels.tl_amx_set(1)
 
-    from tallow.attention.cpu_backend import CpuAttentionBackend
-    from tallow.engine.runner import set_attention_backend
-    from tallow.models.cpu_fused import FusedCpuLayers
-    from tallow.models.loader import load_model
 
-    for family, scheme, backend, ok in [("llama", "int4", CpuAttentionBackend, True),
-                                        ("qwen3", "int4", CpuAttentionBackend, True),
-                                        ("gemma3", "int4", CpuAttentionBackend, True),
-                                        ("llama", "int4-torch", CpuAttentionBackend, False),
-                                        ("llama", "int4", None, False)]:
-        path = tmp_path / f"{family}-{scheme}-{ok}"
-        tiny_hf_model(family).save_pretrained(path)
-        model = load_model(str(path), dtype=torch.float32, device=torch.device("cpu")).model
-        quantize_model_(model, scheme)
-        if backend is not None:
-            set_attention_backend(model, backend())
-        assert FusedCpuLayers.supported(model.model) == ok, (family, scheme, backend)
+class _TileFault:
+    """Kernels whose tile probe dies as a CPU that lists AMX but faults on it does."""
+
+    @staticmethod
+    def tl_amx_enable():
+        os.kill(os.getpid(), signal.SIGILL)
+
+
+class _TileWrongSums:
+    @staticmethod
+    def tl_amx_enable():
+        return 0
+
+
+def test_the_tile_probe_runs_in_a_child_that_may_die():
+    assert cpu_native._tile_probe_survives(_TileFault()) is False  # this process lives on
+    assert cpu_native._tile_probe_survives(_TileWrongSums()) is False
+    if "amx_int8" in cpu_native.cpu_flags() and cpu_native.variant() == "avx512":
+        # the real probe agrees with what load() decided
+        assert cpu_native._tile_probe_survives(cpu_native.load("avx512")) == _amx_on()
+
+
+@pytest.mark.parametrize("env, expect", [("0", "off: TALLOW_AMX=0"), ("", None)])
+def test_tallow_amx_0_keeps_the_tiles_off(env, expect):
+    code = "from tallow.ops import cpu_native; cpu_native.lib(); print(cpu_native.variant(), cpu_native.amx_state())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "TALLOW_AMX": env}).stdout.strip().splitlines()[-1]
+    variant, state = out.split(" ", 1)
+    if expect is None:  # by default: on exactly where the CPU lists the tiles and the probe passes
+        listed = {"amx_tile", "amx_int8"} <= cpu_native.cpu_flags() and variant == "avx512"
+        expect = "on" if listed and cpu_native._tile_probe_survives(cpu_native.load("avx512")) else state
+        assert listed or state.startswith("off: ")
+    assert state == expect

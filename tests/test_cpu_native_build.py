@@ -38,7 +38,8 @@ def fresh(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_build, "PREBUILT_DIR", str(prebuilt))
     monkeypatch.setenv("TALLOW_CACHE_DIR", str(cache))
     monkeypatch.delenv("TALLOW_CPU_KERNELS", raising=False)
-    for name, value in (("_lib", None), ("_tried", False), ("_error", None), ("_loaded", {})):
+    for name, value in (("_lib", None), ("_tried", False), ("_error", None), ("_loaded", {}),
+                        ("_amx", "off: not probed")):
         monkeypatch.setattr(cpu_native, name, value)
     return prebuilt, cache / "kernels"
 
@@ -93,7 +94,7 @@ def test_without_a_prebuilt_build_the_kernels_build_into_the_cache_on_first_use(
     prebuilt, cache = fresh
     kernels = cpu_native.select(VARIANT)
     assert kernels._name == str(cache / cpu_build.file_name(VARIANT))
-    assert cpu_native.report() == f"tallow CPU kernels: {kernels._name}"
+    assert cpu_native.report() == f"tallow CPU kernels: {kernels._name} (AMX {cpu_native.amx_state()})"
     assert sorted(os.listdir(cache)) == [cpu_build.file_name(VARIANT)]  # no temporary left behind
     assert kernels.tl_abi_version() == cpu_native.ABI_VERSION
 

@@ -21,6 +21,7 @@ than run slowly).
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import logging
 import os
@@ -29,13 +30,13 @@ import threading
 
 import torch
 
-from tallow.config import _default_cache_dir, cpu_kernels_variant
+from tallow.config import _default_cache_dir, cpu_amx_wanted, cpu_kernels_variant
 from tallow.ops import cpu_build
 
 log = logging.getLogger(__name__)
 
 VARIANTS = cpu_build.VARIANTS
-ABI_VERSION = 12
+ABI_VERSION = 13
 # The OpenMP entry points gcc's code calls: the kernels must find torch's definitions of them.
 OPENMP_SYMBOLS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
 
@@ -64,6 +65,8 @@ _SIGNATURES = {
     "tl_gguf_plane_layout": ([], _i),
     "tl_gguf_repack": ([_i, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i], _i),
     "tl_half_linear": ([_p, _i, _i, _i, _p, _i, _p, _p, _i], _i),
+    "tl_amx_enable": ([], _i),
+    "tl_amx_set": ([_i], _i),
 }
 
 
@@ -194,8 +197,56 @@ def load(variant: str) -> ctypes.CDLL:
         for name, (argtypes, restype) in _SIGNATURES.items():
             fn = getattr(loaded, name)
             fn.argtypes, fn.restype = argtypes, restype
+        if variant == "avx512":
+            _enable_amx(loaded)
         _loaded[variant] = loaded
         return loaded
+
+
+# ---- AMX tiles ------------------------------------------------------------------------------------
+
+AMX_FLAGS = ("amx_tile", "amx_int8")
+_amx: str = "off: not probed"  # what amx_state() reports
+
+
+def _tile_probe_survives(kernels: ctypes.CDLL) -> bool:
+    """Whether a child process lives through tl_amx_enable (a tile product checked against
+    integer sums): some CPUs list amx_int8 and die of SIGILL on the first tile instruction.
+    A fork, so the child runs the very library loaded here; it calls no OpenMP or torch code."""
+    pid = os.fork()
+    if pid == 0:  # child: exit code 0 only if the tiles computed the right sums
+        code = 1
+        try:
+            faulthandler.disable()  # a fault here is an answer, not a crash to report
+            code = 0 if kernels.tl_amx_enable() == 1 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def _enable_amx(kernels: ctypes.CDLL) -> None:
+    """Turns the AVX-512 build's AMX kernel on where $TALLOW_AMX allows it, the CPU lists the
+    tile flags and a child process has run a tile product correctly (cpu_amx_wanted())."""
+    global _amx
+    wanted = cpu_amx_wanted()
+    if wanted is False:
+        _amx = "off: TALLOW_AMX=0"
+    elif not all(flag in cpu_flags() for flag in AMX_FLAGS):
+        _amx = "off: the CPU lists no amx_tile / amx_int8"
+    elif not _tile_probe_survives(kernels):
+        _amx = "off: the CPU lists AMX but a tile product failed in a child process"
+        log.warning("AMX: the CPU lists amx_int8 but a tile instruction failed in a probe; AMX stays off")
+    elif kernels.tl_amx_enable() != 1:
+        _amx = "off: the kernel refused the tile state"
+    else:
+        _amx = "on"
+
+
+def amx_state() -> str:
+    """Whether the Q4/Q8 linear kernel runs on AMX tiles ("on"), else "off: <why>"."""
+    lib()
+    return _amx
 
 
 def lib() -> ctypes.CDLL | None:
@@ -305,4 +356,6 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tenso
 def report() -> str:
     """One line on the kernels: where the built library is, or why there is none (make install
     prints it after building them)."""
-    return f"tallow CPU kernels: {lib()._name}" if lib() is not None else f"tallow CPU kernels unavailable: {_error}"
+    if lib() is None:
+        return f"tallow CPU kernels unavailable: {_error}"
+    return f"tallow CPU kernels: {lib()._name} (AMX {amx_state()})"

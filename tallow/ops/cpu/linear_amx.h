@@ -1,0 +1,246 @@
+// The Q4/Q8 linear kernel on AMX tiles (included by kernels.c in the AVX-512 build; used only
+// after tl_amx_enable(), which cpu_native calls once a child process has run a tile
+// instruction and lived: some machines list amx_int8 in /proc/cpuinfo and fault on it).
+//
+// It computes exactly the floats of linear() (linear_avx512.h), so which of the two runs a call
+// (the number of rows decides) never changes a row's result. The AMX unit multiplies bytes, and
+// the activations are int16 (quantize_rows); each is split into x = 256 * hi + lo (hi: its
+// signed high byte, lo: its unsigned low byte), and a block's integer dot product with channel
+// c's 32 codes is 256 * sum(hi * q) + sum(lo * q): two tile products (TDPBSUD and TDPBUUD for
+// Q4's unsigned codes, TDPBSSD and TDPBUSD for Q8's signed ones) over the block's 32 inputs,
+// exact in int32 as vpdpwssd's sum is. Then the float math of linear() per (row, channel),
+// block by block in the same order: acc = fma(float(sum), d_w * d_x, acc), and Q4's m term.
+//
+// Tiles: C (16 rows x 16 int32: rows x channels) of lo and hi, A (16 rows x 32 bytes: a block
+// of up to 16 rows' lo or hi bytes), B (8 x 64 bytes: byte 4c + i of row v = q(c, 4v + i), the
+// block's codes of the 16 channels, unpacked from the tile layout of linear_avx512.h).
+
+#define AMX_MIN_ROWS 16 // fewer rows: linear() (the tile products' fixed cost is not paid back)
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_ok = 0, amx_on = 0;  // the probe passed; the kernel in use
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) amx_config;
+
+// Tiles 0, 1 and 2, 3: C lo / hi of even and odd blocks; 4, 5: A lo / hi (the current group
+// of rows); 6: B.
+__attribute__((target("amx-tile"))) static void amx_configure(int rows) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 4; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)rows;
+    for (int i = 4; i < 6; i++) c.colsb[i] = 32, c.rows[i] = (uint8_t)rows;
+    c.colsb[6] = 64, c.rows[6] = 8;
+    // (not _tile_loadconfig: gcc's names an 8-byte operand, and the stores to the rest of the
+    // configuration were dropped as dead)
+    __asm__ volatile("ldtilecfg %0" : : "m"(c));
+}
+
+__attribute__((target("amx-tile"))) static void amx_release(void) { _tile_release(); }
+
+// The M rows' int16 activations as AMX operands: xs[m][b] = 32 low bytes, then 32 high bytes.
+static void amx_split_rows(const qrows *r, int M, int K, int nthreads, uint8_t *xs) {
+    const int nb = K / QK;
+    const __m512i lo_bytes = _mm512_set1_epi16(0xFF);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 8)
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(r->q + (size_t)m * K + (size_t)b * QK));
+            uint8_t *dst = xs + ((size_t)m * nb + b) * 64;
+            _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi16_epi8(_mm512_and_si512(v, lo_bytes)));
+            _mm256_storeu_si256((__m256i *)(dst + 32), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+        }
+}
+
+// Block b of a tile as the B operand (8 rows of 64 bytes).
+static inline __attribute__((always_inline)) void amx_unpack_block(const uint8_t *wb, int q8, uint8_t *bt) {
+    if (q8) {  // group j holds byte 2c + e = q(c, 2j + e): row v takes groups 2v and 2v + 1
+        for (int v = 0; v < 8; v++) {
+            const __m512i g0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + 64 * v)));
+            const __m512i g1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + 64 * v + 32)));
+            _mm512_store_si512((void *)(bt + 64 * v), _mm512_or_si512(g0, _mm512_slli_epi32(g1, 16)));
+        }
+        return;
+    }
+    // Q4 group g: bytes 2c, 2c + 1 = q(c, 4g) | q(c, 4g + 2) << 4, q(c, 4g + 1) | q(c, 4g + 3) << 4.
+    const __m512i nib = _mm512_set1_epi32(0x0F0F);
+    for (int g = 0; g < 8; g++) {
+        const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + 32 * g)));
+        const __m512i low = _mm512_and_si512(v, nib), high = _mm512_and_si512(_mm512_srli_epi32(v, 4), nib);
+        _mm512_store_si512((void *)(bt + 64 * g), _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+    }
+}
+
+// The tile products of n consecutive blocks for the configured rows: block j's A operands at
+// xa + 64 j (rows `stride` bytes apart), its B at bt + 512 j; its sums to cs + 512 j (lo: 16 x 16
+// int32, rows x channels; hi: the next 256). Even and odd blocks alternate between two pairs of
+// C tiles, so one block's products run while the other's are stored.
+#define AMX_PRODUCTS(C0, C1)                     \
+    do {                                         \
+        _tile_zero(C0);                          \
+        _tile_zero(C1);                          \
+        _tile_loadd(4, a, stride);               \
+        _tile_loadd(5, a + 32, stride);          \
+        _tile_loadd(6, bt + 512 * j, 64);        \
+        if (q8) {                                \
+            _tile_dpbusd(C0, 4, 6);              \
+            _tile_dpbssd(C1, 5, 6);              \
+        } else {                                 \
+            _tile_dpbuud(C0, 4, 6);              \
+            _tile_dpbsud(C1, 5, 6);              \
+        }                                        \
+        _tile_stored(C0, cs + 512 * j, 64);      \
+        _tile_stored(C1, cs + 512 * j + 256, 64); \
+    } while (0)
+
+__attribute__((target("amx-tile,amx-int8"))) static void amx_blocks(const uint8_t *xa, size_t stride, const uint8_t *bt,
+                                                                    int n, int q8, int32_t *cs) {
+    for (int j = 0; j < n; j++) {
+        const uint8_t *a = xa + 64 * (size_t)j;
+        if (j & 1) AMX_PRODUCTS(2, 3);
+        else AMX_PRODUCTS(0, 1);
+    }
+}
+
+#define AMX_BATCH 8  // blocks whose products are stored before the float math reads them
+
+// A group of rows' products over a batch of blocks, stored for the float math.
+typedef struct {
+    int g, n, b0, nj;  // rows g .. g + n - 1 of the chunk, blocks b0 .. b0 + nj - 1
+    const int32_t *cs;
+    const __m512 *d, *mv;  // the blocks' weight scales and offsets
+} amx_sums;
+
+// linear()'s float math, block by block, for the rows of p: acc (per row: dot, m) += ...
+static inline __attribute__((always_inline)) void amx_scale(const amx_sums *p, const qrows *r, int nb, int m0,
+                                                            int q4, float *acc) {
+    for (int i = 0; i < p->n; i++) {
+        const size_t m = (size_t)(m0 + p->g + i);
+        const float *dx = r->d + m * nb + p->b0, *sx = r->s + m * nb + p->b0;
+        float *ai = acc + (size_t)(p->g + i) * 2 * NT;
+        __m512 a = p->b0 ? _mm512_load_ps(ai) : _mm512_setzero_ps();
+        __m512 am = p->b0 ? _mm512_load_ps(ai + NT) : _mm512_setzero_ps();
+        for (int j = 0; j < p->nj; j++) {
+            const int32_t *c = p->cs + 512 * j + 16 * i;
+            const __m512i sum = _mm512_add_epi32(_mm512_load_si512((const void *)c),
+                                                 _mm512_slli_epi32(_mm512_load_si512((const void *)(c + 256)), 8));
+            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(p->d[j], _mm512_set1_ps(dx[j])), a);
+            if (q4) am = _mm512_fmadd_ps(p->mv[j], _mm512_set1_ps(sx[j]), am);
+        }
+        _mm512_store_ps(ai, a);
+        _mm512_store_ps(ai + NT, am);
+    }
+}
+
+// linear() on AMX: the same arguments and floats. (Scaling one group's sums while the tile unit
+// runs the next group's, from two buffers, measured slower: 1.1-1.3x linear() against 1.3-1.5x.)
+static int linear_amx(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd,
+                      const uint16_t *wm, const float *bias, float *y, int nthreads, int q8) {
+    const int nb = K / QK, tiles = (N + NT - 1) / NT, chunk = M < CHUNK ? M : CHUNK;
+    const size_t block_bytes = (size_t)NT * (q8 ? QK : QK / 2), tile_bytes = (size_t)nb * block_bytes;
+    const size_t stride = (size_t)nb * 64;  // bytes from one row's operands to the next's
+    qrows r;
+    if (quantize_rows(x, M, K, nthreads, &r)) return -1;
+    uint8_t *xs = (uint8_t *)aligned_alloc(64, stride * (size_t)M);
+    if (!xs) {
+        free_rows(&r);
+        return -1;
+    }
+    amx_split_rows(&r, M, K, nthreads, xs);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *acc = (float *)aligned_alloc(64, sizeof(float) * 2 * NT * (size_t)chunk);  // per row: dot, m
+        int32_t *cs = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 512 * AMX_BATCH);
+        uint8_t *bt = (uint8_t *)aligned_alloc(64, 512 * AMX_BATCH);
+        if (!acc || !cs || !bt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int configured = 0;
+        __m512 d[AMX_BATCH], mv[AMX_BATCH];
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            if (!acc || !cs || !bt) continue;
+            const uint8_t *wt = wq + (size_t)t * tile_bytes;
+            const uint16_t *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
+            const int cols = N - t * NT < NT ? N - t * NT : NT;
+            const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+            const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + (size_t)t * NT) : _mm512_setzero_ps();
+            for (int m0 = 0; m0 < M; m0 += chunk) {
+                const int rows = M - m0 < chunk ? M - m0 : chunk;
+                for (int b0 = 0; b0 < nb; b0 += AMX_BATCH) {
+                    const int nj = nb - b0 < AMX_BATCH ? nb - b0 : AMX_BATCH;
+                    for (int j = 0; j < nj; j++) {
+                        const uint8_t *wb = wt + (size_t)(b0 + j) * block_bytes;
+                        for (size_t p = 0; p < block_bytes; p += 64)
+                            _mm_prefetch((const char *)(wb + (q8 ? 2 : 1) * PREFETCH + p), _MM_HINT_T0);
+                        amx_unpack_block(wb, q8, bt + 512 * j);
+                        d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + NT * (b0 + j))));
+                        mv[j] = mt ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + NT * (b0 + j))))
+                                          : _mm512_setzero_ps();
+                    }
+                    for (int g = 0; g < rows; g += 16) {
+                        const int n = rows - g < 16 ? rows - g : 16;
+                        if (configured != n) amx_configure(n), configured = n;
+                        amx_blocks(xs + (size_t)(m0 + g) * stride + (size_t)b0 * 64, stride, bt, nj, q8, cs);
+                        const amx_sums p = {g, n, b0, nj, cs, d, mv};
+                        amx_scale(&p, &r, nb, m0, mt != NULL, acc);
+                    }
+                }
+                for (int i = 0; i < rows; i++) {
+                    const float *ai = acc + (size_t)i * 2 * NT;
+                    __m512 out = _mm512_add_ps(_mm512_load_ps(ai), _mm512_load_ps(ai + NT));
+                    if (bias) out = _mm512_add_ps(out, bv);
+                    _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * N + (size_t)t * NT, keep, out);
+                }
+            }
+        }
+        if (configured) amx_release();
+        free(acc), free(cs), free(bt);
+    }
+    free(xs);
+    free_rows(&r);
+    return failed ? -1 : 0;
+}
+
+// Asks the kernel for the tile state (once per process), then checks two tile products against
+// the same sums in integers. Returns 1 and turns the AMX kernel on, or 0. Run it in a child
+// process first: where the CPU faults on tile instructions this dies of SIGILL.
+__attribute__((target("amx-tile,amx-int8"))) int tl_amx_enable(void) {
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 0;
+    int8_t a[17 * 32];
+    uint8_t b[8 * 64];
+    int32_t c[2 * 16 * 16];
+    for (int i = 0; i < 17 * 32; i++) a[i] = (int8_t)((i * 37) % 255 - 127);
+    for (int i = 0; i < 8 * 64; i++) b[i] = (uint8_t)((i * 11) % 16);
+    amx_configure(16);
+    amx_blocks((const uint8_t *)a, 32, b, 1, 0, c);  // tile 5 (hi) reads a + 32 at a 32-byte stride: row m + 1
+    amx_release();
+    for (int m = 0; m < 16; m++)
+        for (int ch = 0; ch < 16; ch++) {
+            int32_t lo = 0, hi = 0;
+            for (int k = 0; k < 32; k++) {
+                const int q = b[64 * (k / 4) + 4 * ch + k % 4];
+                lo += (uint8_t)a[32 * m + k] * q;
+                hi += a[32 * (m + 1) + k] * q;
+            }
+            if (c[16 * m + ch] != lo || c[256 + 16 * m + ch] != hi) return 0;
+        }
+    amx_ok = amx_on = 1;
+    return 1;
+}
+
+// Turns the AMX kernel off (0) or on (1: only once tl_amx_enable has succeeded); returns whether
+// it was on. For tests and benchmarks comparing the two kernels.
+int tl_amx_set(int on) {
+    const int was = amx_on;
+    amx_on = on && amx_ok;
+    return was;
+}
