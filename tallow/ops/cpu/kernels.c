@@ -171,6 +171,9 @@ int tl_amx_enable(void) { return 0; }  // the AVX2 build has no tile kernel
 int tl_amx_set(int on) { (void)on; return 0; }
 #endif
 #include "linear_gguf.h"  // GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K blocks (both builds)
+#ifdef TL_AMX
+#include "linear_gguf_amx.h"
+#endif
 
 // The Q4 / Q8 kernel for M rows: the AMX one where it is on and the rows pay for it, else linear();
 // both compute the same floats.

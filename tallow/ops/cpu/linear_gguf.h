@@ -442,6 +442,12 @@ static inline __attribute__((always_inline)) void gguf_tile_rows(int planes, int
     }
 }
 
+#ifdef TL_AMX
+static int gguf_linear_amx(int M, int K, int N, int fmt, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                           const uint8_t *wsc, const uint8_t *wmn, const float *bias, float *y, int nthreads,
+                           const qrows8 *r);
+#endif
+
 // y[M, N] = x[M, K] @ W^T (+ bias), W of format fmt in tiles (above); K % 32 == 0 (K formats:
 // K % 256 == 0), tiles = ceil(N / GT). Returns 0, or -1 out of memory.
 int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *wq, const uint16_t *wd,
@@ -461,6 +467,13 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
         free_rows8(&r);
         return 0;
     }
+#ifdef TL_AMX
+    if (amx_on && M >= AMX_MIN_ROWS) {  // the same floats on AMX tiles (linear_gguf_amx.h)
+        const int failed = gguf_linear_amx(M, K, N, fmt, wq, wd, wm, wsc, wmn, bias, y, nthreads, &r);
+        free_rows8(&r);
+        return failed;
+    }
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {

@@ -1,0 +1,160 @@
+// GGUF's 5-bit and K-quant layers (linear_gguf.h) on AMX tiles, for 16 rows and more, where
+// tl_amx_enable() turned the tiles on (linear_amx.h). Included after linear_gguf.h in the AVX-512
+// build only.
+//
+// The same floats as tl_gguf_linear's AVX-512 loop: a block's integer dot products of 16 rows'
+// int8 activations (signed) with the 16 channels' codes (unsigned) are one tile product
+// (TDPBSUD; Q6_K: one per half of 16 inputs), exact in int32 as vpdpbusd's sums are; then
+// gguf_row's float math per (row, channel), block by block in the same order. The unpacked block
+// (gguf_unpack: quad v of the 16 channels in register v, byte 4c + i = q(c, 4v + i)) is the B
+// operand as it is, and the activations are block-major (a block's rows 32 bytes apart): the A
+// operand read in place.
+//
+// Tiles: 0 (C), 2 (A: n rows x 32 bytes), 3 (B: 8 x 64 bytes); Q6_K's halves: 0 and 1 (C),
+// 4 and 5 (A: n x 16 bytes at xb and xb + 16), 6 and 7 (B: 4 x 64 bytes, quads 0-3 and 4-7).
+
+__attribute__((target("amx-tile"))) static void gguf_amx_configure(int rows) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.colsb[0] = c.colsb[1] = 64, c.rows[0] = c.rows[1] = (uint8_t)rows;
+    c.colsb[2] = 32, c.rows[2] = (uint8_t)rows;
+    c.colsb[3] = 64, c.rows[3] = 8;
+    c.colsb[4] = c.colsb[5] = 16, c.rows[4] = c.rows[5] = (uint8_t)rows;
+    c.colsb[6] = c.colsb[7] = 64, c.rows[6] = c.rows[7] = 4;
+    __asm__ volatile("ldtilecfg %0" : : "m"(c));  // (linear_amx.h says why not _tile_loadconfig)
+}
+
+// Block j's products (j < n) for the configured rows: A at xa + j * bs (rows 32 bytes apart),
+// B at bt + 512 j; sums to cs + 512 j (rows x channels; Q6_K: the first half's, then the second's
+// at + 256).
+__attribute__((target("amx-tile,amx-int8"))) static void gguf_amx_blocks(const int8_t *xa, size_t bs,
+                                                                         const uint8_t *bt, int n, int halves,
+                                                                         int32_t *cs) {
+    for (int j = 0; j < n; j++) {
+        const int8_t *a = xa + bs * (size_t)j;
+        const uint8_t *b = bt + 512 * (size_t)j;
+        int32_t *c = cs + 512 * (size_t)j;
+        if (halves) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(4, a, 32);
+            _tile_loadd(5, a + 16, 32);
+            _tile_loadd(6, b, 64);
+            _tile_loadd(7, b + 256, 64);
+            _tile_dpbsud(0, 4, 6);
+            _tile_dpbsud(1, 5, 7);
+            _tile_stored(0, c, 64);
+            _tile_stored(1, c + 256, 64);
+        } else {
+            _tile_zero(0);
+            _tile_loadd(2, a, 32);
+            _tile_loadd(3, b, 64);
+            _tile_dpbsud(0, 2, 3);
+            _tile_stored(0, c, 64);
+        }
+    }
+}
+
+#define GAMX_BATCH 8
+
+// Rows m0 .. m0 + rows - 1 through one tile (accumulators acc: GT per row): gguf_tile_rows'
+// arithmetic with the integer sums from the tiles.
+static inline __attribute__((always_inline)) void gguf_amx_tile_rows(int planes, int zero, int halves, int has_m,
+                                                                      int fmt, int nb, const uint8_t *wt,
+                                                                      size_t block_bytes, const uint16_t *dt,
+                                                                      const uint16_t *mt, const uint8_t *sct,
+                                                                      const uint8_t *mnt, const qrows8 *r, int m0,
+                                                                      int rows, float *acc, uint8_t *bt, int32_t *cs,
+                                                                      int *configured) {
+    float dw0[GAMX_BATCH][GT], dw1[GAMX_BATCH][GT], mw[GAMX_BATCH][GT];
+    for (int b0 = 0; b0 < nb; b0 += GAMX_BATCH) {
+        const int nj = nb - b0 < GAMX_BATCH ? nb - b0 : GAMX_BATCH;
+        for (int j = 0; j < nj; j++) {
+            const uint8_t *wb = wt + (size_t)(b0 + j) * block_bytes;
+            for (size_t p = 0; p < block_bytes; p += 64)
+                _mm_prefetch((const char *)(wb + 4 * block_bytes + p), _MM_HINT_T0);
+            gblock W;
+            gguf_unpack(wb, planes, &W);
+            for (int v = 0; v < 8; v++) _mm512_store_si512((void *)(bt + 512 * j + 64 * v), W.w[v]);
+            gguf_block_scales(fmt, b0 + j, dt, mt, sct, mnt, dw0[j], dw1[j], mw[j]);
+        }
+        for (int g = 0; g < rows; g += 16) {
+            const int n = rows - g < 16 ? rows - g : 16;
+            if (*configured != n) gguf_amx_configure(n), *configured = n;
+            gguf_amx_blocks(q8block(r, (size_t)(m0 + g), b0), r->bs, bt, nj, halves, cs);
+            for (int i = 0; i < n; i++) {  // gguf_row's float math
+                const size_t row = (size_t)(m0 + g + i);
+                float *ai = acc + (size_t)(g + i) * GT;
+                __m512 acc_v = b0 ? _mm512_loadu_ps(ai) : _mm512_setzero_ps();
+                for (int j = 0; j < nj; j++) {
+                    const size_t k = row * nb + b0 + j;
+                    const int16_t *hs = r->hs + 2 * k;
+                    const __m512 dxv = _mm512_set1_ps(r->d[k]);
+                    const int32_t *c = cs + 512 * j + 16 * i;
+                    if (halves) {
+                        const __m512i a = _mm512_sub_epi32(_mm512_load_si512((const void *)c), _mm512_set1_epi32(zero * hs[0]));
+                        const __m512i b = _mm512_sub_epi32(_mm512_load_si512((const void *)(c + 256)),
+                                                           _mm512_set1_epi32(zero * hs[1]));
+                        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(_mm512_loadu_ps(dw0[j]), dxv), acc_v);
+                        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(_mm512_loadu_ps(dw1[j]), dxv), acc_v);
+                    } else {
+                        const __m512i s = _mm512_sub_epi32(_mm512_load_si512((const void *)c),
+                                                           _mm512_set1_epi32(zero * (hs[0] + hs[1])));
+                        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_loadu_ps(dw0[j]), dxv), acc_v);
+                    }
+                    if (has_m) acc_v = _mm512_fmadd_ps(_mm512_loadu_ps(mw[j]), _mm512_set1_ps(r->s[k]), acc_v);
+                }
+                _mm512_storeu_ps(ai, acc_v);
+            }
+        }
+    }
+}
+
+// tl_gguf_linear for M >= AMX_MIN_ROWS rows, their activations r (block-major) already made.
+static int gguf_linear_amx(int M, int K, int N, int fmt, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
+                           const uint8_t *wsc, const uint8_t *wmn, const float *bias, float *y, int nthreads,
+                           const qrows8 *r) {
+    const int nb = K / QK, tiles = (N + GT - 1) / GT, chunk = M < GCHUNK ? M : GCHUNK;
+    const int planes = gguf_planes(fmt), halves = gguf_halves(fmt), kq = fmt >= TL_Q4_K;
+    const size_t block_bytes = 256 + (size_t)64 * planes, tile_bytes = (size_t)nb * block_bytes;
+    const size_t d_per_tile = (size_t)(kq ? nb / 8 : nb) * GT;
+    const size_t sc_per_tile = (size_t)nb * GT * (halves ? 2 : 1);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *acc = (float *)aligned_alloc(64, sizeof(float) * GT * (size_t)chunk);
+        uint8_t *bt = (uint8_t *)aligned_alloc(64, 512 * GAMX_BATCH);
+        int32_t *cs = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 512 * GAMX_BATCH);
+        if (!acc || !bt || !cs) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int configured = 0;
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            if (!acc || !bt || !cs) continue;
+            const uint8_t *wt = wq + (size_t)t * tile_bytes;
+            const uint16_t *dt = wd + (size_t)t * d_per_tile, *mt = wm ? wm + (size_t)t * d_per_tile : NULL;
+            const uint8_t *sct = wsc ? wsc + (size_t)t * sc_per_tile : NULL;
+            const uint8_t *mnt = wmn ? wmn + (size_t)t * nb * GT : NULL;
+            const int cols = N - t * GT < GT ? N - t * GT : GT;
+            for (int m0 = 0; m0 < M; m0 += chunk) {
+                const int rows = M - m0 < chunk ? M - m0 : chunk;
+#define AMX_ROWS(f)                                                                                                 \
+    gguf_amx_tile_rows(gguf_planes(f), gguf_zero(f), gguf_halves(f), gguf_has_m(f), f, nb, wt, block_bytes, dt, mt, \
+                       sct, mnt, r, m0, rows, acc, bt, cs, &configured)
+                switch (fmt) { GGUF_FORMATS(AMX_ROWS) }
+#undef AMX_ROWS
+                for (int i = 0; i < rows; i++) {
+                    float *yr = y + (size_t)(m0 + i) * N + (size_t)t * GT;
+                    const float *a = acc + (size_t)i * GT;
+                    for (int c = 0; c < cols; c++) yr[c] = bias ? a[c] + bias[(size_t)t * GT + c] : a[c];
+                }
+            }
+        }
+        if (configured) amx_release();
+        free(acc), free(bt), free(cs);
+    }
+    return failed ? -1 : 0;
+}
