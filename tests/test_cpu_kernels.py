@@ -306,7 +306,7 @@ def _amx_on() -> bool:
 
 @pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
 def test_the_amx_kernel_computes_the_floats_of_the_vnni_one(cls, kernels):
-    """Where the CPU runs AMX tiles (its probe passed), rows of 16 and more go to the tile kernel
+    """Where the CPU runs AMX tiles (its probe passed), rows of 12 and more go to the tile kernel
     (linear_amx.h): every row's result equals, bit for bit, the one the AVX-512 VNNI kernel
     gives with the tiles turned off, so which one runs (the batch decides) never moves an
     output. Blocks of very different scales (the int16 activations' high bytes in use), a
@@ -317,7 +317,7 @@ def test_the_amx_kernel_computes_the_floats_of_the_vnni_one(cls, kernels):
     layer = cls(random_weight(n, k, seed=7), torch.randn(n))
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(8)) * torch.logspace(-3, 2, k)
     try:
-        for m in (16, 17, 31, 64, 65, 300):
+        for m in (12, 16, 17, 31, 64, 65, 300):
             kernels.tl_amx_set(0)
             vnni = layer(x[:m])
             kernels.tl_amx_set(1)

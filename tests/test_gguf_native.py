@@ -178,7 +178,7 @@ def test_rows_do_not_depend_on_the_batch(name, threads, kernels):
 @needs_kernels
 @pytest.mark.parametrize("name", list(gl.GGUF_KERNEL_FORMATS))
 def test_the_amx_kernel_computes_the_floats_of_the_vnni_one(name):
-    """Where AMX tiles are on (their probe passed), 16 rows and more of these formats run on
+    """Where AMX tiles are on (their probe passed), 5 rows and more of these formats run on
     them (linear_gguf_amx.h): bit for bit the floats of the AVX-512 VNNI loop with the tiles
     off, across the 16-row tile groups, the 64-row chunks and a partial last tile."""
     if cpu_native.variant() != "avx512" or cpu_native.amx_state() != "on":
@@ -187,7 +187,7 @@ def test_the_amx_kernel_computes_the_floats_of_the_vnni_one(name):
     x = torch.randn(150, 768, generator=torch.Generator().manual_seed(10)) * torch.logspace(-3, 1, 768)
     kernels = cpu_native.lib()
     try:
-        for rows in (16, 17, 40, 64, 65, 150):
+        for rows in (5, 7, 16, 17, 40, 64, 65, 150):
             kernels.tl_amx_set(0)
             vnni = layer(x[:rows])
             kernels.tl_amx_set(1)

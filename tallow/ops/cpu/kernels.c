@@ -1,6 +1,8 @@
 // tallow's CPU kernels (AVX2 + FMA; the linear layers also on AVX-512 VNNI), loaded through
 // ctypes by tallow/ops/cpu_native.py, which compiles this file once per instruction set.
 //
+// (Many rows run on AMX tiles where the CPU has them: linear_amx.h, linear_gguf_amx.h.)
+//
 // Linear layers over block-quantized weights: the activations are quantized per block of 32
 // to int16 (scale = max|x| / 32767: a relative error of 2^-16 of the block's largest value,
 // finer than bfloat16), each block's integer dot product with the weights is exact (madd,

@@ -15,7 +15,11 @@
 // of up to 16 rows' lo or hi bytes), B (8 x 64 bytes: byte 4c + i of row v = q(c, 4v + i), the
 // block's codes of the 16 channels, unpacked from the tile layout of linear_avx512.h).
 
-#define AMX_MIN_ROWS 16 // fewer rows: linear() (the tile products' fixed cost is not paid back)
+// Fewer rows: the VNNI kernels (the blocks' unpacking and the tile products' fixed cost are not
+// paid back). Measured on a 2-core Xeon with AMX: Q4/Q8 (two tile products per block) win from
+// 8-12 rows, the GGUF formats (one) from about 5.
+#define AMX_MIN_ROWS 12
+#define GGUF_AMX_MIN_ROWS 5
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 

@@ -468,7 +468,7 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
         return 0;
     }
 #ifdef TL_AMX
-    if (amx_on && M >= AMX_MIN_ROWS) {  // the same floats on AMX tiles (linear_gguf_amx.h)
+    if (amx_on && M >= GGUF_AMX_MIN_ROWS) {  // the same floats on AMX tiles (linear_gguf_amx.h)
         const int failed = gguf_linear_amx(M, K, N, fmt, wq, wd, wm, wsc, wmn, bias, y, nthreads, &r);
         free_rows8(&r);
         return failed;

@@ -1,4 +1,4 @@
-// GGUF's 5-bit and K-quant layers (linear_gguf.h) on AMX tiles, for 16 rows and more, where
+// GGUF's 5-bit and K-quant layers (linear_gguf.h) on AMX tiles, for 5 rows and more, where
 // tl_amx_enable() turned the tiles on (linear_amx.h). Included after linear_gguf.h in the AVX-512
 // build only.
 //
@@ -111,7 +111,7 @@ static inline __attribute__((always_inline)) void gguf_amx_tile_rows(int planes,
     }
 }
 
-// tl_gguf_linear for M >= AMX_MIN_ROWS rows, their activations r (block-major) already made.
+// tl_gguf_linear for M >= GGUF_AMX_MIN_ROWS rows, their activations r (block-major) already made.
 static int gguf_linear_amx(int M, int K, int N, int fmt, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
                            const uint8_t *wsc, const uint8_t *wmn, const float *bias, float *y, int nthreads,
                            const qrows8 *r) {
