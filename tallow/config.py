@@ -104,7 +104,11 @@ class EngineConfig:
     # with the batch for requests whose text cannot depend on it). None: by the kernels in use,
     # measured on the default model: 0.25 for tallow's AVX-512 VNNI build (a 2-core Xeon: 5.0 ms
     # for one row, +1.3 ms a row), 0.4 for the AVX2 one (Zen 3: 5 rows cost 2.2-2.9x one), 0.7
-    # for torch's CPU kernels, 0.1 on CUDA. A constant, not a timing: a seeded request's text
+    # for torch's CPU kernels, 0.1 on CUDA; 0.05 where the AVX-512 build runs many rows on AMX
+    # tiles (a Xeon with AMX: steps of 8 and 32 rows 19.3 and 35 ms, so a row past 8 costs about
+    # 0.27 of a token's share of the step, which the batch pricing gives at 8 sequences from
+    # 0.05; 8 sequences' grounded drafts then pay, 1.09-1.21x, and chat 1.13-1.18x, against
+    # 1.02-1.05x and 0.97x at 0.25). A constant, not a timing: a seeded request's text
     # must not depend on how fast the machine was.
     speculative_row_cost: float | None = None
 

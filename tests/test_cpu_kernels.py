@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import ctypes
 import os
-import signal
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ from torch import nn
 
 from tallow.models import quant
 from tallow.models.quant import GROUP_SIZE, Int4Linear, Int8Linear, Q4Linear, Q8Linear, quantize_model_
-from tallow.ops import cpu_native
+from tallow.ops import cpu_build, cpu_native
 
 pytestmark = pytest.mark.skipif(cpu_native.lib() is None,
                                 reason=f"no CPU kernels: {cpu_native.unavailable_reason()}")
@@ -329,26 +328,24 @@ def test_the_amx_kernel_computes_the_floats_of_the_vnni_one(cls, kernels):
         kernels.tl_amx_set(1)
 
 
-class _TileFault:
-    """Kernels whose tile probe dies as a CPU that lists AMX but faults on it does."""
-
-    @staticmethod
-    def tl_amx_enable():
-        os.kill(os.getpid(), signal.SIGILL)
-
-
-class _TileWrongSums:
-    @staticmethod
-    def tl_amx_enable():
-        return 0
-
-
-def test_the_tile_probe_runs_in_a_child_that_may_die():
-    assert cpu_native._tile_probe_survives(_TileFault()) is False  # this process lives on
-    assert cpu_native._tile_probe_survives(_TileWrongSums()) is False
-    if "amx_int8" in cpu_native.cpu_flags() and cpu_native.variant() == "avx512":
+@pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler")
+def test_the_tile_probe_runs_in_a_child_that_may_die(tmp_path):
+    """The probe's child runs the library's tl_amx_enable: one that faults (as a CPU that lists
+    AMX but traps on it does: ud2 raises the same SIGILL) or answers wrong sums leaves this
+    process running and the tiles off."""
+    libs = {}
+    for name, body in (("fault", '__asm__ volatile("ud2"); return 1;'), ("wrong", "return 0;"), ("right", "return 1;")):
+        src, so = tmp_path / f"{name}.c", tmp_path / f"{name}.so"
+        src.write_text(f"int tl_amx_enable(void) {{ {body} }}\n")
+        subprocess.run([cpu_build.compiler(), "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+        libs[name] = str(so)
+    assert cpu_native._tile_probe_survives(libs["fault"]) is False
+    assert cpu_native._tile_probe_survives(libs["wrong"]) is False
+    assert cpu_native._tile_probe_survives(libs["right"]) is True
+    assert cpu_native._tile_probe_survives(str(tmp_path / "missing.so")) is False
+    if {"amx_tile", "amx_int8"} <= cpu_native.cpu_flags() and "avx512" in cpu_native.supported_variants():
         # the real probe agrees with what load() decided
-        assert cpu_native._tile_probe_survives(cpu_native.load("avx512")) == _amx_on()
+        assert cpu_native._tile_probe_survives(cpu_native.load("avx512")._name) == _amx_on()
 
 
 @pytest.mark.parametrize("env, expect", [("0", "off: TALLOW_AMX=0"), ("", None)])
@@ -359,6 +356,6 @@ def test_tallow_amx_0_keeps_the_tiles_off(env, expect):
     variant, state = out.split(" ", 1)
     if expect is None:  # by default: on exactly where the CPU lists the tiles and the probe passes
         listed = {"amx_tile", "amx_int8"} <= cpu_native.cpu_flags() and variant == "avx512"
-        expect = "on" if listed and cpu_native._tile_probe_survives(cpu_native.load("avx512")) else state
+        expect = "on" if listed and cpu_native._tile_probe_survives(cpu_native.load("avx512")._name) else state
         assert listed or state.startswith("off: ")
     assert state == expect

@@ -21,11 +21,11 @@ than run slowly).
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import functools
 import logging
 import os
 import subprocess
+import sys
 import threading
 
 import torch
@@ -209,20 +209,21 @@ AMX_FLAGS = ("amx_tile", "amx_int8")
 _amx: str = "off: not probed"  # what amx_state() reports
 
 
-def _tile_probe_survives(kernels: ctypes.CDLL) -> bool:
-    """Whether a child process lives through tl_amx_enable (a tile product checked against
-    integer sums): some CPUs list amx_int8 and die of SIGILL on the first tile instruction.
-    A fork, so the child runs the very library loaded here; it calls no OpenMP or torch code."""
-    pid = os.fork()
-    if pid == 0:  # child: exit code 0 only if the tiles computed the right sums
-        code = 1
-        try:
-            faulthandler.disable()  # a fault here is an answer, not a crash to report
-            code = 0 if kernels.tl_amx_enable() == 1 else 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+# The probe's child: a fresh interpreter that maps the kernels lazily (their OpenMP symbols
+# unresolved: tl_amx_enable calls none) and exits 0 only if the tile products were right.
+_PROBE = ("import ctypes, os, sys; "
+          "sys.exit(0 if ctypes.CDLL(sys.argv[1], mode=os.RTLD_LAZY).tl_amx_enable() == 1 else 1)")
+
+
+def _tile_probe_survives(path: str) -> bool:
+    """Whether a child process lives through the kernels' tl_amx_enable (a tile product checked
+    against integer sums): some CPUs list amx_int8 and die of SIGILL on the first tile
+    instruction. A new process rather than a fork: this one may have threads."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, path], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def _enable_amx(kernels: ctypes.CDLL) -> None:
@@ -234,7 +235,7 @@ def _enable_amx(kernels: ctypes.CDLL) -> None:
         _amx = "off: TALLOW_AMX=0"
     elif not all(flag in cpu_flags() for flag in AMX_FLAGS):
         _amx = "off: the CPU lists no amx_tile / amx_int8"
-    elif not _tile_probe_survives(kernels):
+    elif not _tile_probe_survives(kernels._name):
         _amx = "off: the CPU lists AMX but a tile product failed in a child process"
         log.warning("AMX: the CPU lists amx_int8 but a tile instruction failed in a probe; AMX stays off")
     elif kernels.tl_amx_enable() != 1:

@@ -145,6 +145,8 @@ def default_row_cost(device_type: str) -> float:
         return 0.1
     from tallow.ops import cpu_native
 
+    if cpu_native.variant() == "avx512" and cpu_native.amx_state() == "on":
+        return 0.05  # many rows on AMX tiles: see config.py
     return {"avx512": 0.25, "avx2": 0.4}.get(cpu_native.variant() or "", 0.7)
 
 
