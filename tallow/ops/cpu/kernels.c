@@ -164,41 +164,27 @@ static int quantize_rows8(const float *x, int M, int K, int nthreads, int block_
 static void free_rows8(qrows8 *r) { free(r->q), free(r->d), free(r->s), free(r->hs); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include "linear_avx512.h"
-#include "linear_amx.h"
+#include "linear_avx512.h"  // with linear_amx.h
 #define TL_AMX 1
 #else
 #include "linear_avx2.h"
 int tl_amx_enable(void) { return 0; }  // the AVX2 build has no tile kernel
 int tl_amx_set(int on) { (void)on; return 0; }
 #endif
-#include "linear_gguf.h"  // GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K blocks (both builds)
-#ifdef TL_AMX
-#include "linear_gguf_amx.h"
-#endif
-
-// The Q4 / Q8 kernel for M rows: the AMX one where it is on and the rows pay for it, else linear();
-// both compute the same floats.
-static int q_linear(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
-                    const float *bias, float *y, int nthreads, int q8) {
-#ifdef TL_AMX
-    if (amx_on && M >= AMX_MIN_ROWS) return linear_amx(x, M, K, N, wq, wd, wm, bias, y, nthreads, q8);
-#endif
-    return linear(x, M, K, N, wq, wd, wm, bias, y, nthreads, q8);
-}
+#include "linear_gguf.h"  // GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K blocks (both builds; with linear_gguf_amx.h)
 
 // The output channels of one weight tile: the layout the Python side packs (quant.py).
 int tl_tile_channels(void) { return NT; }
 
 int tl_q4_linear(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
                  const float *bias, float *y, int nthreads) {
-    return q_linear(x, M, K, N, wq, wd, wm, bias, y, nthreads, 0);
+    return linear(x, M, K, N, wq, wd, wm, bias, y, nthreads, 0);
 }
 
 int tl_q8_linear(const float *x, int M, int K, int N, const int8_t *wq, const uint16_t *wd, const uint16_t *unused_wm,
                  const float *bias, float *y, int nthreads) {
     (void)unused_wm;  // the same signature as tl_q4_linear
-    return q_linear(x, M, K, N, (const uint8_t *)wq, wd, NULL, bias, y, nthreads, 1);
+    return linear(x, M, K, N, (const uint8_t *)wq, wd, NULL, bias, y, nthreads, 1);
 }
 
 // ---- elementwise ops, float32 ------------------------------------------------------------
@@ -706,7 +692,7 @@ static int part_linear(const tl_part *p, const float *x, int M, float *y, int nt
     switch (p->kind) {
     case TL_PART_Q4:
     case TL_PART_Q8:
-        return q_linear(x, M, p->k, p->n, (const uint8_t *)p->w, p->d, p->kind == TL_PART_Q8 ? NULL : p->m, p->bias, y,
+        return linear(x, M, p->k, p->n, (const uint8_t *)p->w, p->d, p->kind == TL_PART_Q8 ? NULL : p->m, p->bias, y,
                       nthreads, p->kind == TL_PART_Q8);
     case TL_PART_GGUF:
         return tl_gguf_linear(x, M, p->k, p->n, p->fmt, (const uint8_t *)p->w, p->d, p->m, p->sc, p->mn, p->bias, y,

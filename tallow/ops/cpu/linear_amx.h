@@ -1,4 +1,4 @@
-// The Q4/Q8 linear kernel on AMX tiles (included by kernels.c in the AVX-512 build; used only
+// The Q4/Q8 linear kernel on AMX tiles (included by linear_avx512.h: linear() runs it; used only
 // after tl_amx_enable(), which cpu_native calls once a child process has run a tile
 // instruction and lived: some machines list amx_int8 in /proc/cpuinfo and fault on it).
 //
@@ -142,76 +142,52 @@ static inline __attribute__((always_inline)) void amx_scale(const amx_sums *p, c
     }
 }
 
-// linear() on AMX: the same arguments and floats. (Scaling one group's sums while the tile unit
-// runs the next group's, from two buffers, measured slower: 1.1-1.3x linear() against 1.3-1.5x.)
-static int linear_amx(const float *x, int M, int K, int N, const uint8_t *wq, const uint16_t *wd,
-                      const uint16_t *wm, const float *bias, float *y, int nthreads, int q8) {
-    const int nb = K / QK, tiles = (N + NT - 1) / NT, chunk = M < CHUNK ? M : CHUNK;
-    const size_t block_bytes = (size_t)NT * (q8 ? QK : QK / 2), tile_bytes = (size_t)nb * block_bytes;
+// A thread's scratch for the tile kernels (linear() and tl_gguf_linear): a batch of blocks'
+// stored products and unpacked B operands, and the row count its tiles are configured for.
+typedef struct {
+    int32_t *cs;
+    uint8_t *bt;
+    int configured;
+} amx_scratch;
+
+static int amx_scratch_alloc(amx_scratch *s) {
+    s->cs = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 512 * AMX_BATCH);
+    s->bt = (uint8_t *)aligned_alloc(64, 512 * AMX_BATCH);
+    s->configured = 0;
+    return s->cs && s->bt ? 0 : -1;
+}
+
+static void amx_scratch_free(amx_scratch *s) {
+    if (s->configured) amx_release();
+    free(s->cs), free(s->bt);
+}
+
+// linear()'s loop body on the tiles: rows m0 .. m0 + rows - 1 (operands xs, from
+// amx_split_rows) through one tile of weights wt (scales dt, offsets mt or NULL) into acc (per
+// row: dot, m). (Scaling one group's sums while the tiles run the next group's, from two
+// buffers, measured slower: 1.1-1.3x the VNNI loop against 1.3-1.5x.)
+static void amx_tile_rows(const uint8_t *wt, const uint16_t *dt, const uint16_t *mt, size_t block_bytes, int nb,
+                          int q8, const qrows *r, const uint8_t *xs, int m0, int rows, float *acc, amx_scratch *s) {
     const size_t stride = (size_t)nb * 64;  // bytes from one row's operands to the next's
-    qrows r;
-    if (quantize_rows(x, M, K, nthreads, &r)) return -1;
-    uint8_t *xs = (uint8_t *)aligned_alloc(64, stride * (size_t)M);
-    if (!xs) {
-        free_rows(&r);
-        return -1;
-    }
-    amx_split_rows(&r, M, K, nthreads, xs);
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float *acc = (float *)aligned_alloc(64, sizeof(float) * 2 * NT * (size_t)chunk);  // per row: dot, m
-        int32_t *cs = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 512 * AMX_BATCH);
-        uint8_t *bt = (uint8_t *)aligned_alloc(64, 512 * AMX_BATCH);
-        if (!acc || !cs || !bt) {
-#pragma omp atomic write
-            failed = 1;
+    __m512 d[AMX_BATCH], mv[AMX_BATCH];
+    for (int b0 = 0; b0 < nb; b0 += AMX_BATCH) {
+        const int nj = nb - b0 < AMX_BATCH ? nb - b0 : AMX_BATCH;
+        for (int j = 0; j < nj; j++) {
+            const uint8_t *wb = wt + (size_t)(b0 + j) * block_bytes;
+            for (size_t p = 0; p < block_bytes; p += 64)
+                _mm_prefetch((const char *)(wb + (q8 ? 2 : 1) * PREFETCH + p), _MM_HINT_T0);
+            amx_unpack_block(wb, q8, s->bt + 512 * j);
+            d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + NT * (b0 + j))));
+            mv[j] = mt ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + NT * (b0 + j)))) : _mm512_setzero_ps();
         }
-        int configured = 0;
-        __m512 d[AMX_BATCH], mv[AMX_BATCH];
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            if (!acc || !cs || !bt) continue;
-            const uint8_t *wt = wq + (size_t)t * tile_bytes;
-            const uint16_t *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
-            const int cols = N - t * NT < NT ? N - t * NT : NT;
-            const __mmask16 keep = (__mmask16)((1u << cols) - 1);
-            const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + (size_t)t * NT) : _mm512_setzero_ps();
-            for (int m0 = 0; m0 < M; m0 += chunk) {
-                const int rows = M - m0 < chunk ? M - m0 : chunk;
-                for (int b0 = 0; b0 < nb; b0 += AMX_BATCH) {
-                    const int nj = nb - b0 < AMX_BATCH ? nb - b0 : AMX_BATCH;
-                    for (int j = 0; j < nj; j++) {
-                        const uint8_t *wb = wt + (size_t)(b0 + j) * block_bytes;
-                        for (size_t p = 0; p < block_bytes; p += 64)
-                            _mm_prefetch((const char *)(wb + (q8 ? 2 : 1) * PREFETCH + p), _MM_HINT_T0);
-                        amx_unpack_block(wb, q8, bt + 512 * j);
-                        d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + NT * (b0 + j))));
-                        mv[j] = mt ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + NT * (b0 + j))))
-                                          : _mm512_setzero_ps();
-                    }
-                    for (int g = 0; g < rows; g += 16) {
-                        const int n = rows - g < 16 ? rows - g : 16;
-                        if (configured != n) amx_configure(n), configured = n;
-                        amx_blocks(xs + (size_t)(m0 + g) * stride + (size_t)b0 * 64, stride, bt, nj, q8, cs);
-                        const amx_sums p = {g, n, b0, nj, cs, d, mv};
-                        amx_scale(&p, &r, nb, m0, mt != NULL, acc);
-                    }
-                }
-                for (int i = 0; i < rows; i++) {
-                    const float *ai = acc + (size_t)i * 2 * NT;
-                    __m512 out = _mm512_add_ps(_mm512_load_ps(ai), _mm512_load_ps(ai + NT));
-                    if (bias) out = _mm512_add_ps(out, bv);
-                    _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * N + (size_t)t * NT, keep, out);
-                }
-            }
+        for (int g = 0; g < rows; g += 16) {
+            const int n = rows - g < 16 ? rows - g : 16;
+            if (s->configured != n) amx_configure(n), s->configured = n;
+            amx_blocks(xs + (size_t)(m0 + g) * stride + (size_t)b0 * 64, stride, s->bt, nj, q8, s->cs);
+            const amx_sums p = {g, n, b0, nj, s->cs, d, mv};
+            amx_scale(&p, r, nb, m0, mt != NULL, acc);
         }
-        if (configured) amx_release();
-        free(acc), free(cs), free(bt);
     }
-    free(xs);
-    free_rows(&r);
-    return failed ? -1 : 0;
 }
 
 // Asks the kernel for the tile state (once per process), then checks two tile products against

@@ -87,6 +87,8 @@ static inline __attribute__((always_inline)) void rows_block(const qrows *r, int
     }
 }
 
+#include "linear_amx.h"  // the same loop on AMX tiles, for many rows where the CPU runs them
+
 // y[M, N] = x[M, K] @ W^T (+ bias), W in tiles (above): Q4: wq [tiles][nb][8][32] bytes, wd and
 // wm [tiles][nb][NT]; Q8: wq [tiles][nb][16][32] int8, wm NULL; tiles = ceil(N / NT).
 // K % 32 == 0. Returns 0, or -1 out of memory.
@@ -94,19 +96,31 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
                   const uint16_t *wm, const float *bias, float *y, int nthreads, int q8) {
     const int nb = K / QK, tiles = (N + NT - 1) / NT, chunk = M < CHUNK ? M : CHUNK;
     const size_t block_bytes = (size_t)NT * (q8 ? QK : QK / 2), tile_bytes = (size_t)nb * block_bytes;
+    const int on_tiles = amx_on && M >= AMX_MIN_ROWS;
     qrows r;
     if (quantize_rows(x, M, K, nthreads, &r)) return -1;
+    uint8_t *xs = NULL;  // the tiles' operands
+    if (on_tiles) {
+        xs = (uint8_t *)aligned_alloc(64, (size_t)nb * 64 * (size_t)M);
+        if (!xs) {
+            free_rows(&r);
+            return -1;
+        }
+        amx_split_rows(&r, M, K, nthreads, xs);
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *acc = (float *)aligned_alloc(64, sizeof(float) * 2 * NT * (size_t)chunk);  // per row: dot, m
-        if (!acc) {
+        amx_scratch scratch = {0};
+        const int broken = !acc || (on_tiles && amx_scratch_alloc(&scratch));
+        if (broken) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
-            if (!acc) continue;
+            if (broken) continue;
             const uint8_t *wt = wq + (size_t)t * tile_bytes;
             const uint16_t *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
             const int cols = N - t * NT < NT ? N - t * NT : NT;
@@ -114,20 +128,25 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
             const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + (size_t)t * NT) : _mm512_setzero_ps();
             for (int m0 = 0; m0 < M; m0 += chunk) {
                 const int rows = M - m0 < chunk ? M - m0 : chunk;
-                memset(acc, 0, sizeof(float) * 2 * NT * (size_t)rows);
-                for (int b = 0; b < nb; b++) {
-                    const uint8_t *wb = wt + (size_t)b * block_bytes;
-                    for (size_t p = 0; p < block_bytes; p += 64)  // the hardware's prefetch alone lags
-                        _mm_prefetch((const char *)(wb + (q8 ? 2 : 1) * PREFETCH + p), _MM_HINT_T0);
-                    __m512i w[16];
-                    load_block(wb, q8, w);
-                    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + NT * b)));
-                    const __m512 mv = mt ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + NT * b)))
-                                         : _mm512_setzero_ps();
-                    int i = 0;
-                    for (; i + ROWS <= rows; i += ROWS)
-                        rows_block(&r, m0 + i, ROWS, 2, K, b, w, d, mv, mt != NULL, acc + (size_t)i * 2 * NT);
-                    for (; i < rows; i++) rows_block(&r, m0 + i, 1, 4, K, b, w, d, mv, mt != NULL, acc + (size_t)i * 2 * NT);
+                if (on_tiles) {
+                    amx_tile_rows(wt, dt, mt, block_bytes, nb, q8, &r, xs, m0, rows, acc, &scratch);
+                } else {
+                    memset(acc, 0, sizeof(float) * 2 * NT * (size_t)rows);
+                    for (int b = 0; b < nb; b++) {
+                        const uint8_t *wb = wt + (size_t)b * block_bytes;
+                        for (size_t p = 0; p < block_bytes; p += 64)  // the hardware's prefetch alone lags
+                            _mm_prefetch((const char *)(wb + (q8 ? 2 : 1) * PREFETCH + p), _MM_HINT_T0);
+                        __m512i w[16];
+                        load_block(wb, q8, w);
+                        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + NT * b)));
+                        const __m512 mv = mt ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + NT * b)))
+                                             : _mm512_setzero_ps();
+                        int i = 0;
+                        for (; i + ROWS <= rows; i += ROWS)
+                            rows_block(&r, m0 + i, ROWS, 2, K, b, w, d, mv, mt != NULL, acc + (size_t)i * 2 * NT);
+                        for (; i < rows; i++)
+                            rows_block(&r, m0 + i, 1, 4, K, b, w, d, mv, mt != NULL, acc + (size_t)i * 2 * NT);
+                    }
                 }
                 for (int i = 0; i < rows; i++) {
                     const float *ai = acc + (size_t)i * 2 * NT;
@@ -137,8 +156,10 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
                 }
             }
         }
+        amx_scratch_free(&scratch);
         free(acc);
     }
+    free(xs);
     free_rows(&r);
     return failed ? -1 : 0;
 }

@@ -443,9 +443,7 @@ static inline __attribute__((always_inline)) void gguf_tile_rows(int planes, int
 }
 
 #ifdef TL_AMX
-static int gguf_linear_amx(int M, int K, int N, int fmt, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
-                           const uint8_t *wsc, const uint8_t *wmn, const float *bias, float *y, int nthreads,
-                           const qrows8 *r);
+#include "linear_gguf_amx.h"  // the same loop on AMX tiles, for several rows where the CPU runs them
 #endif
 
 // y[M, N] = x[M, K] @ W^T (+ bias), W of format fmt in tiles (above); K % 32 == 0 (K formats:
@@ -468,23 +466,25 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
         return 0;
     }
 #ifdef TL_AMX
-    if (amx_on && M >= GGUF_AMX_MIN_ROWS) {  // the same floats on AMX tiles (linear_gguf_amx.h)
-        const int failed = gguf_linear_amx(M, K, N, fmt, wq, wd, wm, wsc, wmn, bias, y, nthreads, &r);
-        free_rows8(&r);
-        return failed;
-    }
+    const int on_tiles = amx_on && M >= GGUF_AMX_MIN_ROWS;  // the same floats (linear_gguf_amx.h)
 #endif
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *acc = (float *)aligned_alloc(64, sizeof(float) * GT * (size_t)chunk);
-        if (!acc) {
+#ifdef TL_AMX
+        amx_scratch scratch = {0};
+        const int broken = !acc || (on_tiles && amx_scratch_alloc(&scratch));
+#else
+        const int broken = !acc;
+#endif
+        if (broken) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
-            if (!acc) continue;
+            if (broken) continue;
             const uint8_t *wt = wq + (size_t)t * tile_bytes;
             const uint16_t *dt = wd + (size_t)t * d_per_tile, *mt = wm ? wm + (size_t)t * d_per_tile : NULL;
             const uint8_t *sct = wsc ? wsc + (size_t)t * sc_per_tile : NULL;
@@ -492,10 +492,21 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
             const int cols = N - t * GT < GT ? N - t * GT : GT;
             for (int m0 = 0; m0 < M; m0 += chunk) {
                 const int rows = M - m0 < chunk ? M - m0 : chunk;
-                memset(acc, 0, sizeof(float) * GT * (size_t)rows);
+#ifdef TL_AMX
+                if (on_tiles) {
+#define AMX_ROWS(f)                                                                                                 \
+    gguf_amx_tile_rows(gguf_planes(f), gguf_zero(f), gguf_halves(f), gguf_has_m(f), f, nb, wt, block_bytes, dt, mt, \
+                       sct, mnt, &r, m0, rows, acc, &scratch)
+                    switch (fmt) { GGUF_FORMATS(AMX_ROWS) }
+#undef AMX_ROWS
+                } else
+#endif
+                {
+                    memset(acc, 0, sizeof(float) * GT * (size_t)rows);
 #define ROWS(f) gguf_tile_rows(GGUF_CONSTS(f), f, nb, wt, block_bytes, dt, mt, sct, mnt, &r, m0, rows, acc)
-                switch (fmt) { GGUF_FORMATS(ROWS) }
+                    switch (fmt) { GGUF_FORMATS(ROWS) }
 #undef ROWS
+                }
                 for (int i = 0; i < rows; i++) {
                     float *yr = y + (size_t)(m0 + i) * N + (size_t)t * GT;
                     const float *a = acc + (size_t)i * GT;
@@ -503,6 +514,9 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
                 }
             }
         }
+#ifdef TL_AMX
+        amx_scratch_free(&scratch);
+#endif
         free(acc);
     }
     free_rows8(&r);

@@ -1,6 +1,6 @@
 // GGUF's 5-bit and K-quant layers (linear_gguf.h) on AMX tiles, for 5 rows and more, where
-// tl_amx_enable() turned the tiles on (linear_amx.h). Included after linear_gguf.h in the AVX-512
-// build only.
+// tl_amx_enable() turned the tiles on (linear_amx.h). Included by linear_gguf.h in the AVX-512
+// build: tl_gguf_linear runs gguf_amx_tile_rows in place of gguf_tile_rows.
 //
 // The same floats as tl_gguf_linear's AVX-512 loop: a block's integer dot products of 16 rows'
 // int8 activations (signed) with the 16 channels' codes (unsigned) are one tile product
@@ -56,20 +56,19 @@ __attribute__((target("amx-tile,amx-int8"))) static void gguf_amx_blocks(const i
     }
 }
 
-#define GAMX_BATCH 8
-
-// Rows m0 .. m0 + rows - 1 through one tile (accumulators acc: GT per row): gguf_tile_rows'
-// arithmetic with the integer sums from the tiles.
+// Rows m0 .. m0 + rows - 1 through one tile (accumulators acc: GT per row, set here):
+// gguf_tile_rows' arithmetic with the integer sums from the tiles.
 static inline __attribute__((always_inline)) void gguf_amx_tile_rows(int planes, int zero, int halves, int has_m,
                                                                       int fmt, int nb, const uint8_t *wt,
                                                                       size_t block_bytes, const uint16_t *dt,
                                                                       const uint16_t *mt, const uint8_t *sct,
                                                                       const uint8_t *mnt, const qrows8 *r, int m0,
-                                                                      int rows, float *acc, uint8_t *bt, int32_t *cs,
-                                                                      int *configured) {
-    float dw0[GAMX_BATCH][GT], dw1[GAMX_BATCH][GT], mw[GAMX_BATCH][GT];
-    for (int b0 = 0; b0 < nb; b0 += GAMX_BATCH) {
-        const int nj = nb - b0 < GAMX_BATCH ? nb - b0 : GAMX_BATCH;
+                                                                      int rows, float *acc, amx_scratch *s) {
+    uint8_t *bt = s->bt;
+    int32_t *cs = s->cs;
+    float dw0[AMX_BATCH][GT], dw1[AMX_BATCH][GT], mw[AMX_BATCH][GT];
+    for (int b0 = 0; b0 < nb; b0 += AMX_BATCH) {
+        const int nj = nb - b0 < AMX_BATCH ? nb - b0 : AMX_BATCH;
         for (int j = 0; j < nj; j++) {
             const uint8_t *wb = wt + (size_t)(b0 + j) * block_bytes;
             for (size_t p = 0; p < block_bytes; p += 64)
@@ -81,7 +80,7 @@ static inline __attribute__((always_inline)) void gguf_amx_tile_rows(int planes,
         }
         for (int g = 0; g < rows; g += 16) {
             const int n = rows - g < 16 ? rows - g : 16;
-            if (*configured != n) gguf_amx_configure(n), *configured = n;
+            if (s->configured != n) gguf_amx_configure(n), s->configured = n;
             gguf_amx_blocks(q8block(r, (size_t)(m0 + g), b0), r->bs, bt, nj, halves, cs);
             for (int i = 0; i < n; i++) {  // gguf_row's float math
                 const size_t row = (size_t)(m0 + g + i);
@@ -109,52 +108,4 @@ static inline __attribute__((always_inline)) void gguf_amx_tile_rows(int planes,
             }
         }
     }
-}
-
-// tl_gguf_linear for M >= GGUF_AMX_MIN_ROWS rows, their activations r (block-major) already made.
-static int gguf_linear_amx(int M, int K, int N, int fmt, const uint8_t *wq, const uint16_t *wd, const uint16_t *wm,
-                           const uint8_t *wsc, const uint8_t *wmn, const float *bias, float *y, int nthreads,
-                           const qrows8 *r) {
-    const int nb = K / QK, tiles = (N + GT - 1) / GT, chunk = M < GCHUNK ? M : GCHUNK;
-    const int planes = gguf_planes(fmt), halves = gguf_halves(fmt), kq = fmt >= TL_Q4_K;
-    const size_t block_bytes = 256 + (size_t)64 * planes, tile_bytes = (size_t)nb * block_bytes;
-    const size_t d_per_tile = (size_t)(kq ? nb / 8 : nb) * GT;
-    const size_t sc_per_tile = (size_t)nb * GT * (halves ? 2 : 1);
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float *acc = (float *)aligned_alloc(64, sizeof(float) * GT * (size_t)chunk);
-        uint8_t *bt = (uint8_t *)aligned_alloc(64, 512 * GAMX_BATCH);
-        int32_t *cs = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 512 * GAMX_BATCH);
-        if (!acc || !bt || !cs) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        int configured = 0;
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            if (!acc || !bt || !cs) continue;
-            const uint8_t *wt = wq + (size_t)t * tile_bytes;
-            const uint16_t *dt = wd + (size_t)t * d_per_tile, *mt = wm ? wm + (size_t)t * d_per_tile : NULL;
-            const uint8_t *sct = wsc ? wsc + (size_t)t * sc_per_tile : NULL;
-            const uint8_t *mnt = wmn ? wmn + (size_t)t * nb * GT : NULL;
-            const int cols = N - t * GT < GT ? N - t * GT : GT;
-            for (int m0 = 0; m0 < M; m0 += chunk) {
-                const int rows = M - m0 < chunk ? M - m0 : chunk;
-#define AMX_ROWS(f)                                                                                                 \
-    gguf_amx_tile_rows(gguf_planes(f), gguf_zero(f), gguf_halves(f), gguf_has_m(f), f, nb, wt, block_bytes, dt, mt, \
-                       sct, mnt, r, m0, rows, acc, bt, cs, &configured)
-                switch (fmt) { GGUF_FORMATS(AMX_ROWS) }
-#undef AMX_ROWS
-                for (int i = 0; i < rows; i++) {
-                    float *yr = y + (size_t)(m0 + i) * N + (size_t)t * GT;
-                    const float *a = acc + (size_t)i * GT;
-                    for (int c = 0; c < cols; c++) yr[c] = bias ? a[c] + bias[(size_t)t * GT + c] : a[c];
-                }
-            }
-        }
-        if (configured) amx_release();
-        free(acc), free(bt), free(cs);
-    }
-    return failed ? -1 : 0;
 }
