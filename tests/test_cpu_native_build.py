@@ -109,6 +109,7 @@ def test_neither_a_build_nor_a_compiler_logs_the_slow_torch_path(fresh, monkeypa
     if cpu_native.supported_variants():
         assert "no C compiler" in line, line
     assert cpu_native.report().startswith("tallow CPU kernels unavailable: ")
+    assert cpu_native.kernels_in_use() == "none: torch's kernels"  # what the engine's start-up line says
     assert not cpu_native.usable(torch.zeros(2, 8))  # the ops take torch's path
 
 
@@ -129,6 +130,20 @@ def test_tallow_cpu_kernels_picks_the_build(fresh, monkeypatch):
     monkeypatch.setenv("TALLOW_CPU_KERNELS", VARIANT)
     assert cpu_native.lib() is cpu_native.load(VARIANT) and cpu_native.variant() == VARIANT
     assert cpu_native.tile_channels() == 16  # one weight layout for both builds
+    # the engine's start-up line: the build, and for AVX-512 whether the tiles are on and why not
+    assert cpu_native.kernels_in_use() == (f"avx512, AMX {cpu_native.amx_state()}" if VARIANT == "avx512" else VARIANT)
+    if VARIANT != "avx512":
+        return
+    was_on = cpu_native.amx_state() == "on"
+    monkeypatch.setenv("TALLOW_AMX", "0")
+    for name, value in (("_lib", None), ("_tried", False), ("_error", None), ("_loaded", {})):
+        monkeypatch.setattr(cpu_native, name, value)
+    kernels = cpu_native.lib()
+    try:
+        assert cpu_native.kernels_in_use() == "avx512, AMX off: TALLOW_AMX=0"
+        assert kernels.tl_amx_set(0) == 0  # and the library's own switch is off too
+    finally:
+        kernels.tl_amx_set(int(was_on))  # the same library (dlopen hands the loaded one back)
 
 
 @needs_kernels

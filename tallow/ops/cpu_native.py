@@ -230,6 +230,7 @@ def _enable_amx(kernels: ctypes.CDLL) -> None:
     """Turns the AVX-512 build's AMX kernel on where $TALLOW_AMX allows it, the CPU lists the
     tile flags and a child process has run a tile product correctly (cpu_amx_wanted())."""
     global _amx
+    kernels.tl_amx_set(0)  # off unless enabled below (a library loaded again keeps its state)
     wanted = cpu_amx_wanted()
     if wanted is False:
         _amx = "off: TALLOW_AMX=0"
@@ -248,6 +249,15 @@ def amx_state() -> str:
     """Whether the Q4/Q8 linear kernel runs on AMX tiles ("on"), else "off: <why>"."""
     lib()
     return _amx
+
+
+def kernels_in_use() -> str:
+    """A few words on the CPU kernels lib() hands out, for the start-up log: "avx512, AMX on",
+    "avx2", or "none: torch's kernels"."""
+    name = variant()
+    if name is None:
+        return "none: torch's kernels"
+    return f"{name}, AMX {amx_state()}" if name == "avx512" else name
 
 
 def lib() -> ctypes.CDLL | None:
