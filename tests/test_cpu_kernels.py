@@ -294,7 +294,7 @@ def test_kernels_link_torchs_openmp_runtime():
     assert len(mapped) == 1 and mapped[0].startswith(os.path.dirname(torch.__file__)), mapped
     assert ctypes.CDLL(cpu_native.lib()._name).tl_abi_version() == cpu_native.ABI_VERSION
     # what make install prints
-    assert cpu_native.report() == f"tallow CPU kernels: {cpu_native.lib()._name} (AMX {cpu_native.amx_state()})"
+    assert cpu_native.report() == f"tallow CPU kernels: {cpu_native.lib()._name} ({cpu_native.kernels_in_use()})"
 
 
 # ---- AMX tiles ------------------------------------------------------------------------------------

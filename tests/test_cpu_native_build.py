@@ -94,7 +94,7 @@ def test_without_a_prebuilt_build_the_kernels_build_into_the_cache_on_first_use(
     prebuilt, cache = fresh
     kernels = cpu_native.select(VARIANT)
     assert kernels._name == str(cache / cpu_build.file_name(VARIANT))
-    assert cpu_native.report() == f"tallow CPU kernels: {kernels._name} (AMX {cpu_native.amx_state()})"
+    assert cpu_native.report() == f"tallow CPU kernels: {kernels._name} ({cpu_native.kernels_in_use()})"
     assert sorted(os.listdir(cache)) == [cpu_build.file_name(VARIANT)]  # no temporary left behind
     assert kernels.tl_abi_version() == cpu_native.ABI_VERSION
 
@@ -212,6 +212,7 @@ x = torch.randn(5, 64)
 err = (cpu_native.silu_and_mul(x) - torch.nn.functional.silu(x[:, :32]) * x[:, 32:]).abs().max().item()
 maps = sorted({l.split()[-1] for l in open("/proc/self/maps") if "gomp" in l or "omp5" in l})
 print(json.dumps({"compiler": cpu_build.compiler(), "report": cpu_native.report(), "variant": cpu_native.variant(),
+                  "in_use": cpu_native.kernels_in_use(),
                   "path": kernels._name, "err": err, "openmp": maps, "prefix": sys.prefix}))
 """
 
@@ -250,7 +251,8 @@ def test_pip_wheel_carries_the_kernels_and_a_fresh_venv_without_a_compiler_uses_
         got = __import__("json").loads(out.strip().splitlines()[-1])
         assert got["compiler"] is None and got["variant"] == variant
         assert got["path"] == os.path.join(site, "tallow", "ops", "cpu", "prebuilt", cpu_build.file_name(variant))
-        assert got["report"] == f"tallow CPU kernels: {got['path']}"
+        assert got["report"] == f"tallow CPU kernels: {got['path']} ({got['in_use']})"
+        assert got["in_use"] == variant or got["in_use"].startswith("avx512, AMX ")
         assert got["err"] < 1e-6
         assert len(got["openmp"]) == 1, got["openmp"]  # torch's runtime, no second one
     assert not cache.exists()  # nothing was built at run time

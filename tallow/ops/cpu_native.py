@@ -369,4 +369,4 @@ def report() -> str:
     prints it after building them)."""
     if lib() is None:
         return f"tallow CPU kernels unavailable: {_error}"
-    return f"tallow CPU kernels: {lib()._name} (AMX {amx_state()})"
+    return f"tallow CPU kernels: {lib()._name} ({kernels_in_use()})"
