@@ -31,6 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPES = {
     "smollm2-1.7b": dict(hidden=2048, layers=24, ffn=8192, heads=32, kv_heads=32),
     "smollm2-360m": dict(hidden=960, layers=32, ffn=2560, heads=15, kv_heads=5),
+    # Llama-3-8B's layers (GQA 32/8, FFN 14336); the vocabulary stays the source's (49,152, not
+    # 128,256), so its Q4_K_M file is about 4.3 GB rather than 4.9
+    "llama-3-8b": dict(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8),
 }
 
 
@@ -90,22 +93,23 @@ def write_f16(path: str, src: str, shape: dict, seed: int) -> None:
     def rand(*dims, scale=0.02):
         return (rng.standard_normal(dims, dtype=np.float32) * scale).astype(np.float16)
 
-    writer.add_tensor("token_embd.weight", rand(vocab, h))
-    writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    # (name, shape, dtype): the tensors are declared first, then made and written one at a time,
+    # so memory holds one tensor, not the model (an 8B shape is 14 GB of float16)
+    tensors = [("token_embd.weight", (vocab, h), np.float16), ("output_norm.weight", (h,), np.float32)]
     for i in range(L):
         p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", np.ones(h, np.float32))
-        writer.add_tensor(p + "ffn_norm.weight", np.ones(h, np.float32))
-        writer.add_tensor(p + "attn_q.weight", rand(h, h))
-        writer.add_tensor(p + "attn_k.weight", rand(nkv * hd, h))
-        writer.add_tensor(p + "attn_v.weight", rand(nkv * hd, h))
-        writer.add_tensor(p + "attn_output.weight", rand(h, h))
-        writer.add_tensor(p + "ffn_gate.weight", rand(f, h))
-        writer.add_tensor(p + "ffn_up.weight", rand(f, h))
-        writer.add_tensor(p + "ffn_down.weight", rand(h, f))
+        tensors += [(p + "attn_norm.weight", (h,), np.float32), (p + "ffn_norm.weight", (h,), np.float32),
+                    (p + "attn_q.weight", (h, h), np.float16), (p + "attn_k.weight", (nkv * hd, h), np.float16),
+                    (p + "attn_v.weight", (nkv * hd, h), np.float16), (p + "attn_output.weight", (h, h), np.float16),
+                    (p + "ffn_gate.weight", (f, h), np.float16), (p + "ffn_up.weight", (f, h), np.float16),
+                    (p + "ffn_down.weight", (h, f), np.float16)]
+    for name, dims, dtype in tensors:
+        writer.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for name, dims, dtype in tensors:
+        writer.write_tensor_data(rand(*dims) if dtype is np.float16 else np.ones(dims, np.float32))
     writer.close()
 
 
