@@ -297,6 +297,71 @@ def test_kernels_link_torchs_openmp_runtime():
     assert cpu_native.report() == f"tallow CPU kernels: {cpu_native.lib()._name} ({cpu_native.kernels_in_use()})"
 
 
+# ---- the fused decoder layer (tl_llama_layer) against the module path -------------------------
+
+# qwen2: biases on q/k/v; qwen3: q/k norms; gemma3: q/k and sandwich norms, GeGLU, sliding-window
+# layers (a window of 6 positions: the steps' sequences pass it) with their own rotary table
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_fused_layers_equal_the_module_path(family, tmp_path, monkeypatch):
+    """LlamaModel's one-call-per-layer path gives bit for bit the logits of running its modules
+    over the same kernels: prefill chunks with cached prefixes, mixed and decode steps."""
+    from model_utils import PagedBatches, tiny_hf_model
+
+    from tallow.attention.cpu_backend import CpuAttentionBackend
+    from tallow.engine.runner import set_attention_backend
+    from tallow.models import cpu_fused
+    from tallow.models.loader import load_model
+
+    tiny_hf_model(family).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu")).model
+    assert quantize_model_(model, "int4") == "int4"
+    set_attention_backend(model, CpuAttentionBackend())
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(cpu_fused.FusedCpuLayers, "supported", staticmethod(lambda m: fused))
+        model.model.__dict__.pop("_fused", None)
+        paged = PagedBatches(model.config, num_blocks=48, block_size=4)
+        g = torch.Generator().manual_seed(1)
+        ids = lambda n: torch.randint(0, 96, (n,), generator=g).tolist()  # noqa: E731
+        steps = [[("a", ids(9)), ("b", ids(5))], [("a", ids(1)), ("b", ids(6)), ("c", ids(13))],
+                 [("a", ids(1)), ("b", ids(1)), ("c", ids(1))], [("c", ids(1)), ("a", ids(1))]]
+        outs = []
+        with torch.no_grad():
+            for chunks in steps:
+                input_ids, positions, meta = paged.step(chunks)
+                outs.append(model.compute_logits(model(input_ids, positions, paged.kv_caches, meta)))
+        assert (model.model.__dict__["_fused"][1] is not None) == fused
+        return outs
+
+    fused, modules = run(True), run(False)
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)
+
+
+def test_fused_layers_need_the_native_pieces(tmp_path):
+    """torch's layers or the torch attention backend: the module path (Qwen3's q/k norms and
+    Gemma 3's options run fused)."""
+    from model_utils import tiny_hf_model
+
+    from tallow.attention.cpu_backend import CpuAttentionBackend
+    from tallow.engine.runner import set_attention_backend
+    from tallow.models.cpu_fused import FusedCpuLayers
+    from tallow.models.loader import load_model
+
+    for family, scheme, backend, ok in [("llama", "int4", CpuAttentionBackend, True),
+                                        ("qwen3", "int4", CpuAttentionBackend, True),
+                                        ("gemma3", "int4", CpuAttentionBackend, True),
+                                        ("llama", "int4-torch", CpuAttentionBackend, False),
+                                        ("llama", "int4", None, False)]:
+        path = tmp_path / f"{family}-{scheme}-{ok}"
+        tiny_hf_model(family).save_pretrained(path)
+        model = load_model(str(path), dtype=torch.float32, device=torch.device("cpu")).model
+        quantize_model_(model, scheme)
+        if backend is not None:
+            set_attention_backend(model, backend())
+        assert FusedCpuLayers.supported(model.model) == ok, (family, scheme, backend)
+
+
 # ---- AMX tiles ------------------------------------------------------------------------------------
 
 def _amx_on() -> bool:
