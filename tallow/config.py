@@ -18,11 +18,11 @@ def cpu_kernels_variant() -> str | None:
     return os.environ.get("TALLOW_CPU_KERNELS") or None
 
 
-def cpu_amx_wanted() -> bool | None:
-    """$TALLOW_AMX: "0" keeps the AVX-512 kernels off AMX tiles; unset (or anything else) uses
-    them where the CPU lists them and a probe in a child process survives a tile product
-    (tallow/ops/cpu_native.py). They compute the same floats either way."""
-    return False if os.environ.get("TALLOW_AMX", "").strip() == "0" else None
+def cpu_amx_allowed() -> bool:
+    """$TALLOW_AMX: "0" keeps the AVX-512 kernels off AMX tiles; unset (or anything else) lets
+    them run there where the CPU lists them and a probe in a child process survives a tile
+    product (tallow/ops/cpu_native.py). They compute the same floats either way."""
+    return os.environ.get("TALLOW_AMX", "").strip() != "0"
 
 
 @dataclass

@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from tallow.config import _default_cache_dir, cpu_amx_wanted, cpu_kernels_variant
+from tallow.config import _default_cache_dir, cpu_amx_allowed, cpu_kernels_variant
 from tallow.ops import cpu_build
 
 log = logging.getLogger(__name__)
@@ -228,11 +228,10 @@ def _tile_probe_survives(path: str) -> bool:
 
 def _enable_amx(kernels: ctypes.CDLL) -> None:
     """Turns the AVX-512 build's AMX kernel on where $TALLOW_AMX allows it, the CPU lists the
-    tile flags and a child process has run a tile product correctly (cpu_amx_wanted())."""
+    tile flags and a child process has run a tile product correctly."""
     global _amx
     kernels.tl_amx_set(0)  # off unless enabled below (a library loaded again keeps its state)
-    wanted = cpu_amx_wanted()
-    if wanted is False:
+    if not cpu_amx_allowed():
         _amx = "off: TALLOW_AMX=0"
     elif not all(flag in cpu_flags() for flag in AMX_FLAGS):
         _amx = "off: the CPU lists no amx_tile / amx_int8"
@@ -246,7 +245,8 @@ def _enable_amx(kernels: ctypes.CDLL) -> None:
 
 
 def amx_state() -> str:
-    """Whether the Q4/Q8 linear kernel runs on AMX tiles ("on"), else "off: <why>"."""
+    """Whether the AVX-512 build's linear kernels (Q4/Q8 and the GGUF formats) run many rows on
+    AMX tiles ("on"), else "off: <why>"."""
     lib()
     return _amx
 

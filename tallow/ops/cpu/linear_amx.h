@@ -114,28 +114,22 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_blocks(const uint8_
 
 #define AMX_BATCH 8  // blocks whose products are stored before the float math reads them
 
-// A group of rows' products over a batch of blocks, stored for the float math.
-typedef struct {
-    int g, n, b0, nj;  // rows g .. g + n - 1 of the chunk, blocks b0 .. b0 + nj - 1
-    const int32_t *cs;
-    const __m512 *d, *mv;  // the blocks' weight scales and offsets
-} amx_sums;
-
-// linear()'s float math, block by block, for the rows of p: acc (per row: dot, m) += ...
-static inline __attribute__((always_inline)) void amx_scale(const amx_sums *p, const qrows *r, int nb, int m0,
-                                                            int q4, float *acc) {
-    for (int i = 0; i < p->n; i++) {
-        const size_t m = (size_t)(m0 + p->g + i);
-        const float *dx = r->d + m * nb + p->b0, *sx = r->s + m * nb + p->b0;
-        float *ai = acc + (size_t)(p->g + i) * 2 * NT;
-        __m512 a = p->b0 ? _mm512_load_ps(ai) : _mm512_setzero_ps();
-        __m512 am = p->b0 ? _mm512_load_ps(ai + NT) : _mm512_setzero_ps();
-        for (int j = 0; j < p->nj; j++) {
-            const int32_t *c = p->cs + 512 * j + 16 * i;
+// linear()'s float math (block_scale), block by block, for rows g .. g + n - 1 of the chunk at
+// m0 over blocks b0 .. b0 + nj - 1, their stored sums cs: acc (per row: dot, m) += ...
+static inline __attribute__((always_inline)) void amx_scale(const int32_t *cs, const __m512 *d, const __m512 *mv,
+                                                            int b0, int nj, int g, int n, const qrows *r, int nb,
+                                                            int m0, int q4, float *acc) {
+    for (int i = 0; i < n; i++) {
+        const size_t m = (size_t)(m0 + g + i);
+        const float *dx = r->d + m * nb + b0, *sx = r->s + m * nb + b0;
+        float *ai = acc + (size_t)(g + i) * 2 * NT;
+        __m512 a = b0 ? _mm512_load_ps(ai) : _mm512_setzero_ps();
+        __m512 am = b0 ? _mm512_load_ps(ai + NT) : _mm512_setzero_ps();
+        for (int j = 0; j < nj; j++) {
+            const int32_t *c = cs + 512 * j + 16 * i;  // lo, and hi 256 further: x = 256 hi + lo
             const __m512i sum = _mm512_add_epi32(_mm512_load_si512((const void *)c),
                                                  _mm512_slli_epi32(_mm512_load_si512((const void *)(c + 256)), 8));
-            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(p->d[j], _mm512_set1_ps(dx[j])), a);
-            if (q4) am = _mm512_fmadd_ps(p->mv[j], _mm512_set1_ps(sx[j]), am);
+            block_scale(sum, d[j], mv[j], dx[j], sx[j], q4, &a, &am);
         }
         _mm512_store_ps(ai, a);
         _mm512_store_ps(ai + NT, am);
@@ -184,8 +178,7 @@ static void amx_tile_rows(const uint8_t *wt, const uint16_t *dt, const uint16_t 
             const int n = rows - g < 16 ? rows - g : 16;
             if (s->configured != n) amx_configure(n), s->configured = n;
             amx_blocks(xs + (size_t)(m0 + g) * stride + (size_t)b0 * 64, stride, s->bt, nj, q8, s->cs);
-            const amx_sums p = {g, n, b0, nj, s->cs, d, mv};
-            amx_scale(&p, r, nb, m0, mt != NULL, acc);
+            amx_scale(s->cs, d, mv, b0, nj, g, n, r, nb, m0, mt != NULL, acc);
         }
     }
 }

@@ -69,6 +69,14 @@ static inline __attribute__((always_inline)) void block_dots(const __m512i w[16]
     }
 }
 
+// One row's float math for a block (d, mv: the block's weight scales and offsets; dx, sx: the
+// row's): the dot accumulator a and Q4's m term am. linear_amx.h runs the same.
+static inline __attribute__((always_inline)) void block_scale(__m512i sum, __m512 d, __m512 mv, float dx, float sx,
+                                                               int q4, __m512 *a, __m512 *am) {
+    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), *a);
+    if (q4) *am = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx), *am);
+}
+
 // R rows (from row m of the call, at acc in the chunk's accumulators) through block b.
 static inline __attribute__((always_inline)) void rows_block(const qrows *r, int m, int R, int CH, int K, int b,
                                                               const __m512i w[16], __m512 d, __m512 mv, int q4,
@@ -80,10 +88,11 @@ static inline __attribute__((always_inline)) void rows_block(const qrows *r, int
     block_dots(w, xb, R, CH, sums);
     for (int i = 0; i < R; i++) {
         float *ai = acc + (size_t)i * 2 * NT;
-        const __m512 sc = _mm512_mul_ps(d, _mm512_set1_ps(r->d[(size_t)(m + i) * nb + b]));
-        _mm512_store_ps(ai, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]), sc, _mm512_load_ps(ai)));
-        if (q4) _mm512_store_ps(ai + NT, _mm512_fmadd_ps(mv, _mm512_set1_ps(r->s[(size_t)(m + i) * nb + b]),
-                                                         _mm512_load_ps(ai + NT)));
+        const size_t k = (size_t)(m + i) * nb + b;
+        __m512 a = _mm512_load_ps(ai), am = _mm512_load_ps(ai + NT);
+        block_scale(sums[i], d, mv, r->d[k], r->s[k], q4, &a, &am);
+        _mm512_store_ps(ai, a);
+        if (q4) _mm512_store_ps(ai + NT, am);
     }
 }
 

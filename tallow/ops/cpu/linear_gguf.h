@@ -89,17 +89,14 @@ static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk
 // One row through a block: the block's integer dot products with the row's 32 activations per
 // channel (quads 0-3 and 4-7 apart: Q6_K's halves), then the float scale math of the top of
 // this file on the GT channels' accumulators acc (dw0, dw1, mw: the block's float scales).
-static inline __attribute__((always_inline)) void gguf_row(const gblock *W, const int8_t *xb, float dx, float sx,
-                                                            const int16_t *hs, int zero, const float *dw0,
-                                                            const float *dw1, const float *mw, int halves, int has_m,
-                                                            float *acc) {
-    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-    for (int v = 0; v < 4; v++) {
-        a = _mm512_dpbusd_epi32(a, W->w[v], _mm512_set1_epi32(quad_of(xb + 4 * v)));
-        b = _mm512_dpbusd_epi32(b, W->w[v + 4], _mm512_set1_epi32(quad_of(xb + 16 + 4 * v)));
-    }
+// The float math of the top of this file for one row and block: its integer sums a and b (Q6_K:
+// the two halves; else the block's sum is a + b) scaled into the GT channels' accumulators
+// acc_v, returned (dw0, dw1, mw: the block's float scales). linear_gguf_amx.h runs the same.
+static inline __attribute__((always_inline)) __m512 gguf_scale(__m512i a, __m512i b, float dx, float sx,
+                                                                const int16_t *hs, int zero, const float *dw0,
+                                                                const float *dw1, const float *mw, int halves,
+                                                                int has_m, __m512 acc_v) {
     const __m512 dxv = _mm512_set1_ps(dx);
-    __m512 acc_v = _mm512_loadu_ps(acc);
     if (halves) {
         a = _mm512_sub_epi32(a, _mm512_set1_epi32(zero * hs[0]));
         b = _mm512_sub_epi32(b, _mm512_set1_epi32(zero * hs[1]));
@@ -110,7 +107,22 @@ static inline __attribute__((always_inline)) void gguf_row(const gblock *W, cons
         acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_loadu_ps(dw0), dxv), acc_v);
     }
     if (has_m) acc_v = _mm512_fmadd_ps(_mm512_loadu_ps(mw), _mm512_set1_ps(sx), acc_v);
-    _mm512_storeu_ps(acc, acc_v);
+    return acc_v;
+}
+
+// One row through a block: the block's integer dot products with the row's 32 activations per
+// channel (quads 0-3 and 4-7 apart: Q6_K's halves), then gguf_scale on the GT channels'
+// accumulators acc.
+static inline __attribute__((always_inline)) void gguf_row(const gblock *W, const int8_t *xb, float dx, float sx,
+                                                            const int16_t *hs, int zero, const float *dw0,
+                                                            const float *dw1, const float *mw, int halves, int has_m,
+                                                            float *acc) {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (int v = 0; v < 4; v++) {
+        a = _mm512_dpbusd_epi32(a, W->w[v], _mm512_set1_epi32(quad_of(xb + 4 * v)));
+        b = _mm512_dpbusd_epi32(b, W->w[v + 4], _mm512_set1_epi32(quad_of(xb + 16 + 4 * v)));
+    }
+    _mm512_storeu_ps(acc, gguf_scale(a, b, dx, sx, hs, zero, dw0, dw1, mw, halves, has_m, _mm512_loadu_ps(acc)));
 }
 
 // R rows (row0 + i of r, accumulators acc + i * GT) through an unpacked block: gguf_row each.

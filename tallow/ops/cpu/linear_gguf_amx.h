@@ -82,27 +82,17 @@ static inline __attribute__((always_inline)) void gguf_amx_tile_rows(int planes,
             const int n = rows - g < 16 ? rows - g : 16;
             if (s->configured != n) gguf_amx_configure(n), s->configured = n;
             gguf_amx_blocks(q8block(r, (size_t)(m0 + g), b0), r->bs, bt, nj, halves, cs);
-            for (int i = 0; i < n; i++) {  // gguf_row's float math
+            for (int i = 0; i < n; i++) {
                 const size_t row = (size_t)(m0 + g + i);
                 float *ai = acc + (size_t)(g + i) * GT;
                 __m512 acc_v = b0 ? _mm512_loadu_ps(ai) : _mm512_setzero_ps();
-                for (int j = 0; j < nj; j++) {
+                for (int j = 0; j < nj; j++) {  // gguf_row's float math (one sum: b = 0)
                     const size_t k = row * nb + b0 + j;
-                    const int16_t *hs = r->hs + 2 * k;
-                    const __m512 dxv = _mm512_set1_ps(r->d[k]);
                     const int32_t *c = cs + 512 * j + 16 * i;
-                    if (halves) {
-                        const __m512i a = _mm512_sub_epi32(_mm512_load_si512((const void *)c), _mm512_set1_epi32(zero * hs[0]));
-                        const __m512i b = _mm512_sub_epi32(_mm512_load_si512((const void *)(c + 256)),
-                                                           _mm512_set1_epi32(zero * hs[1]));
-                        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(_mm512_loadu_ps(dw0[j]), dxv), acc_v);
-                        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(_mm512_loadu_ps(dw1[j]), dxv), acc_v);
-                    } else {
-                        const __m512i s = _mm512_sub_epi32(_mm512_load_si512((const void *)c),
-                                                           _mm512_set1_epi32(zero * (hs[0] + hs[1])));
-                        acc_v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_loadu_ps(dw0[j]), dxv), acc_v);
-                    }
-                    if (has_m) acc_v = _mm512_fmadd_ps(_mm512_loadu_ps(mw[j]), _mm512_set1_ps(r->s[k]), acc_v);
+                    const __m512i a = _mm512_load_si512((const void *)c);
+                    const __m512i b = halves ? _mm512_load_si512((const void *)(c + 256)) : _mm512_setzero_si512();
+                    acc_v = gguf_scale(a, b, r->d[k], r->s[k], r->hs + 2 * k, zero, dw0[j], dw1[j], mw[j], halves, has_m,
+                                       acc_v);
                 }
                 _mm512_storeu_ps(ai, acc_v);
             }
