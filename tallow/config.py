@@ -107,7 +107,7 @@ class EngineConfig:
     # for torch's CPU kernels, 0.1 on CUDA; 0.05 where the AVX-512 build runs many rows on AMX
     # tiles (a Xeon with AMX: steps of 8 and 32 rows 19.3 and 35 ms, so a row past 8 costs about
     # 0.27 of a token's share of the step, which the batch pricing gives at 8 sequences from
-    # 0.05; 8 sequences' grounded drafts then pay, 1.09-1.21x, and chat 1.13-1.18x, against
+    # 0.05; 8 sequences' grounded drafts then pay, 1.09-1.13x, and chat 1.13-1.16x, against
     # 1.02-1.05x and 0.97x at 0.25). A constant, not a timing: a seeded request's text
     # must not depend on how fast the machine was.
     speculative_row_cost: float | None = None
