@@ -200,13 +200,13 @@ def test_native_backend_writes_new_kv_and_skips_padding(dtype):
 
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (8, 2, 128), (12, 2, 64), (16, 2, 64), (4, 2, 40),
-                                                     (2, 1, 272)],
-                         ids=["mha", "gqa4-d128", "gqa6", "gqa8", "d40", "d272"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (8, 2, 128), (12, 2, 64), (16, 2, 64), (10, 2, 64),
+                                                     (6, 2, 256), (4, 2, 40), (2, 1, 272)],
+                         ids=["mha", "gqa4-d128", "gqa6", "gqa8", "gqa5", "gqa3-d256", "d40", "d272"])
 def test_native_shapes_match_float64_attention(heads, kv_heads, head_dim, dtype):
     """Other group sizes and head sizes than SmolLM2's: head dims that are and are not a
     multiple of 16 (the AVX-512 kernel's vectors), groups that take one to four heads per pass
-    over V, a head dim past 256, decode rows and a prefill chunk over a cached prefix."""
+    over V and whose q . k runs in sets of one to four heads, a head dim past 256, decode rows and a prefill chunk over a cached prefix."""
     g = torch.Generator().manual_seed(7)
     block, num_blocks = 16, 40
     shape = (num_blocks, block, kv_heads, head_dim)

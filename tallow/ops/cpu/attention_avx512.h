@@ -1,12 +1,15 @@
 // One chunk of paged attention on AVX-512 (included by kernels.c when compiled for it): the
 // contract of attention_avx2.h's tiles (part[g] = {max, sum, out[D]} over n <= ATT_CHUNK keys)
-// with 16-wide vectors, for D % 16 == 0; a token's group heads at a time.
+// with 16-wide vectors, for D % 16 == 0, in two steps: a token's group heads' scores
+// (attend_scores16), then the weighted V sums of the rows of the tokens that read the same keys
+// (attend_values16).
 //
-// q . k for 16 keys at a time: each key's D products folded into one vector, then the 16
-// vectors summed across their lanes together (hsum16x16) into one vector of 16 scores. The
-// weighted sum of V runs every head of the group in one pass over the rows (a row loaded, and
-// converted from float16, once for all of them). The order of every operation is fixed by n
-// and D alone, so a token's result does not depend on its batch or the threads.
+// q . k: each (head, key)'s D products folded into one vector, then 16 such vectors summed across
+// their lanes together (hsum16x16) into one vector of scores; up to four heads of a token share
+// each K row's load (and conversion from float16). The weighted sum of V runs several rows in one
+// pass over the V rows (a row loaded and converted once for all of them). The order of every
+// operation of a row is fixed by n and D alone, so a token's result does not depend on its batch,
+// its neighbours in a block or the threads.
 
 // Lane order of hsum16x16's result: lane i holds the sum of input perm16[i] (an involution).
 static const int perm16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
@@ -48,13 +51,43 @@ static inline __attribute__((always_inline)) __m512 v16(const void *v, size_t i,
                  : _mm512_loadu_ps((const float *)v + i);
 }
 
-#define PV_REGS 16  // accumulators of the weighted V sum: up to 4 heads per pass, PV_REGS / (D / 16)
+#define ATT_GROUP_BATCH 8  // heads whose exponentials run in one loop
+#define PV_REGS 24  // accumulators of the weighted V sum: PV_REGS / (D / 16) rows a pass, at most PV_ROWS
+#define PV_ROWS 6
 
-// q . k (the K row at element `at`; khalf: float16) folded to 16 lanes (w = D / 16 vectors).
-static inline __attribute__((always_inline)) __m512 qk16(const float *q, const void *k, size_t at, int w, int khalf) {
-    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), v16(k, at, khalf));
-    for (int i = 1; i < w; i++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), v16(k, at + 16 * (size_t)i, khalf), a);
-    return a;
+// Scores of hg heads (queries at q + h * D) for keys off[0 .. n) into s[h * ATT_CHUNK + j]: kpr =
+// 16 / hg keys a vector of sums, lane i of it head i / kpr's key i % kpr (lanes past hg * kpr idle).
+// Each (head, key)'s D products are folded to 16 lanes (16 at a time, in order) and summed by hsum16x16's
+// tree, which sums every input the same way wherever it sits; so a score's bits do not depend on
+// hg. Inlined with constant hg.
+static inline __attribute__((always_inline)) void qk_heads(const float *q, int D, const void *k, const size_t *off,
+                                                            int half, int n, int hg, float scale, float *s) {
+    const int w = D / 16, kpr = 16 / hg;
+    for (int j0 = 0; j0 < n; j0 += kpr) {
+        __m512 a[16];
+        const int nk = n - j0 < kpr ? n - j0 : kpr;
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int j = 0; j < kpr; j++) {  // (constant bounds: a[] stays in registers)
+            if (j >= nk) continue;
+            __m512 x[4];
+            __m512 kv = v16(k, off[j0 + j], half);
+            for (int h = 0; h < hg; h++) x[h] = _mm512_mul_ps(_mm512_loadu_ps(q + (size_t)h * D), kv);
+            for (int i = 1; i < w; i++) {
+                kv = v16(k, off[j0 + j] + 16 * (size_t)i, half);
+                for (int h = 0; h < hg; h++) x[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (size_t)h * D + 16 * i), kv, x[h]);
+            }
+            for (int h = 0; h < hg; h++) a[perm16[h * kpr + j]] = x[h];
+        }
+        const __m512 sv = _mm512_mul_ps(hsum16x16(a), _mm512_set1_ps(scale));
+        if (hg == 1) {
+            _mm512_storeu_ps(s + j0, sv);  // (lanes past n: zeros, never read)
+            continue;
+        }
+        for (int h = 0; h < hg; h++)  // lanes h * kpr .. + nk - 1 to s[h * ATT_CHUNK + j0 ..]
+            _mm512_mask_storeu_ps(s + (size_t)h * ATT_CHUNK + j0 - h * kpr, (__mmask16)(((1u << nk) - 1) << (h * kpr)), sv);
+    }
 }
 
 // One pass of the weighted V sum for hg heads (g0 ..), the accumulators in registers:
@@ -75,59 +108,83 @@ static inline __attribute__((always_inline)) void pv_pass(const void *v, const s
             _mm512_storeu_ps(out + g * part_len + 16 * (size_t)(i0 + i), acc[g * wi + i]);
 }
 
-// One chunk of n <= ATT_CHUNK keys for the group's heads q[g] (g < group): K and V rows at
-// element off[j] of the caches (float16 where half). scores: group * ATT_CHUNK floats.
-static inline __attribute__((always_inline)) void attend_chunk16(const float *q, int group, int D, float scale,
-                                                                  const void *k, const void *v, const size_t *off,
-                                                                  int half, int n, float *scores, float *part) {
+// One token's group heads q[g] over one chunk of n <= ATT_CHUNK keys (K rows at element off[j] of
+// the cache, float16 where half): its scores as exp(score - max) at scores[g * ATT_CHUNK + j],
+// and part[g] = {max, sum} (the outputs come from attend_values16).
+static inline __attribute__((always_inline)) void attend_scores16(const float *q, int group, int D, float scale,
+                                                                   const void *k, const size_t *off, int half, int n,
+                                                                   float *scores, float *part) {
     const size_t part_len = (size_t)D + 2;
-    const int w = D / 16;
-    for (int g = 0; g < group; g++) {
-        const float *qg = q + (size_t)g * D;
-        float *sg = scores + (size_t)g * ATT_CHUNK;
-        for (int j0 = 0; j0 < n; j0 += 16) {
-            __m512 a[16];
-            if (j0 + 16 <= n) {  // a[r]: key j0 + perm16[r], so lane i of the sum is key j0 + i
-#pragma GCC unroll 16
-                for (int r = 0; r < 16; r++) a[r] = qk16(qg, k, off[j0 + perm16[r]], w, half);
-            } else {
-                for (int r = 0; r < 16; r++)
-                    a[r] = j0 + perm16[r] < n ? qk16(qg, k, off[j0 + perm16[r]], w, half) : _mm512_setzero_ps();
-            }
-            _mm512_storeu_ps(sg + j0, _mm512_mul_ps(hsum16x16(a), _mm512_set1_ps(scale)));
+    // q . k: up to four heads at a time (each K row loaded and converted once for them), 16 / hg
+    // keys of each in one vector of sums
+    for (int g = 0; g < group;) {
+        const int hg = group - g >= 4 ? 4 : group - g;
+        switch (hg) {  // constant head counts: the accumulators stay in registers
+            case 1: qk_heads(q + (size_t)g * D, D, k, off, half, n, 1, scale, scores + (size_t)g * ATT_CHUNK); break;
+            case 2: qk_heads(q + (size_t)g * D, D, k, off, half, n, 2, scale, scores + (size_t)g * ATT_CHUNK); break;
+            case 3: qk_heads(q + (size_t)g * D, D, k, off, half, n, 3, scale, scores + (size_t)g * ATT_CHUNK); break;
+            default: qk_heads(q + (size_t)g * D, D, k, off, half, n, 4, scale, scores + (size_t)g * ATT_CHUNK); break;
         }
-        // exp(s - max) in place, the lanes past n masked out of the max and the sum
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int j0 = 0; j0 < n; j0 += 16) {
-            const __mmask16 live = n - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j0)) - 1);
-            mv = _mm512_mask_max_ps(mv, live, mv, _mm512_loadu_ps(sg + j0));
-        }
-        const float mx = _mm512_reduce_max_ps(mv);
-        __m512 sum = _mm512_setzero_ps();
-        for (int j0 = 0; j0 < n; j0 += 16) {
-            const __mmask16 live = n - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j0)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j0), _mm512_set1_ps(mx))));
-            _mm512_storeu_ps(sg + j0, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        part[g * part_len] = mx, part[g * part_len + 1] = _mm512_reduce_add_ps(sum);
+        g += hg;
     }
-    // out[g] = sum_j p[g][j] v_j, a pass over the rows for as many heads as the registers hold
-    const int per_pass = PV_REGS / w > 4 ? 4 : PV_REGS / w > 0 ? PV_REGS / w : 1;
-    for (int g0 = 0; g0 < group; g0 += per_pass) {
-        const int hg = group - g0 < per_pass ? group - g0 : per_pass;
-        const float *p = scores + (size_t)g0 * ATT_CHUNK;
-        float *out = part + (size_t)g0 * part_len + 2;
-        if (w > PV_REGS) {  // D beyond 256: one head at a time, the row in parts
+    // exp(s - max) in place, the lanes past n masked out of the max and the sum: up to
+    // ATT_GROUP_BATCH heads' vectors in one loop (their exponentials independent, in flight
+    // together), each head's sum in order of j0
+    for (int g0 = 0; g0 < group; g0 += ATT_GROUP_BATCH) {
+        const int hg = group - g0 < ATT_GROUP_BATCH ? group - g0 : ATT_GROUP_BATCH;
+        float mx[ATT_GROUP_BATCH];
+        __m512 sum[ATT_GROUP_BATCH];
+        for (int g = 0; g < hg; g++) {
+            const float *sg = scores + (size_t)(g0 + g) * ATT_CHUNK;
+            __m512 mv = _mm512_set1_ps(-INFINITY);
+            for (int j0 = 0; j0 < n; j0 += 16) {
+                const __mmask16 live = n - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j0)) - 1);
+                mv = _mm512_mask_max_ps(mv, live, mv, _mm512_loadu_ps(sg + j0));
+            }
+            mx[g] = _mm512_reduce_max_ps(mv);
+            sum[g] = _mm512_setzero_ps();
+        }
+        for (int j0 = 0; j0 < n; j0 += 16) {
+            const __mmask16 live = n - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j0)) - 1);
+            for (int g = 0; g < hg; g++) {
+                float *sg = scores + (size_t)(g0 + g) * ATT_CHUNK + j0;
+                const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg), _mm512_set1_ps(mx[g]))));
+                _mm512_storeu_ps(sg, e);
+                sum[g] = _mm512_add_ps(sum[g], e);
+            }
+        }
+        for (int g = 0; g < hg; g++) {
+            part[(size_t)(g0 + g) * part_len] = mx[g];
+            part[(size_t)(g0 + g) * part_len + 1] = _mm512_reduce_add_ps(sum[g]);
+        }
+    }
+}
+
+// out[r] = sum_j p[r][j] v_j for `rows` rows over the same n keys (probabilities at p + r *
+// ATT_CHUNK, outputs at out + r * part_len; V rows at element off[j], float16 where half): passes
+// over the V rows for as many rows as the registers hold (the heads of one token or of several
+// that read the same keys: each row's sum in the same order either way).
+static inline __attribute__((always_inline)) void attend_values16(const void *v, const size_t *off, int half, int n,
+                                                                   const float *p, int rows, int D, float *out,
+                                                                   size_t part_len) {
+    const int w = D / 16;
+    const int per_pass = PV_REGS / w > PV_ROWS ? PV_ROWS : PV_REGS / w > 0 ? PV_REGS / w : 1;
+    for (int r0 = 0; r0 < rows; r0 += per_pass) {
+        const int hg = rows - r0 < per_pass ? rows - r0 : per_pass;
+        const float *pr = p + (size_t)r0 * ATT_CHUNK;
+        float *o = out + (size_t)r0 * part_len;
+        if (w > PV_REGS) {  // D beyond 384: one row at a time, in parts
             for (int i0 = 0; i0 < w; i0 += PV_REGS)
-                pv_pass(v, off, half, n, p, 1, i0, w - i0 < PV_REGS ? w - i0 : PV_REGS, out, part_len);
+                pv_pass(v, off, half, n, pr, 1, i0, w - i0 < PV_REGS ? w - i0 : PV_REGS, o, part_len);
             continue;
         }
-        switch (hg) {  // constant head counts: the accumulators stay in registers
-            case 1: pv_pass(v, off, half, n, p, 1, 0, w, out, part_len); break;
-            case 2: pv_pass(v, off, half, n, p, 2, 0, w, out, part_len); break;
-            case 3: pv_pass(v, off, half, n, p, 3, 0, w, out, part_len); break;
-            default: pv_pass(v, off, half, n, p, 4, 0, w, out, part_len); break;
+        switch (hg) {  // constant row counts: the accumulators stay in registers
+            case 1: pv_pass(v, off, half, n, pr, 1, 0, w, o, part_len); break;
+            case 2: pv_pass(v, off, half, n, pr, 2, 0, w, o, part_len); break;
+            case 3: pv_pass(v, off, half, n, pr, 3, 0, w, o, part_len); break;
+            case 4: pv_pass(v, off, half, n, pr, 4, 0, w, o, part_len); break;
+            case 5: pv_pass(v, off, half, n, pr, 5, 0, w, o, part_len); break;
+            default: pv_pass(v, off, half, n, pr, 6, 0, w, o, part_len); break;
         }
     }
 }

@@ -377,7 +377,7 @@ static inline float max_of(const float *x, int n) {
 
 #if defined(__AVX512F__)
 #include "attention_avx512.h"
-#define ATTEND16 1  // attend_chunk16 serves D % 16 == 0
+#define ATTEND16 1  // attend_scores16 and attend_values16 serve D % 16 == 0
 #else
 #define ATTEND16 0
 #endif
@@ -445,6 +445,18 @@ static void merge_parts(const float *p, size_t stride, int nc, int D, float *mx_
             total += p[(c0 + c) * stride + 1] * w[c];
         }
         int d0 = 0;
+#if defined(__AVX512F__)  // the same per-lane arithmetic, 16 lanes a vector
+        for (; d0 + 64 <= D; d0 += 64) {
+            __m512 a[4];
+            for (int i = 0; i < 4; i++) a[i] = c0 ? _mm512_loadu_ps(o + d0 + 16 * i) : _mm512_setzero_ps();
+            for (int c = 0; c < nb; c++) {
+                const float *pc = p + (c0 + c) * stride + 2 + d0;
+                const __m512 wv = _mm512_set1_ps(w[c]);
+                for (int i = 0; i < 4; i++) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(pc + 16 * i), wv, a[i]);
+            }
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(o + d0 + 16 * i, a[i]);
+        }
+#endif
         for (; d0 + 64 <= D; d0 += 64) {
             __m256 a[8];
             for (int i = 0; i < 8; i++) a[i] = c0 ? _mm256_loadu_ps(o + d0 + 8 * i) : _mm256_setzero_ps();
@@ -532,13 +544,13 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         long claimed = 0;  // items handed out
 #pragma omp parallel num_threads(nthreads)
         {
-            // scores: attend_chunk16's group heads, or a chunk's rows; cpart: a span's chunk results
+            // scores: a chunk's rows (the block's tokens' heads); cpart: a span's chunk results
             // (ATT_SPAN x the block's rows); rows: a chunk's rows for attend_item
             float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)max_rows);
             float *cpart = (float *)malloc(sizeof(float) * ATT_SPAN * (size_t)max_rows * part_len);
             att_row *rows = (att_row *)malloc(sizeof(att_row) * (size_t)max_rows);
             size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two chunks' row offsets; dense ones
-            const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else attend_chunk16 (K, V in place)
+            const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else attend_scores16 / values16 (K, V in place)
             // the tiles' K columns, then (from a float16 cache) V rows as float32: the conversion is exact
             float *kt = tiles ? (float *)malloc(sizeof(float) * (half ? 2 : 1) * ATT_CHUNK * (size_t)D) : NULL;
             const int ok = scores && cpart && rows && off && (kt || !tiles);
@@ -559,7 +571,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                                        block_size, kv_heads, D, k_cache, v_cache, esize, off_cur);
                 }
             }
-            float *vrows = kt && half ? kt + (size_t)ATT_CHUNK * D : NULL;
+            float *vrows = tiles && half ? kt + (size_t)ATT_CHUNK * D : NULL;
             const float *vc = vrows ? vrows : (const float *)v_cache;
             while (cur < items) {
                 long next = cur;  // the item of the next chunk, and that chunk
@@ -581,28 +593,47 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 // chunk i's results of the block's rows (token t's head g at row (t - tb) * group + g)
                 float *ci = cpart + (size_t)i * max_rows * part_len;
                 int nrows = 0;
-                for (int t = tb; t < bt[blk + 1]; t++) {
-                    const int j0 = lo[t] + c * ATT_CHUNK;  // lo is the block's for every token
-                    if (j0 >= ctx[t]) continue;  // the chunk is past this token's context
-                    const int n = ctx[t] - j0 < n_cur ? ctx[t] - j0 : n_cur;
-                    const float *qh = q + t * q_stride + (size_t)kvh * group * D;
-                    float *part = ci + (size_t)(t - tb) * group * part_len;
 #if ATTEND16
-                    if (!tiles) {
-#define ATTEND16_D(d) attend_chunk16(qh, group, d, scale, k_cache, v_cache, off_cur, half, n, scores, part)
-                        if (D == 64)
-                            ATTEND16_D(64);
-                        else if (D == 128)
-                            ATTEND16_D(128);
-                        else
-                            ATTEND16_D(D);
-#undef ATTEND16_D
-                        continue;
+                if (!tiles) {  // q . k and the softmax per token, then the weighted V sums over runs of tokens
+                    int run0 = -1, run_n = 0;  // that read the same keys (the chunk's V rows once for them)
+                    for (int t = tb; t <= bt[blk + 1]; t++) {
+                        int n = 0;
+                        if (t < bt[blk + 1]) {
+                            const int j0 = lo[t] + c * ATT_CHUNK;  // lo is the block's for every token
+                            n = j0 >= ctx[t] ? 0 : ctx[t] - j0 < n_cur ? ctx[t] - j0 : n_cur;  // 0: past its context
+                        }
+                        if (run0 >= 0 && n != run_n) {
+                            const size_t r0 = (size_t)(run0 - tb) * group;
+#define VALUES16_D(d) attend_values16(v_cache, off_cur, half, run_n, scores + r0 * ATT_CHUNK, (t - run0) * group, d, \
+                                      ci + r0 * part_len + 2, part_len)
+                            if (D == 64) VALUES16_D(64);
+                            else if (D == 128) VALUES16_D(128);
+                            else VALUES16_D(D);
+#undef VALUES16_D
+                            run0 = -1;
+                        }
+                        if (n == 0) continue;
+                        const size_t r0 = (size_t)(t - tb) * group;
+                        const float *qh = q + t * q_stride + (size_t)kvh * group * D;
+#define SCORES16_D(d) attend_scores16(qh, group, d, scale, k_cache, off_cur, half, n, scores + r0 * ATT_CHUNK, ci + r0 * part_len)
+                        if (D == 64) SCORES16_D(64);
+                        else if (D == 128) SCORES16_D(128);
+                        else SCORES16_D(D);
+#undef SCORES16_D
+                        if (run0 < 0) run0 = t, run_n = n;
                     }
-#endif
-                    for (int g = 0; g < group; g++)
-                        rows[nrows++] = (att_row){qh + (size_t)g * D, part + g * part_len, n};
                 }
+#endif
+                if (tiles)
+                    for (int t = tb; t < bt[blk + 1]; t++) {
+                        const int j0 = lo[t] + c * ATT_CHUNK;
+                        if (j0 >= ctx[t]) continue;  // the chunk is past this token's context
+                        const int n = ctx[t] - j0 < n_cur ? ctx[t] - j0 : n_cur;
+                        const float *qh = q + t * q_stride + (size_t)kvh * group * D;
+                        float *part = ci + (size_t)(t - tb) * group * part_len;
+                        for (int g = 0; g < group; g++)
+                            rows[nrows++] = (att_row){qh + (size_t)g * D, part + g * part_len, n};
+                    }
                 if (nrows) attend_item(rows, nrows, D, scale, kt, vc, voff, scores);
                 if (i + 1 == k)  // the span's last chunk: each row's chunks merged into its span result
                     for (int t = tb; t < bt[blk + 1]; t++) {
