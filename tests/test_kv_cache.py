@@ -40,20 +40,20 @@ def test_pool_prefers_truly_free_blocks_then_evicts_least_recently_freed():
 
 
 def test_blocks_touched_counts_the_distinct_blocks_ever_handed_out():
-    """The free list is FIFO from id order: a freed block waits behind the untouched ones,
-    so the touched blocks are always 0 .. blocks_touched - 1 (the CPU pool's resident part)."""
+    """A released block is handed out again before any untouched one (its pages are resident),
+    so the touched blocks are always 0 .. blocks_touched - 1 (the CPU pool's resident part), as
+    many as were ever in use at once."""
     pool = BlockPool(6, BS)
-    seen = set()
-    held = []
-    for _ in range(3):  # hold 2, free them, again: 6 distinct blocks before any reuse
+    for _ in range(3):  # hold 2, free them, again: the same two blocks each time
         held = [pool.allocate(), pool.allocate()]
-        seen.update(held)
-        assert pool.blocks_touched == len(seen) and seen == set(range(len(seen)))
-        for b in held:
+        assert held == [0, 1] and pool.blocks_touched == 2
+        for b in reversed(held):
             pool.release(b)
-    assert pool.blocks_touched == 6
-    pool.allocate()  # a reused block: nothing new is touched
-    assert pool.blocks_touched == 6
+    held = [pool.allocate() for _ in range(4)]  # 4 at once: two reused, two new
+    assert held == [0, 1, 2, 3] and pool.blocks_touched == 4
+    pool.release(held[1])
+    assert pool.allocate() == 1 and pool.blocks_touched == 4  # the freed block, not block 4
+    pool.check_invariants()
 
 
 def test_pool_revives_a_free_cached_block_and_keeps_the_first_of_duplicate_hashes():
