@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[2048])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engine's chunk of prompt tokens per step (default: the longest prompt, one chunk; "
+                         "the server's default is 2048)")
     ap.add_argument("--peak-tflops", type=float, default=740.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -39,7 +42,7 @@ def main() -> None:
 
     longest = max(args.prompt_len)
     core = make_core(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                     max_num_seqs=8, max_num_batched_tokens=longest, max_model_len=longest + 16,
+                     max_num_seqs=8, max_num_batched_tokens=args.max_num_batched_tokens or longest, max_model_len=longest + 16,
                      enable_prefix_caching=False)
     cfg = core.model_config
     params = sum(p.numel() for p in {id(p): p for p in core.runner.model.parameters()}.values())
