@@ -7,7 +7,8 @@ kernel's layout in its file type (tallow/models/gguf_linear.py: Q4_0, Q4_1, Q5_0
 Q4_K, Q5_K, Q6_K, F16, BF16; F32 weights are plain float32 nn.Linear layers that
 --quantization may re-quantize), the embedding stays in the memory-mapped file (rows
 dequantized as looked up), the LM head in its file type. Nothing is materialized as float32
-beyond one tensor's rows at a time, and nothing is cached: memory stays about the file's size.
+beyond one tensor's rows at a time: memory stays about the file's size. With a cache folder the
+repacked buffers go to disk, and a later load maps them instead (tallow/models/gguf_packed.py).
 
 read_gguf (float32 files, tensor parallelism, other devices, the default model): reading and
 dequantizing takes seconds, so the loader keeps the converted model in a cache: one
@@ -169,9 +170,35 @@ def quantized_weights(reader) -> bool:
                for t in reader.tensors)
 
 
-def load_native(path: str, reader=None):
+def load_native(path: str, reader=None, cache_dir: str | None = None):
     """(config, metadata, LlamaForCausalLM on the CPU) with every weight in its file type (see
-    the module docstring). Raises ModelLoadError on a tensor type without a layer here."""
+    the module docstring). Raises ModelLoadError on a tensor type without a layer here. With a
+    cache folder the repacked weights are kept there and mapped by later loads (gguf_packed)."""
+    from tallow.models.gguf_packed import PackedMismatch, PackedWeights
+
+    packed = PackedWeights.open(path, cache_dir)
+    try:
+        loaded = _load_native(path, reader, packed)
+        if packed is not None:
+            packed.finish()
+        return loaded
+    except PackedMismatch as e:  # a cache this load cannot use: dropped, and the file read afresh
+        import logging
+
+        logging.getLogger("tallow.models").warning("%s: repacked weights unusable (%s); repacking from the file",
+                                                   packed.target, e)
+        try:
+            os.remove(packed.target)
+        except OSError:
+            pass
+        return load_native(path, None, cache_dir)
+    except BaseException:
+        if packed is not None:
+            packed.abandon()
+        raise
+
+
+def _load_native(path: str, reader, packed):
     from tallow.models import gguf_linear as gl
     from tallow.models.llama import LlamaForCausalLM
 
@@ -239,22 +266,30 @@ def load_native(path: str, reader=None):
             ts = [tensors[f"{n}.weight"] for n in names]
             b = bias(names)
             in_features = _in_features(ts[0])
+            key = "+".join(names)
             if len(ts) == 1 and heads[0] is None:
                 data, release = mapped(f"{names[0]}.weight")
-                return gl.linear_from_raw(data, ts[0].tensor_type, in_features, b, release)
+                return gl.linear_from_raw(data, ts[0].tensor_type, in_features, b, release, packed, key)
+            def needs_rows(t, rows: int) -> bool:  # a repack the cache holds reads nothing (the
+                # rows' buffer, never touched, costs no memory)
+                return packed is None or not packed.reading or gl.kernel_layer(t.tensor_type, (rows, in_features)) is None
+
             if len({t.tensor_type for t in ts}) == 1:
                 data = np.empty((sum(_rows(t) for t in ts), int(ts[0].n_bytes) // _rows(ts[0])), np.uint8)
                 start = 0
+                read = needs_rows(ts[0], data.shape[0])
                 for n, t, h in zip(names, ts, heads):
-                    rows_into(f"{n}.weight", data[start:start + _rows(t)], h)
+                    if read:
+                        rows_into(f"{n}.weight", data[start:start + _rows(t)], h)
                     start += _rows(t)
-                return gl.linear_from_raw(data, ts[0].tensor_type, in_features, b)
+                return gl.linear_from_raw(data, ts[0].tensor_type, in_features, b, None, packed, key)
             biases = [None] * len(ts) if b is None else list(b.split([_rows(t) for t in ts]))
             parts = []
             for n, t, h, bb in zip(names, ts, heads, biases):
                 data = np.empty((_rows(t), int(t.n_bytes) // _rows(t)), np.uint8)
-                rows_into(f"{n}.weight", data, h)
-                parts.append(gl.linear_from_raw(data, t.tensor_type, in_features, bb))
+                if needs_rows(t, data.shape[0]):
+                    rows_into(f"{n}.weight", data, h)
+                parts.append(gl.linear_from_raw(data, t.tensor_type, in_features, bb, None, packed, n))
             return gl.ConcatLinear(parts)
 
         def norm_weight(name: str) -> torch.nn.Parameter:
@@ -279,7 +314,7 @@ def load_native(path: str, reader=None):
             head = "token_embd" if config.tie_word_embeddings else "output"
             data, release = mapped(f"{head}.weight")
             model.lm_head = gl.linear_from_raw(data, tensors[f"{head}.weight"].tensor_type, config.hidden_size, None,
-                                               release)
+                                               release, packed, f"lm_head:{head}")
         except KeyError as e:
             raise ModelLoadError(f"GGUF file {path} lacks tensor {e}") from e
         except ValueError as e:

@@ -325,12 +325,28 @@ class ConcatLinear(nn.Module):
         return torch.cat([p.dequantized_weight() for p in self.parts])
 
 
+def kernel_layer(qtype, shape: tuple[int, int]) -> tuple[type, dict] | None:
+    """(layer class, its format attrs) that runs a block-quantized weight of this type and shape
+    [out, in] on tallow's CPU kernels from its repacked tiles, or None (a float type, no kernels
+    here, or a shape they do not take: linear_from_raw dequantizes it)."""
+    name = type_name(qtype)
+    if name not in BLOCK_TYPES or cpu_native.lib() is None:
+        return None
+    if name in ("Q4_0", "Q4_1", "Q8_0"):
+        fits = quant.native_fits(torch.empty(shape, device="meta"))
+        return ((quant.Q8Linear if name == "Q8_0" else quant.Q4Linear), {}) if fits else None
+    fits = shape[1] % (QK_K if name.endswith("_K") else QK) == 0
+    return (GgufLinear, GgufLinear.format_attrs(name)) if fits else None
+
+
 def linear_from_raw(raw: np.ndarray, qtype, in_features: int, bias: torch.Tensor | None = None,
-                    release=None) -> nn.Module:
+                    release=None, packed=None, key: str = "") -> nn.Module:
     """The Linear layer of one GGUF weight in its file type. raw: [out, row_bytes] uint8 (whole
     block rows; F32/F16/BF16: the row's values as bytes), e.g. a view of the memory-mapped file;
     release(first_row, end_row), where given, is called once rows are no longer needed (to drop
-    the mapped pages from memory as a large tensor is repacked)."""
+    the mapped pages from memory as a large tensor is repacked). packed (gguf_packed.PackedWeights),
+    where given, supplies the repacked buffers (reading: raw is not read) or keeps them (writing),
+    under `key` (the tensors' names)."""
     name = type_name(qtype)
     if name in FLOAT_TYPES:
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
@@ -347,15 +363,18 @@ def linear_from_raw(raw: np.ndarray, qtype, in_features: int, bias: torch.Tensor
     if name not in BLOCK_TYPES:
         raise ValueError(f"GGUF tensor type {name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
     shape = (raw.shape[0], in_features)
-    if cpu_native.lib() is not None:
-        if name in ("Q4_0", "Q4_1", "Q8_0"):
-            cls, attrs = (quant.Q8Linear if name == "Q8_0" else quant.Q4Linear), {}
-            fits = quant.native_fits(torch.empty(shape, device="meta"))
+    kernel = kernel_layer(name, shape)
+    if kernel is not None:
+        cls, attrs = kernel
+        tile = cls.kernel_tile()
+        record = [key, name, raw.shape[0], raw.shape[1], in_features, tile]
+        if packed is not None and packed.reading:
+            buffers = packed.take(record)
         else:
-            cls, attrs = GgufLinear, GgufLinear.format_attrs(name)
-            fits = in_features % (QK_K if name.endswith("_K") else QK) == 0
-        if fits:
-            return cls.from_tiles(shape, repacked(raw, name, in_features, cls.kernel_tile(), release), bias, **attrs)
+            buffers = repacked(raw, name, in_features, tile, release)
+            if packed is not None:
+                packed.put(record, buffers)
+        return cls.from_tiles(shape, buffers, bias, **attrs)
     # No kernels for it here: dequantized on its own.
     layer = DequantizedLinear(in_features, raw.shape[0], bias=bias is not None, device="meta")
     layer.weight = nn.Parameter(dequantize_raw(raw, name), requires_grad=False)

@@ -219,7 +219,7 @@ def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
                cache_dir: str | None, native: bool = True, blocks: bool = True
                ) -> tuple[LlamaForCausalLM, dict[str, Any]]:
     """A file with quantized (or F16/BF16) weights, on the CPU in float32: its weights kept in
-    their own types (gguf.load_native; no cache). Otherwise from the cache when it holds this
+    their own types (gguf.load_native; their repacked tiles cached and mapped by gguf_packed). Otherwise from the cache when it holds this
     file (memory-mapped, no copy on CPU in float32), or converted in float32 on the CPU, cached,
     then moved. native False (the default model): the cached float32 path for every file (its
     warm start maps the cache instead of parsing the GGUF). On CUDA (native and blocks) a file
@@ -237,7 +237,7 @@ def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
         return LlamaForCausalLM.from_state_dict(config, state), metadata
     reader = gguf.open_gguf(path)
     if native and device.type == "cpu" and dtype == torch.float32 and gguf.quantized_weights(reader):
-        _, metadata, model = gguf.load_native(path, reader)
+        _, metadata, model = gguf.load_native(path, reader, cache_dir)
         return model, metadata
     del reader  # (read_gguf parses the file again: float files pay it on their first, uncached load only)
     config, metadata, weights = gguf.read_gguf(path)
