@@ -181,6 +181,11 @@ def load_native(path: str, reader=None, cache_dir: str | None = None):
         loaded = _load_native(path, reader, packed)
         if packed is not None:
             packed.finish()
+            import logging
+
+            logging.getLogger("tallow.models").info(
+                "%s: repacked weights %s %s", os.path.basename(path),
+                "mapped from" if packed.reading else "written to", packed.target)
         return loaded
     except PackedMismatch as e:  # a cache this load cannot use: dropped, and the file read afresh
         import logging
