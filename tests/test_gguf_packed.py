@@ -102,3 +102,37 @@ def test_no_cache_where_it_is_turned_off(tmp_path, monkeypatch):
     monkeypatch.setenv("TALLOW_GGUF_PACKED", "0")
     _load(path, cache)
     assert _packed_files(cache) == []
+
+
+@needs_kernels
+def test_a_failed_write_leaves_no_file_and_the_load_stands(tmp_path, monkeypatch):
+    """A full disk (or any write error) while the cache is written costs the next load its repack,
+    never this load: its model is whole and no partial file is left behind."""
+    path, cache = str(tmp_path / "m.gguf"), str(tmp_path / "cache")
+    write_llama_gguf(path, Q4_K_M)
+    real_open = open
+    writes = {"n": 0}
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            writes["n"] += 1
+            if writes["n"] > 3:
+                raise OSError(28, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def opener(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return Full(f) if str(file).endswith(".tmp") else f
+
+    monkeypatch.setattr("builtins.open", opener)
+    model, config = _load(path, cache)
+    monkeypatch.undo()
+    assert writes["n"] > 3 and _packed_files(cache) == []
+    fresh, _ = _load(path, None)
+    assert torch.equal(logits_of(model, config, PROMPTS), logits_of(fresh, config, PROMPTS))
