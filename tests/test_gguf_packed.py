@@ -136,3 +136,24 @@ def test_a_failed_write_leaves_no_file_and_the_load_stands(tmp_path, monkeypatch
     assert writes["n"] > 3 and _packed_files(cache) == []
     fresh, _ = _load(path, None)
     assert torch.equal(logits_of(model, config, PROMPTS), logits_of(fresh, config, PROMPTS))
+
+
+@needs_kernels
+def test_each_kernel_build_reads_only_its_own_layout(tmp_path, monkeypatch):
+    """The two builds lay the K-quant bit planes out differently: a cache written under one is
+    never read under the other (the key names the build), and each load computes its build's
+    logits."""
+    from tallow.ops import cpu_native
+
+    variants = cpu_native.supported_variants()
+    if len(variants) < 2:
+        pytest.skip("one kernel build on this CPU")
+    path, cache = str(tmp_path / "m.gguf"), str(tmp_path / "cache")
+    write_llama_gguf(path, Q4_K_M)
+    for variant in variants + variants[:1]:  # e.g. avx512, avx2, then avx512 again
+        monkeypatch.setattr(cpu_native, "_lib", cpu_native.load(variant))
+        monkeypatch.setattr(cpu_native, "_tried", True)
+        cached, config = _load(path, cache)
+        fresh, _ = _load(path, None)
+        assert torch.equal(logits_of(cached, config, PROMPTS), logits_of(fresh, config, PROMPTS))
+        assert len(_packed_files(cache)) == 1
