@@ -415,6 +415,41 @@ static int chunk_rows(int t, int c, int kvh, const int *key0, const int *ctx, co
     return n;
 }
 
+// How many keys of chunk c of token t's context (n_cur: the chunk's, as located for the block's
+// last token) token t reads: its causal end may cut the chunk, or lie before it (0).
+static inline int chunk_keys(int t, int c, const int *key0, const int *ctx, int n_cur) {
+    const int j0 = key0[t] + c * ATT_CHUNK;  // key0 is the block's for every token
+    return j0 >= ctx[t] ? 0 : ctx[t] - j0 < n_cur ? ctx[t] - j0 : n_cur;
+}
+
+#if ATTEND16
+// Chunk c (n_cur keys at off) of the query block's tokens tb .. te - 1 for KV head kvh, on
+// attention_avx512.h: each token's scores and softmax, then the weighted V sums of each run of
+// consecutive tokens that read the same keys (the chunk's V rows once for the run). Results in
+// ci: token t's head g at row (t - tb) * group + g. Inlined with constant D.
+static inline __attribute__((always_inline)) void attend_block16(const float *q, long q_stride, int kvh, int group,
+                                                                  int D, float scale, const void *k_cache,
+                                                                  const void *v_cache, const size_t *off, int half,
+                                                                  int tb, int te, int c, const int *key0,
+                                                                  const int *ctx, int n_cur, float *scores,
+                                                                  float *ci) {
+    const size_t part_len = (size_t)D + 2;
+    for (int t = tb; t < te; t++) {
+        const int n = chunk_keys(t, c, key0, ctx, n_cur);
+        const size_t r0 = (size_t)(t - tb) * group;
+        if (n) attend_scores16(q + t * q_stride + (size_t)kvh * group * D, group, D, scale, k_cache, off, half, n,
+                               scores + r0 * ATT_CHUNK, ci + r0 * part_len);
+    }
+    for (int t = tb, u; t < te; t = u) {
+        const int n = chunk_keys(t, c, key0, ctx, n_cur);
+        for (u = t + 1; u < te && chunk_keys(u, c, key0, ctx, n_cur) == n; u++) {}
+        const size_t r0 = (size_t)(t - tb) * group;
+        if (n) attend_values16(v_cache, off, half, n, scores + r0 * ATT_CHUNK, (u - t) * group, D,
+                               ci + r0 * part_len + 2, part_len);
+    }
+}
+#endif
+
 // Work item `item` = (span, KV head) of a query block (tokens bt[blk] .. bt[blk + 1] - 1 of one
 // sequence, whose spans bspan[blk] .. bspan[blk + 1] - 1 are its last token's): *blk, *kvh, the
 // span's index *s within the block and its chunk count *k (up to ATT_SPAN, fewer at the end).
@@ -445,18 +480,6 @@ static void merge_parts(const float *p, size_t stride, int nc, int D, float *mx_
             total += p[(c0 + c) * stride + 1] * w[c];
         }
         int d0 = 0;
-#if defined(__AVX512F__)  // the same per-lane arithmetic, 16 lanes a vector
-        for (; d0 + 64 <= D; d0 += 64) {
-            __m512 a[4];
-            for (int i = 0; i < 4; i++) a[i] = c0 ? _mm512_loadu_ps(o + d0 + 16 * i) : _mm512_setzero_ps();
-            for (int c = 0; c < nb; c++) {
-                const float *pc = p + (c0 + c) * stride + 2 + d0;
-                const __m512 wv = _mm512_set1_ps(w[c]);
-                for (int i = 0; i < 4; i++) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(pc + 16 * i), wv, a[i]);
-            }
-            for (int i = 0; i < 4; i++) _mm512_storeu_ps(o + d0 + 16 * i, a[i]);
-        }
-#endif
         for (; d0 + 64 <= D; d0 += 64) {
             __m256 a[8];
             for (int i = 0; i < 8; i++) a[i] = c0 ? _mm256_loadu_ps(o + d0 + 8 * i) : _mm256_setzero_ps();
@@ -594,41 +617,19 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 float *ci = cpart + (size_t)i * max_rows * part_len;
                 int nrows = 0;
 #if ATTEND16
-                if (!tiles) {  // q . k and the softmax per token, then the weighted V sums over runs of tokens
-                    int run0 = -1, run_n = 0;  // that read the same keys (the chunk's V rows once for them)
-                    for (int t = tb; t <= bt[blk + 1]; t++) {
-                        int n = 0;
-                        if (t < bt[blk + 1]) {
-                            const int j0 = lo[t] + c * ATT_CHUNK;  // lo is the block's for every token
-                            n = j0 >= ctx[t] ? 0 : ctx[t] - j0 < n_cur ? ctx[t] - j0 : n_cur;  // 0: past its context
-                        }
-                        if (run0 >= 0 && n != run_n) {
-                            const size_t r0 = (size_t)(run0 - tb) * group;
-#define VALUES16_D(d) attend_values16(v_cache, off_cur, half, run_n, scores + r0 * ATT_CHUNK, (t - run0) * group, d, \
-                                      ci + r0 * part_len + 2, part_len)
-                            if (D == 64) VALUES16_D(64);
-                            else if (D == 128) VALUES16_D(128);
-                            else VALUES16_D(D);
-#undef VALUES16_D
-                            run0 = -1;
-                        }
-                        if (n == 0) continue;
-                        const size_t r0 = (size_t)(t - tb) * group;
-                        const float *qh = q + t * q_stride + (size_t)kvh * group * D;
-#define SCORES16_D(d) attend_scores16(qh, group, d, scale, k_cache, off_cur, half, n, scores + r0 * ATT_CHUNK, ci + r0 * part_len)
-                        if (D == 64) SCORES16_D(64);
-                        else if (D == 128) SCORES16_D(128);
-                        else SCORES16_D(D);
-#undef SCORES16_D
-                        if (run0 < 0) run0 = t, run_n = n;
-                    }
+                if (!tiles) {
+#define BLOCK16(d) attend_block16(q, q_stride, kvh, group, d, scale, k_cache, v_cache, off_cur, half, tb, \
+                                  bt[blk + 1], c, lo, ctx, n_cur, scores, ci)
+                    if (D == 64) BLOCK16(64);
+                    else if (D == 128) BLOCK16(128);
+                    else BLOCK16(D);
+#undef BLOCK16
                 }
 #endif
                 if (tiles)
                     for (int t = tb; t < bt[blk + 1]; t++) {
-                        const int j0 = lo[t] + c * ATT_CHUNK;
-                        if (j0 >= ctx[t]) continue;  // the chunk is past this token's context
-                        const int n = ctx[t] - j0 < n_cur ? ctx[t] - j0 : n_cur;
+                        const int n = chunk_keys(t, c, lo, ctx, n_cur);
+                        if (n == 0) continue;  // the chunk is past this token's context
                         const float *qh = q + t * q_stride + (size_t)kvh * group * D;
                         float *part = ci + (size_t)(t - tb) * group * part_len;
                         for (int g = 0; g < group; g++)
