@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import mmap
 import os
 import struct
@@ -33,7 +34,10 @@ import numpy as np
 import torch
 
 from tallow.errors import ModelLoadError
+from tallow.models.cache_files import remove_stale, source_key
 from tallow.models.config import ModelConfig
+
+log = logging.getLogger("tallow.models")
 
 _CACHE_FORMAT = 3  # 3: files with quantized weights load natively, never cached
 _ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -181,21 +185,11 @@ def load_native(path: str, reader=None, cache_dir: str | None = None):
         loaded = _load_native(path, reader, packed)
         if packed is not None:
             packed.finish()
-            import logging
-
-            logging.getLogger("tallow.models").info(
-                "%s: repacked weights %s %s", os.path.basename(path),
-                "mapped from" if packed.reading else "written to", packed.target)
+            log.info("%s: repacked weights %s %s", os.path.basename(path),
+                     "mapped from" if packed.reading else "written to", packed.target)
         return loaded
     except PackedMismatch as e:  # a cache this load cannot use: dropped, and the file read afresh
-        import logging
-
-        logging.getLogger("tallow.models").warning("%s: repacked weights unusable (%s); repacking from the file",
-                                                   packed.target, e)
-        try:
-            os.remove(packed.target)
-        except OSError:
-            pass
+        packed.drop(e)
         return load_native(path, None, cache_dir)
     except BaseException:
         if packed is not None:
@@ -379,10 +373,10 @@ def write_cache(path: str, cache_dir: str, config: ModelConfig, metadata: dict[s
     cache = _cache_path(path, cache_dir)
     tmp = f"{cache}.{os.getpid()}.tmp"
     header = {"config": json.dumps(dataclasses.asdict(config)), "metadata": json.dumps(metadata),
-              "source": json.dumps(_source_key(path))}
+              "source": json.dumps(source_key(path))}
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
-        _remove_stale_caches(path, cache)
+        remove_stale(path, cache, ".safetensors", _safetensors_source)
         save_file(state_dict, tmp, metadata=header)
         os.replace(tmp, cache)
     except OSError:
@@ -390,36 +384,11 @@ def write_cache(path: str, cache_dir: str, config: ModelConfig, metadata: dict[s
             os.remove(tmp)
 
 
-def _source_key(path: str) -> list:
-    st = os.stat(path)
-    return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
-
-
-def _remove_stale_caches(path: str, keep: str) -> None:
-    """Delete the caches of this file's name whose source is gone or changed (a reinstalled wheel,
-    an edited file: each would otherwise leave a float32 copy of the model behind for good), or
-    that were written by an older cache format (no source recorded). Caches of another file of
-    the same name that still exists are kept."""
+def _safetensors_source(cache: str) -> list | None:
     from safetensors import safe_open
 
-    stem = os.path.basename(path).removesuffix(".gguf")
-    folder = os.path.dirname(keep)
-    for name in os.listdir(folder):
-        other = os.path.join(folder, name)
-        if other == keep or not (name.startswith(stem + "-") and name.endswith(".safetensors")) \
-                or len(name) != len(stem) + 1 + 16 + len(".safetensors"):
-            continue
-        try:
-            with safe_open(other, framework="pt") as f:
-                source = json.loads((f.metadata() or {}).get("source", "null"))
-            stale = source is None or not os.path.exists(source[0]) or _source_key(source[0]) != source
-        except Exception:  # unreadable: a torn write or another format
-            stale = True
-        if stale:
-            try:
-                os.remove(other)
-            except OSError:
-                pass
+    with safe_open(cache, framework="pt") as f:
+        return json.loads((f.metadata() or {}).get("source", "null"))
 
 
 def _config(reader, metadata: dict[str, Any]) -> ModelConfig:

@@ -15,7 +15,8 @@ buffers' dtype, shape and offset), then the index's offset and a magic number. A
 records in order and checks each key against the one it would repack; any difference (or a
 torn file) drops the cache and the load repacks from the GGUF. The name carries a digest of the
 source and the kernels, so a changed file or kernel build never reads an old cache; writing one
-deletes the older caches of the same path. The cache holds the repacked projections and LM head
+deletes the other caches of the same path and those whose file is gone or changed
+(cache_files.remove_stale). The cache holds the repacked projections and LM head
 only: no larger than the GGUF file.
 """
 
@@ -32,21 +33,18 @@ import struct
 import numpy as np
 import torch
 
+from tallow.models.cache_files import remove_stale, source_key
+
 log = logging.getLogger("tallow.models")
 
 FORMAT = 1
 _MAGIC = b"TLPACK01"
 _ALIGN = 64  # (cache lines: what the kernels' vector loads want)
-_DTYPES = {"uint8": (np.uint8, torch.uint8), "int8": (np.int8, torch.int8), "float16": (np.float16, torch.float16)}
+_DTYPES = {"uint8": np.uint8, "int8": np.int8, "float16": np.float16}  # the repacked buffers' types
 
 
 class PackedMismatch(Exception):
     """The cache does not hold what this load repacks (another build wrote it, or it is torn)."""
-
-
-def _source(path: str) -> list:
-    st = os.stat(path)
-    return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
 
 
 def _kernels() -> dict:
@@ -57,7 +55,7 @@ def _kernels() -> dict:
 
 def cache_path(path: str, cache_dir: str) -> str:
     stem = os.path.basename(path).removesuffix(".gguf")
-    key = json.dumps([FORMAT, _source(path), _kernels()])
+    key = json.dumps([FORMAT, source_key(path), _kernels()])
     return os.path.join(cache_dir, "gguf-packed", f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.packed")
 
 
@@ -71,12 +69,8 @@ class PackedWeights:
         if reading:
             with open(target, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            size = len(self._map)
-            if size < 16 or self._map[size - 8:] != _MAGIC:
-                raise PackedMismatch("no index")
-            at = struct.unpack("<Q", self._map[size - 16:size - 8])[0]
-            index = json.loads(bytes(self._map[at:size - 16]))
-            if index.get("source") != _source(path) or index.get("kernels") != _kernels():
+            index = _index(self._map)
+            if index.get("source") != source_key(path) or index.get("kernels") != _kernels():
                 raise PackedMismatch("another source or kernel build")
             self._records = index["records"]
         else:
@@ -96,8 +90,7 @@ class PackedWeights:
             try:
                 return cls(path, target, reading=True)
             except (OSError, ValueError, KeyError, PackedMismatch) as e:
-                log.warning("%s: repacked weights unusable (%s); repacking from the file", target, e)
-                _remove(target)
+                _drop(target, e)
         try:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             if shutil.disk_usage(os.path.dirname(target)).free < os.path.getsize(path) + (1 << 30):
@@ -119,7 +112,7 @@ class PackedWeights:
             if spec is None:
                 out[name] = None
                 continue
-            np_dtype = _DTYPES[spec["dtype"]][0]
+            np_dtype = _DTYPES[spec["dtype"]]
             count = int(np.prod(spec["shape"]))
             arr = np.frombuffer(self._map, dtype=np_dtype, count=count, offset=spec["offset"])
             out[name] = torch.from_numpy(arr.reshape(spec["shape"]))
@@ -154,15 +147,19 @@ class PackedWeights:
             return
         try:
             at = self._file.tell()
-            self._file.write(json.dumps({"source": _source(self.path), "kernels": _kernels(),
+            self._file.write(json.dumps({"source": source_key(self.path), "kernels": _kernels(),
                                          "records": self._records}).encode())
             self._file.write(struct.pack("<Q", at) + _MAGIC)
             self._file.close()
             self._file = None
-            _remove_older(self.path, self.target)
+            remove_stale(self.path, self.target, ".packed", _recorded_source, same_source_too=True)
             os.replace(self._tmp, self.target)
         except OSError as e:
             self.abandon(e)
+
+    def drop(self, error: Exception) -> None:
+        """Reading: the cache turned out not to hold this load's weights; delete it."""
+        _drop(self.target, error)
 
     def abandon(self, error: Exception | None = None) -> None:
         """Writing: drop the partial file (a failed write only costs the next load its repack)."""
@@ -175,32 +172,27 @@ class PackedWeights:
         _remove(self._tmp)
 
 
+def _index(buf) -> dict:
+    """The JSON index at the end of a cache file's bytes (a mapping of it)."""
+    size = len(buf)
+    if size < 16 or buf[size - 8:] != _MAGIC:
+        raise PackedMismatch("no index")
+    at = struct.unpack("<Q", buf[size - 16:size - 8])[0]
+    return json.loads(bytes(buf[at:size - 16]))
+
+
+def _recorded_source(cache: str) -> list | None:
+    with open(cache, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return _index(m).get("source")
+
+
+def _drop(target: str, error: Exception) -> None:
+    log.warning("%s: repacked weights unusable (%s); repacking from the file", target, error)
+    _remove(target)
+
+
 def _remove(path: str) -> None:
     try:
         os.remove(path)
     except OSError:
         pass
-
-
-def _remove_older(path: str, keep: str) -> None:
-    """Delete the other caches written for this same GGUF path (an edited or reinstalled file, an
-    older kernel build): each is a copy of the model's weights."""
-    folder, real = os.path.dirname(keep), os.path.realpath(path)
-    stem = os.path.basename(path).removesuffix(".gguf")
-    for name in os.listdir(folder):
-        other = os.path.join(folder, name)
-        if other == keep or not (name.startswith(stem + "-") and name.endswith(".packed")):
-            continue
-        try:
-            with open(other, "rb") as f:
-                f.seek(-16, os.SEEK_END)
-                at, magic = struct.unpack("<Q", f.read(8))[0], f.read(8)
-                if magic != _MAGIC:
-                    raise ValueError("torn")
-                f.seek(at)
-                raw = f.read()[:-16]
-            mine = json.loads(raw).get("source", [None])[0] == real
-        except (OSError, ValueError, struct.error):
-            mine = True  # unreadable: a torn write of some load
-        if mine:
-            _remove(other)

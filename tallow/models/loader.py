@@ -219,9 +219,9 @@ def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
                cache_dir: str | None, native: bool = True, blocks: bool = True
                ) -> tuple[LlamaForCausalLM, dict[str, Any]]:
     """A file with quantized (or F16/BF16) weights, on the CPU in float32: its weights kept in
-    their own types (gguf.load_native; their repacked tiles cached and mapped by gguf_packed). Otherwise from the cache when it holds this
-    file (memory-mapped, no copy on CPU in float32), or converted in float32 on the CPU, cached,
-    then moved. native False (the default model): the cached float32 path for every file (its
+    their own types (gguf.load_native; the repacked tiles cached and mapped by gguf_packed).
+    Otherwise from the cache when it holds this file (memory-mapped, no copy on CPU in float32),
+    or converted in float32 on the CPU, cached, then moved. native False (the default model): the cached float32 path for every file (its
     warm start maps the cache instead of parsing the GGUF). On CUDA (native and blocks) a file
     with block-quantized weights keeps its blocks on the device (gguf_cuda.load_gguf_blocks)."""
     from tallow.models import gguf
