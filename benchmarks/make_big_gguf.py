@@ -8,8 +8,8 @@ with the converter's names, then runs llama.cpp's `llama-quantize` into the aske
         --type Q4_K_M --out /work/models/smollm2-1.7b-shape-q4_k_m.gguf
 
 SmolLM2-1.7B's shape (hidden 2048, 24 layers, FFN 8192, 32 heads, vocab 49,152) gives a
-Q4_K_M file of about 1.0 GB; `--shape qwen2.5-1.5b` (qwen2, with q/k/v biases) about 0.95 GB
-in Q4_K_M and 1.6 GB in Q8_0; `--shape llama-3-8b` about 4.3 GB (a 14 GB F16 intermediate on the
+Q4_K_M file of about 1.0 GB; `--shape qwen2.5-1.5b` (qwen2, with q/k/v biases) 0.85 GB in
+Q4_K_M and 1.47 GB in Q8_0; `--shape llama-3-8b` about 4.3 GB (a 14 GB F16 intermediate on the
 way: the tensors are written one at a time, so memory holds one). The F16 intermediate is
 deleted unless --keep-f16.
 
@@ -38,7 +38,7 @@ SHAPES = {
     # 128,256), so its Q4_K_M file is about 4.3 GB rather than 4.9
     "llama-3-8b": dict(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8),
     # Qwen2.5-1.5B's layers (qwen2: biases on q/k/v, GQA 12/2, head dim 128, rope theta 1e6);
-    # vocabulary the source's: Q4_K_M about 0.95 GB, Q8_0 about 1.6 GB
+    # vocabulary the source's: Q4_K_M 0.85 GB, Q8_0 1.47 GB
     "qwen2.5-1.5b": dict(hidden=1536, layers=28, ffn=8960, heads=12, kv_heads=2, arch="qwen2",
                          rope_theta=1000000.0, eps=1e-6),
 }

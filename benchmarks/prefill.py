@@ -42,8 +42,8 @@ def main() -> None:
 
     longest = max(args.prompt_len)
     core = make_core(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                     max_num_seqs=8, max_num_batched_tokens=args.max_num_batched_tokens or longest, max_model_len=longest + 16,
-                     enable_prefix_caching=False)
+                     max_num_seqs=8, max_num_batched_tokens=args.max_num_batched_tokens or longest,
+                     max_model_len=longest + 16, enable_prefix_caching=False)
     cfg = core.model_config
     params = sum(p.numel() for p in {id(p): p for p in core.runner.model.parameters()}.values())
     rng = random.Random(0)
