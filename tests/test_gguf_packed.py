@@ -157,3 +157,25 @@ def test_each_kernel_build_reads_only_its_own_layout(tmp_path, monkeypatch):
         fresh, _ = _load(path, None)
         assert torch.equal(logits_of(cached, config, PROMPTS), logits_of(fresh, config, PROMPTS))
         assert len(_packed_files(cache)) == 1
+
+
+@needs_kernels
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_the_mapped_cache_asks_for_huge_pages(tmp_path):
+    """Decode streams every weight each token; the mapping is advised MADV_HUGEPAGE so pages the
+    page cache reads back come as 2 MB folios (VmFlags 'hg' in smaps)."""
+    path, cache = str(tmp_path / "m.gguf"), str(tmp_path / "cache")
+    write_llama_gguf(path, Q4_K_M)
+    _load(path, cache)
+    model, _ = _load(path, cache)
+    target = os.path.join(cache, "gguf-packed", _packed_files(cache)[0])
+    flags, current = None, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:
+                current = line.rstrip("\n").split(None, 5)[5:] or [""]
+            elif line.startswith("VmFlags:") and current[0] == target:
+                flags = line.split()[1:]
+    assert flags is not None, "the cache file is not mapped"
+    assert "hg" in flags
+    del model

@@ -69,6 +69,11 @@ class PackedWeights:
         if reading:
             with open(target, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                # Pages read back in after the page cache dropped them come in 2 MB folios mapped
+                # whole: decode streams every weight a token, and 4 KB pages cost an 8B model 12%
+                # of its rate here (4.35 against 4.9 tok/s).
+                self._map.madvise(mmap.MADV_HUGEPAGE)
             index = _index(self._map)
             if index.get("source") != source_key(path) or index.get("kernels") != _kernels():
                 raise PackedMismatch("another source or kernel build")
