@@ -7,6 +7,9 @@ kernels), greedy, so both give the same tokens (checked: `same`). Workloads:
 - grounded: rewrite a ~300-token code block with one change (the chat template of the model)
 - chat: plain chat questions
 - random: random token prompts
+- oracle: random prompts whose drafts are plain decoding's own next tokens (every draft is
+  accepted, as far as the target's tokens stay those of the plain run): the most speculation
+  can give on this model and device, whatever the weights (a `dummy:` model on a GPU)
 
 For each (workload, batch) row: decode tok/s after every sequence's first token, plain and
 spec, their ratio, the acceptance rate per draft position and the mean accepted length
@@ -16,6 +19,10 @@ chat >= 0.95x, grounded b8 >= 1.3x.
     python benchmarks/speculative.py                         # default model, batch 1 and 8
     python benchmarks/speculative.py --max-tokens 16 --batch 1 --workloads chat   # a quick check
     python benchmarks/speculative.py --device cuda --model dummy:llama-3-8b       # the CUDA path
+    python benchmarks/speculative.py --device cuda --model dummy:llama-3.2-1b --workloads oracle --batch 1 8 32
+
+On CUDA a row also gives spec_eager_tok_s: the speculating run again with its verify steps
+run eagerly instead of replaying the K+1-row verify graphs (tallow/engine/cuda_graphs.py).
 
 A `dummy:` model has random weights: its replies do not copy the prompt, so acceptance is
 that of whatever loops it falls into; it measures the cost of drafting and verifying on
@@ -113,7 +120,7 @@ def prompts_for(core, workload: str, batch: int, seed: int = 0) -> list[list[int
     from tallow.chat_template import ChatTemplate
 
     tok = core.tokenizer
-    if workload == "random":
+    if workload in ("random", "oracle"):
         rng = random.Random(seed)
         return [[rng.randrange(3, core.model_config.vocab_size) for _ in range(64)] for _ in range(batch)]
     template = ChatTemplate.for_tokenizer(tok)
@@ -127,6 +134,21 @@ def prompts_for(core, workload: str, batch: int, seed: int = 0) -> list[list[int
         prompt = template.render_prompt([{"role": "user", "content": text}], add_generation_prompt=True)
         out.append(tok.encode(prompt.text, literal_spans=prompt.literal_spans))
     return out
+
+
+class OracleDrafts:
+    """A proposer whose drafts are a reference run's next tokens (outputs of prompts of one length)."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]]):
+        self.n = len(prompts[0])
+        self.refs = {tuple(p): p + o for p, o in zip(prompts, outputs)}
+
+    def propose(self, index, token_ids: list[int], k: int) -> list[int]:
+        ref = self.refs.get(tuple(token_ids[:self.n]))
+        m = len(token_ids)
+        if ref is None or ref[m - 1] != token_ids[-1]:
+            return []
+        return ref[m:m + k]
 
 
 def run(core, prompts, max_tokens: int, speculative: bool) -> tuple[float, list[list[int]], int]:
@@ -159,7 +181,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat", "random"],
-                    choices=["grounded", "chat", "random"])
+                    choices=["grounded", "chat", "random", "oracle"])
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--ngram-max", type=int, default=4)
@@ -191,6 +213,11 @@ def main() -> None:
                 plain_tps = max(plain_tps, tps)
             mid = spec.stats()
             assert mid["num_drafts"] == before["num_drafts"], "a speculative=False request speculated"
+            proposer = spec.proposer
+            saved = proposer.propose, getattr(proposer, "may_propose", None)
+            if workload == "oracle":
+                proposer.propose = OracleDrafts(prompts, plain_out).propose
+                proposer.may_propose = lambda index, token_ids, k, exact=True: True
             steps0, overlapped0, verified0 = core.num_steps, core.num_overlapped_steps, core.num_verified_steps
             for _ in range(args.repeat):
                 tps, spec_out, n_spec = run(core, prompts, args.max_tokens, True)
@@ -206,10 +233,24 @@ def main() -> None:
             accepted = after["num_accepted_tokens"] - mid["num_accepted_tokens"]
             per_pos = [(a - b) / drafts if drafts else 0.0
                        for a, b in zip(after["accepted_per_position"], mid["accepted_per_position"])]
+            eager_tps = None
+            verify_graphs = getattr(core.runner, "verify_graphs", None)
+            if verify_graphs is not None:  # the same run with eager verify steps
+                core.runner.verify_graphs = None
+                eager_tps = 0.0
+                try:
+                    for _ in range(args.repeat):
+                        eager_tps = max(eager_tps, run(core, prompts, args.max_tokens, True)[0])
+                finally:
+                    core.runner.verify_graphs = verify_graphs
+            proposer.propose = saved[0]
+            if saved[1] is not None:
+                proposer.may_propose = saved[1]
             rows.append({
                 "workload": workload, "batch": batch, "out_tokens": n_spec,
                 "plain_tok_s": round(plain_tps, 1), "spec_tok_s": round(spec_tps, 1),
                 "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,
+                "spec_eager_tok_s": None if eager_tps is None else round(eager_tps, 1),
                 "same": plain_out == spec_out, "drafts": drafts,
                 "acceptance": round(accepted / proposed, 3) if proposed else 0.0,
                 "mean_accepted_len": round(1 + accepted / drafts, 2) if drafts else 0.0,
@@ -217,7 +258,7 @@ def main() -> None:
                 "async_steps": round(async_share, 2), "verified_steps": round(verified_share, 2),
             })
             print(f"{workload} b{batch}: plain {plain_tps:.1f} tok/s, spec {spec_tps:.1f} tok/s", file=sys.stderr)
-    cols = ["workload", "batch", "out_tokens", "plain_tok_s", "spec_tok_s", "speedup", "same", "drafts",
+    cols = ["workload", "batch", "out_tokens", "plain_tok_s", "spec_tok_s", "speedup", "spec_eager_tok_s", "same", "drafts",
             "acceptance", "mean_accepted_len", "accept_per_pos", "async_steps", "verified_steps"]
     print(table(rows, cols))
     write_json(args.json, {"model": args.model, "device": str(core.device), "k": args.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,

@@ -236,8 +236,9 @@ def test_graph_batch_sizes_between_rungs(tiny):
 
 def test_speculation_on_cuda_equals_plain_greedy(tiny):
     """ngram speculation on the CUDA path: a step with a draft is not decode-only, so it runs
-    eagerly (no graph) and synchronously (verified); steps where no draft can come run as plain
-    ones (test_speculation_without_drafts_takes_the_plain_path). Greedy tokens equal plain
+    synchronously (verified): on a K+1-row verify graph when every row is a decode row
+    (test_verify_graphs_equal_eager_verify_steps), eagerly here (the drafts come with the prompts'
+    chunks); steps where no draft can come run as plain ones (test_speculation_without_drafts_takes_the_plain_path). Greedy tokens equal plain
     decoding's (CUDA graphs, asynchronous) up to near-ties: a drafted row's K+1 query rows run
     the multi-row attention path, not bitwise the one-row decode kernel. The pool's blocks all come back."""
     spec = make_core(tiny.model, tiny.tokenizer_dir, speculative_method="ngram", num_speculative_tokens=4,
@@ -260,6 +261,60 @@ def test_speculation_on_cuda_equals_plain_greedy(tiny):
     assert spec.kv.num_free_blocks == spec.kv.num_blocks
 
 
+def oracle_proposer(prompts: list[list[int]], outputs: list[list[int]]):
+    """Drafts from the plain greedy continuation, their length varying with the position (0 to
+    4) and every third one wrong in its last token: full accepts, rejections at each position,
+    and rows without a draft in the same verify steps."""
+    refs = [p + o for p, o in zip(prompts, outputs)]
+
+    def propose(index, token_ids, k):
+        n = len(token_ids)
+        ref = next(r for r in refs if r[:n] == token_ids)
+        draft = ref[n:n + min(k, n % 5)]
+        if draft and n % 3 == 0:
+            draft[-1] = (draft[-1] + 1) % 100 + 2
+        return draft
+
+    return propose
+
+
+def test_verify_graphs_equal_eager_verify_steps(tiny):
+    """Verify steps replay the verify graphs: 5 sequences padded to the 8-slot graph, drafts of 0
+    to 4 tokens in one step, accepted and rejected. The tokens and top logprobs equal those of the
+    same steps run eagerly (no verify graph) and plain decoding's, up to near-ties; the pool's
+    blocks all come back."""
+    spec = make_core(tiny.model, tiny.tokenizer_dir, speculative_method="ngram", num_speculative_tokens=4,
+                     speculative_row_cost=0.0)
+    graphs = spec.runner.verify_graphs
+    assert graphs is not None and graphs.rows == 5
+    prompts = random_prompts(spec.model_config.vocab_size, [14, 60, 31, 8, 45], seed=10)
+    want, want_top = generate(tiny.graphs, prompts, PARAMS)
+    spec.speculator.proposer.propose = oracle_proposer(prompts, want)
+    spec.speculator.proposer.may_propose = lambda index, token_ids, k, exact=True: True
+    got, got_top = generate(spec, prompts, PARAMS)
+    replays = graphs.num_replays
+    assert replays > 0
+    stats = spec.stats()["speculative"]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    spec.runner.verify_graphs = None
+    try:
+        eager, eager_top = generate(spec, prompts, PARAMS)
+    finally:
+        spec.runner.verify_graphs = graphs
+    assert graphs.num_replays == replays
+    for w, o, e, tops, gtops, etops in zip(want, got, eager, want_top, got_top, eager_top):
+        assert len(o) == len(e) == len(w) == PARAMS.max_tokens
+        for other, other_tops in ((o, gtops), (e, etops)):
+            d = first_divergence(w, other)
+            if d is not None:
+                top = dict(tops[d])
+                assert other[d] in top and top[w[d]] - top[other[d]] < NEAR_TIE, (d, w, other)
+            for i in range(len(w) if d is None else d):
+                assert [t for t, _ in other_tops[i]] == [t for t, _ in tops[i]]
+                assert max(abs(x - y) for (_, x), (_, y) in zip(other_tops[i], tops[i])) < 1e-3
+    assert spec.kv.num_free_blocks == spec.kv.num_blocks
+
+
 def test_speculation_without_drafts_takes_the_plain_path(tiny):
     """Speculation on but nothing to propose (the dummy-weights benchmark's case): every step is
     plain decoding's, asynchronously scheduled with CUDA graph replays, so the tokens are
@@ -267,7 +322,7 @@ def test_speculation_without_drafts_takes_the_plain_path(tiny):
     spec = make_core(tiny.model, tiny.tokenizer_dir, speculative_method="ngram", num_speculative_tokens=4,
                      speculative_row_cost=0.0)
     spec.speculator.proposer.propose = lambda index, token_ids, k: []
-    spec.speculator.proposer.may_propose = lambda index, token_ids, k: False
+    spec.speculator.proposer.may_propose = lambda index, token_ids, k, exact=True: False
     plain = tiny.graphs
     prompts = random_prompts(spec.model_config.vocab_size, [14, 60, 31, 8, 45], seed=9)
     overlapped, replays = plain.num_overlapped_steps, plain.runner.graphs.num_replays

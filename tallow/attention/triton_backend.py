@@ -23,6 +23,8 @@ graph of B_pad rows, query_start_loc = arange(B_pad + 1).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tallow.attention.metadata import AttentionMetadata
@@ -71,6 +73,16 @@ class TritonAttentionBackend:
         (K_SCALE_RANGE, V_SCALE_RANGE) before that step writes the cache."""
         self._kv_scales = {k.data_ptr(): scales[i] for i, (k, _) in enumerate(kv_caches)}
         self._calibrate = set(self._kv_scales) if calibrate else set()
+
+    @contextlib.contextmanager
+    def calibration_paused(self):
+        """No fp8 scale is calibrated by the steps run inside: a CUDA graph capture's warm-up
+        runs padding through the multi-row path, not a prompt."""
+        held, self._calibrate = getattr(self, "_calibrate", set()), set()
+        try:
+            yield
+        finally:
+            self._calibrate = held
 
     def _scales_for(self, k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps, and for speculative verify steps.
 
 At start-up the model's decode forward (and the LM head) is captured for a ladder of padded
 batch sizes, all graphs sharing one memory pool. A decode-only step of n sequences copies its
@@ -9,6 +9,15 @@ With asynchronous scheduling a row's token may still be pending (the step that s
 runs): its id is copied into the static input ids on the device, from that step's sampled
 ids, before the replay. The pinned staging buffers are rewritten only once the copies of
 the step before have run (an event), as the host may now be a step ahead of the device.
+
+VerifyGraphs does the same for the steps that verify speculative drafts (with
+num_speculative_tokens = K): each of bs padded sequence slots holds up to K + 1 query rows (its
+decode token, then its draft), so a graph runs bs * (K + 1) rows through the multi-row attention
+path with query_start_loc on the device. A sequence with a shorter draft, or none, takes fewer
+rows; the rows left over at the end are padding (slot -1, owned by no sequence: padding
+sequences have no query rows and length 0, so attention never writes those rows and nothing
+reads them). The graph computes the logits of every row; the sampled ones are gathered in the
+order the eager step gives them. Verify steps are synchronous, so no token is pending.
 """
 
 from __future__ import annotations
@@ -20,8 +29,14 @@ import numpy as np
 import torch
 
 from tallow.attention.metadata import AttentionMetadata
+from tallow.engine.sampler import to_device
 
 log = logging.getLogger(__name__)
+
+
+# Verify graphs are captured up to this many sequences (K + 1 rows each); a larger verify step
+# runs eagerly. Their logits ([bs * (K + 1), vocab]) live in the shared pool.
+VERIFY_MAX_BATCH = 64
 
 
 def fill_pending(input_ids: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, prev_ids: torch.Tensor) -> None:
@@ -38,6 +53,8 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
+    rows = 1  # query rows per sequence slot
+
     def __init__(self, model: torch.nn.Module, kv_caches, *, max_batch: int, max_model_len: int,
                  block_size: int, device: torch.device):
         self.model = model
@@ -55,14 +72,16 @@ class DecodeGraphs:
             return host, torch.zeros(shape, dtype=dtype, device=device)
 
         # ids, positions, slots and the pending rows and their sources share one buffer: one copy.
-        self.h_long, self.d_long = pair((5, mb), torch.int64)
+        self.h_long, self.d_long = pair((5, mb * self.rows), torch.int64)
         self.h_lens, self.d_lens = pair((mb,), torch.int32)
         self.h_tables, self.d_tables = pair((mb, self.max_blocks), torch.int32)
         self.d_ids, self.d_pos, self.d_slots, self.d_pend_rows, self.d_pend_src = self.d_long
         self._staged = torch.cuda.Event() if device.type == "cuda" else None
-        self.d_qsl = torch.arange(mb + 1, dtype=torch.int32, device=device)
+        self.h_qsl, self.d_qsl = pair((mb + 1,), torch.int32)
+        self.d_qsl.copy_(torch.arange(mb + 1, dtype=torch.int32) * self.rows)
         # numpy views of the pinned staging buffers: cheap writes from Python
         self.n_long, self.n_lens, self.n_tables = self.h_long.numpy(), self.h_lens.numpy(), self.h_tables.numpy()
+        self.n_qsl = self.h_qsl.numpy()
         # What each staged block-table row holds: (sequence, blocks written). A running
         # sequence only appends blocks, so a row is topped up rather than rewritten.
         self._rows: list[tuple[object, int]] = [(None, 0)] * mb
@@ -70,21 +89,23 @@ class DecodeGraphs:
         self.num_replays = 0
 
     def _meta(self, bs: int) -> AttentionMetadata:
+        t = bs * self.rows
         return AttentionMetadata(
-            slot_mapping=self.d_slots[:bs], query_start_loc=self.d_qsl[: bs + 1], seq_lens=self.d_lens[:bs],
-            block_tables=self.d_tables[:bs], max_query_len=1, max_seq_len=self.max_model_len,
-            query_lens_cpu=[1] * bs, seq_lens_cpu=[self.max_model_len] * bs, block_size=self.block_size)
+            slot_mapping=self.d_slots[:t], query_start_loc=self.d_qsl[: bs + 1], seq_lens=self.d_lens[:bs],
+            block_tables=self.d_tables[:bs], max_query_len=self.rows, max_seq_len=self.max_model_len,
+            query_lens_cpu=[self.rows] * bs, seq_lens_cpu=[self.max_model_len] * bs, block_size=self.block_size)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.d_ids[:bs], self.d_pos[:bs], self.kv_caches, self._meta(bs))
+        t = bs * self.rows
+        hidden = self.model(self.d_ids[:t], self.d_pos[:t], self.kv_caches, self._meta(bs))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool=None) -> None:
+        """Capture every rung of the ladder; pool: another set's memory pool to share."""
         t0 = time.monotonic()
         self.d_slots.fill_(-1)
         self.d_lens.fill_(1)
-        pool = None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -97,10 +118,11 @@ class DecodeGraphs:
                 if pool is None:
                     pool = g.pool()
                 self.graphs[bs] = (g, logits)
+        self.pool = pool
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(self.graphs), self.ladder[0],
-                 self.ladder[-1], time.monotonic() - t0)
+        log.info("captured %d %s CUDA graphs (batch %d..%d, %d rows a sequence) in %.1fs", len(self.graphs),
+                 type(self).__name__, self.ladder[0], self.ladder[-1], self.rows, time.monotonic() - t0)
 
     def padded_size(self, n: int) -> int | None:
         for bs in self.ladder:
@@ -181,3 +203,79 @@ class DecodeGraphs:
         g.replay()
         self.num_replays += 1
         return logits[:n]
+
+
+class VerifyGraphs(DecodeGraphs):
+    """Graphs for steps that verify speculative drafts of at most k tokens (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches, *, k: int, **kwargs):
+        self.rows = k + 1
+        super().__init__(model, kv_caches, **kwargs)
+
+    def fits(self, scheduled) -> bool:
+        """A step these graphs can run: at most max_batch rows, each one decode token (sampled or
+        forced) with a draft of at most k tokens; no prefill chunk."""
+        if len(scheduled) > self.max_batch:
+            return False
+        k = self.rows - 1
+        return all(s.num_new_tokens == 1 and len(s.draft or ()) <= k for s in scheduled)
+
+    def forget_tables(self) -> None:
+        pass  # every step restages its rows' block tables
+
+    def run(self, scheduled, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the sampling rows, in the eager step's order (ModelRunner.host_inputs): a
+        drafted row's K + 1 positions, a plain row's one, a forced row's none."""
+        n = len(scheduled)
+        if self._staged is not None:
+            self._staged.synchronize()
+        bs = self.padded_size(n)
+        bsz = self.block_size
+        ids, positions, slots, lens, sample = [], [], [], [], []
+        qsl = self.n_qsl
+        tables = self.n_tables
+        for i, s in enumerate(scheduled):
+            q, p = s.seq, s.start
+            table = q.block_table
+            token = q.token_ids[p]
+            if token < 0:
+                raise RuntimeError("a verify step reads a pending token")
+            draft = s.draft or ()
+            first = len(ids)
+            ids.append(token)
+            ids.extend(draft)
+            end = p + 1 + len(draft)
+            positions.extend(range(p, end))
+            slots.extend(table[x // bsz] * bsz + x % bsz for x in range(p, end))
+            qsl[i + 1] = len(ids)
+            lens.append(end)
+            nb = (end - 1) // bsz + 1
+            tables[i, :nb] = table[:nb]
+            if draft:
+                sample.extend(range(first, len(ids)))
+            elif s.samples:
+                sample.append(first)
+        r, t = len(ids), bs * self.rows
+        qsl[0] = 0
+        qsl[n + 1:bs + 1] = r
+        ids_h, pos_h, slots_h = self.n_long[0], self.n_long[1], self.n_long[2]
+        ids_h[:r] = ids
+        pos_h[:r] = positions
+        slots_h[:r] = slots
+        ids_h[r:t] = 0
+        pos_h[r:t] = 0
+        slots_h[r:t] = -1
+        self.n_lens[:n] = lens
+        self.n_lens[n:bs] = 0
+        self.d_long.copy_(self.h_long, non_blocking=True)
+        self.d_lens[:bs].copy_(self.h_lens[:bs], non_blocking=True)
+        self.d_qsl[:bs + 1].copy_(self.h_qsl[:bs + 1], non_blocking=True)
+        self.d_tables[:n].copy_(self.h_tables[:n], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        g, logits = self.graphs[bs]
+        g.replay()
+        self.num_replays += 1
+        if len(sample) == t:
+            return logits
+        return logits.index_select(0, to_device(sample, torch.int64, logits.device))

@@ -191,7 +191,7 @@ class ModelRunner:
                  max_num_seqs: int = 256,
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  cuda_graph_max_batch: int = 256, parallel: ParallelContext | None = None,
-                 kv_scale: float | None = 1.0):
+                 kv_scale: float | None = 1.0, speculative_tokens: int = 0):
         self.model = model
         self.cfg = model_config
         self.block_size = block_size
@@ -213,6 +213,8 @@ class ModelRunner:
         self._prompt_out: list[torch.Tensor] | None = None
         self.staging = None
         self.graphs = None
+        self.verify_graphs = None  # CUDA graphs of speculative verify steps (speculative_tokens > 0)
+        self.attn_backend = None
         self._events = [torch.cuda.Event() for _ in range(4)] if device.type == "cuda" else []
         self._event_index = 0
         if device.type == "cuda":
@@ -225,9 +227,10 @@ class ModelRunner:
                                             dtype=torch.float32, device=device)
                 backend.set_kv_scales(self.kv_caches, self.kv_scales, calibrate=kv_scale is None)
             set_attention_backend(model, backend)
+            self.attn_backend = backend
             self.staging = PinnedStaging(device)
             if not enforce_eager and parallel is None:
-                self.capture_graphs(min(cuda_graph_max_batch, max_num_seqs))
+                self.capture_graphs(min(cuda_graph_max_batch, max_num_seqs), speculative_tokens)
         elif device.type == "cpu":
             from tallow.attention.cpu_backend import CpuAttentionBackend
 
@@ -244,15 +247,22 @@ class ModelRunner:
                    device=engine_model.device, dtype=engine_model.dtype, kv_dtype=engine_model.kv_dtype,
                    max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                    enforce_eager=config.enforce_eager, cuda_graph_max_batch=config.cuda_graph_max_batch,
-                   parallel=parallel, kv_scale=engine_model.kv_scale)
+                   parallel=parallel, kv_scale=engine_model.kv_scale,
+                   speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0)
 
-    def capture_graphs(self, max_batch: int) -> None:
-        from tallow.engine.cuda_graphs import DecodeGraphs
+    def capture_graphs(self, max_batch: int, speculative_tokens: int = 0) -> None:
+        """Decode graphs up to max_batch sequences; with speculative_tokens K, verify graphs too
+        (K + 1 rows a sequence, up to VERIFY_MAX_BATCH sequences), in the same memory pool."""
+        from tallow.engine.cuda_graphs import VERIFY_MAX_BATCH, DecodeGraphs, VerifyGraphs
 
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch=max_batch,
-                                   max_model_len=self.max_model_len, block_size=self.block_size,
-                                   device=self.device)
+        kwargs = dict(max_model_len=self.max_model_len, block_size=self.block_size, device=self.device)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch=max_batch, **kwargs)
         self.graphs.capture()
+        if speculative_tokens > 0:
+            self.verify_graphs = VerifyGraphs(self.model, self.kv_caches, k=speculative_tokens,
+                                              max_batch=min(max_batch, VERIFY_MAX_BATCH), **kwargs)
+            with self.attn_backend.calibration_paused():
+                self.verify_graphs.capture(pool=self.graphs.pool)
 
     # ---- batch preparation ------------------------------------------------------------
     def host_inputs(self, out: SchedulerOutput, pending: list[list[int]] | None = None,
@@ -449,6 +459,9 @@ class ModelRunner:
             return logits.index_select(0, to_device(sampling, torch.int64, logits.device))
         if graphs is not None:
             graphs.forget_tables()
+        verify = self.verify_graphs
+        if verify is not None and out.speculative and prev_ids is None and verify.fits(out.scheduled):
+            return verify.run(out.scheduled)
         pending = None if prev_ids is None else [[], []]
         # Prefill rows keep their logits only for sequences that asked for prompt logprobs.
         self._prompt_rows = plan_prompt_rows(out.scheduled)
