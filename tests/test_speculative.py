@@ -137,6 +137,47 @@ def test_may_propose_before_the_last_token_covers_every_proposal(sizes):
     assert p.may_propose(p.new_index(), [1, 2, -1], 0) is False
 
 
+@pytest.mark.parametrize("sizes", [(2, 4), (1, 3), (3, 4)])
+def test_the_late_guess_is_whether_the_known_tokens_had_a_draft(sizes):
+    """may_propose(exact=False) with the last token pending: True exactly when the tokens before
+    it had a proposal, whatever the index saw before (grown with them or fresh); it never reads
+    the pending token."""
+    ngram_min, ngram_max = sizes
+    p = NgramProposer(ngram_max=ngram_max, ngram_min=ngram_min)
+    rng = random.Random(7 + ngram_min)
+    yes = no = 0
+    for trial in range(40):
+        grown = p.new_index()
+        tokens = [rng.randrange(5) for _ in range(2)]
+        for step in range(rng.randrange(1, 30)):
+            late = p.may_propose(grown, tokens + [-1], 4, exact=False)
+            assert late == bool(p.propose(p.new_index(), list(tokens), 1)), tokens
+            yes, no = yes + late, no + (not late)
+            tokens.append(rng.randrange(5 + trial // 8))
+            if step % 3 == 0:  # a sync step between: propose() on every known token
+                assert -1 not in p.propose(grown, list(tokens), 4)
+    assert yes > 10 and no > 10
+
+
+def test_late_guess_keeps_random_text_overlapped(default_model, prompts, greedy_reference):
+    """Asynchronous scheduling with the real proposer on prompts that rarely draft: guessing from
+    the known tokens (greedy requests) overlaps more steps than the exact test, which waits
+    whenever the last known token occurred before; the tokens are plain decoding's both ways."""
+    random_ids = prompts[len(REPEATING) + len(PLAIN):]
+    want = greedy_reference[-len(random_ids):]
+    counts = []
+    for exact in (True, False):
+        core = make_core(default_model, async_scheduling=True, **SPEC)
+        proposer = core.speculator.proposer
+        if exact:
+            may = proposer.may_propose
+            proposer.may_propose = lambda index, token_ids, k, exact=True: may(index, token_ids, k)
+        assert [s.output_ids for s in run_all(core, random_ids, GREEDY)] == want
+        counts.append(core.num_overlapped_steps)
+        assert core.kv.num_free_blocks == core.kv.num_blocks
+    assert counts[1] > counts[0], counts
+
+
 def test_adaptive_draft_length_pauses_and_resumes():
     state = SpecState(None, k_max=4, row_cost=0.5)
     assert state.draft_length() == 4  # a fresh sequence tries its full draft
@@ -629,7 +670,7 @@ def test_steps_without_drafts_take_the_plain_asynchronous_path(default_model, pr
     spec = make_core(default_model, async_scheduling=True, **SPEC)
     proposer = spec.speculator.proposer
     proposer.propose = lambda index, token_ids, k: []
-    proposer.may_propose = lambda index, token_ids, k: False
+    proposer.may_propose = lambda index, token_ids, k, exact=True: False
     params = dataclasses.replace(GREEDY, max_tokens=12)
     want = run_all(plain, prompts[:6], params)
     record = {}

@@ -10,7 +10,11 @@ may_propose answers, before a sequence's last token is known on the host (asynch
 scheduling: it is still being sampled), whether a proposal could follow it at all: a proposal
 needs the last ngram_min tokens to have occurred before, so their first ngram_min - 1 tokens
 (all known) must have occurred followed by some token. When they have not, no last token can
-give a draft, and the step need not wait for it."""
+give a draft, and the step need not wait for it. That test is exact but weak: with ngram_min 2
+it holds whenever the last known token occurred before, which in a long batch is nearly every
+step. may_propose(exact=False) asks instead whether the sequence had a draft one token earlier
+(the known tokens' suffix occurred before): a draft that starts on the pending token is then
+proposed a step later, and a sequence that keeps finding nothing no longer holds up the batch."""
 
 from __future__ import annotations
 
@@ -39,7 +43,10 @@ class NgramProposer:
         return NgramIndex(self.sizes)
 
     def propose(self, index: NgramIndex, token_ids: list[int], k: int) -> list[int]:
-        end = len(token_ids)
+        return self._propose(index, token_ids, len(token_ids), k)
+
+    def _propose(self, index: NgramIndex, token_ids: list[int], end: int, k: int) -> list[int]:
+        """The draft after token_ids[:end] (every one of them known)."""
         if k <= 0 or end < 2:
             return []
         tables = index.tables
@@ -52,27 +59,30 @@ class NgramProposer:
         for n in reversed(self.sizes):
             if n > end:
                 continue
-            pos = tables[n].get(tuple(token_ids[end - n:]))
-            if pos is not None:
+            pos = tables[n].get(tuple(token_ids[end - n:end]))
+            if pos is not None and pos < end:
                 # What followed the match; where that runs into the end of the sequence, the
                 # match says the text repeats with period end - pos: the draft goes on with it.
-                draft = token_ids[pos:pos + k]
+                draft = token_ids[pos:min(pos + k, end)]
                 period = end - pos
                 while len(draft) < k:
                     draft.append(draft[len(draft) - period])
                 return draft
         return []
 
-    def may_propose(self, index: NgramIndex, token_ids: list[int], k: int) -> bool:
+    def may_propose(self, index: NgramIndex, token_ids: list[int], k: int, exact: bool = True) -> bool:
         """Whether propose() could give a draft for token_ids once its last token is known.
-        With every token known, whether it does; with the last one pending (negative), whether
-        its ngram_min - 1 known predecessors occurred earlier followed by a token, which any
-        match of the ngram_min-gram suffix needs."""
+        With every token known, whether it does. With the last one pending (negative): exact,
+        whether its ngram_min - 1 known predecessors occurred earlier followed by a token, which
+        any match of the ngram_min-gram suffix needs; not exact, whether the known tokens had a
+        draft (the module docstring)."""
         end = len(token_ids)
         if k <= 0 or end < 2:
             return False
         if token_ids[-1] >= 0:
             return bool(self.propose(index, token_ids, k))
+        if not exact:
+            return bool(self._propose(index, token_ids, end - 1, 1))
         m = self.sizes[0] - 1
         if m == 0:
             return True

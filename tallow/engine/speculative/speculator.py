@@ -103,12 +103,22 @@ class Speculator:
         """Whether seq's next sampling row could carry a draft, known before its last token is
         (asynchronous scheduling: it may still be sampled on the device). False means propose()
         gives nothing whatever that token is, so the step can run as a plain one without waiting
-        for it. A proposer without may_propose (a draft model) could always draft."""
+        for it. A proposer without may_propose (a draft model) could always draft.
+
+        A seeded sampled request's text depends on where its drafts were verified, so for it the
+        answer is exact. For any other one it is the proposer's guess (ngram: whether it had a
+        draft one token earlier), and False may only put its next draft off by a step: its tokens
+        are the same either way, and a batch whose sequences keep finding nothing keeps its steps
+        overlapped."""
         k = self.draft_length(seq, pool_tokens, batch)
         if k <= 0:
             return False
         may = getattr(self.proposer, "may_propose", None)
-        return True if may is None else may(seq.spec.index, seq.token_ids, k)
+        if may is None:
+            return True
+        if seq.params.seed is not None and not seq.params.greedy:
+            return may(seq.spec.index, seq.token_ids, k)
+        return may(seq.spec.index, seq.token_ids, k, exact=False)
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """One verified draft of a speculating sequence (rows without a draft are counted by the
