@@ -7,6 +7,10 @@ prints the median and the [p10, p90] spread in microseconds per call, and checks
 builds' outputs are bit-identical and that each row equals the one-row call's result.
 
     python benchmarks/cpu_rows_ab.py --old /work/main --new . --rows 1 2 5 8 16 32
+    python benchmarks/cpu_rows_ab.py --old OLD --new . --variant avx512 --amx --rows 16 20 24 40
+
+--amx turns both builds' AMX tile kernel on (tl_amx_enable, in this process: only where the
+tallow's own probe says tiles run; rows from 12 take the tiles).
 """
 
 from __future__ import annotations
@@ -39,11 +43,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--reps", type=int, default=5, help="calls per timed sample")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--amx", action="store_true", help="both builds on AMX tiles (avx512 variant)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {tag: tree_kernels(tree, args.variant, tmp, tag, ["tl_q4_linear", "tl_q8_linear", "tl_tile_channels"])
+        libs = {tag: tree_kernels(tree, args.variant, tmp, tag, ["tl_q4_linear", "tl_q8_linear", "tl_tile_channels"]
+                                + (["tl_amx_enable"] if args.amx else []))
                 for tag, tree in (("old", args.old), ("new", args.new))}
+        if args.amx:
+            from tallow.ops import cpu_native
+
+            if cpu_native.amx_state() != "on":
+                raise SystemExit("AMX is not on here (tallow's probe)")
+            for lib in libs.values():
+                if not lib.tl_amx_enable():
+                    raise SystemExit("tl_amx_enable failed")
         nt = libs["new"].tl_tile_channels()
         print(f"variant {args.variant}, NT {nt}, threads {args.threads}")
         print(f"{'shape':>11} {'M':>3} {'old us':>18} {'new us':>18} {'new/old':>7}")
