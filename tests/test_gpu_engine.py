@@ -315,6 +315,34 @@ def test_verify_graphs_equal_eager_verify_steps(tiny):
     assert spec.kv.num_free_blocks == spec.kv.num_blocks
 
 
+def test_draft_model_on_cuda_replays_verify_graphs(tiny):
+    """The model drafting for itself on CUDA (its own eager runner and KV pool) with a pool small
+    enough to preempt: the verify steps replay verify graphs, nearly every draft token is accepted
+    and the tokens are plain decoding's up to near-ties; both pools' blocks come back."""
+    loaded = LoadedModel(tiny.model.config, tiny.model, TokenizerSource("hf", tiny.tokenizer_dir), {}, "tiny")
+    config = EngineConfig(model="tiny", device="cuda", dtype="float32", num_kv_blocks=20, max_num_seqs=16,
+                          speculative_method="draft", speculative_model="tiny", num_speculative_tokens=4,
+                          speculative_row_cost=0.0)
+    core = EngineCore(config, loaded=loaded, draft_loaded=loaded)
+    prompts = random_prompts(core.model_config.vocab_size, [50, 41, 66, 35, 58, 47], seed=13)
+    params = dataclasses.replace(PARAMS, max_tokens=40)
+    want, want_top = generate(tiny.graphs, prompts, params)
+    got, _ = generate(core, prompts, params)
+    assert core.scheduler.num_preemptions_total > 0
+    assert core.runner.verify_graphs.num_replays > 0
+    stats = core.stats()["speculative"]
+    assert stats["num_accepted_tokens"] > 0.8 * stats["num_draft_tokens"] > 50, stats
+    for w, o, tops in zip(want, got, want_top):
+        assert len(o) == len(w)
+        d = first_divergence(w, o)
+        if d is not None:
+            top = dict(tops[d])
+            assert o[d] in top and top[w[d]] - top[o[d]] < NEAR_TIE, (d, w, o)
+    proposer = core.speculator.proposer
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
 def test_speculation_without_drafts_takes_the_plain_path(tiny):
     """Speculation on but nothing to propose (the dummy-weights benchmark's case): every step is
     plain decoding's, asynchronously scheduled with CUDA graph replays, so the tokens are

@@ -166,8 +166,9 @@ class EngineCore:
             if draft is not None:
                 from tallow.engine.speculative.draft import DraftModelProposer
 
-                # Its own KV cache of num_blocks blocks of its shape (the budget held both).
-                runner = ModelRunner.for_engine(draft, dataclasses.replace(config, enforce_eager=True), num_blocks,
+                # Its own KV cache of num_blocks blocks of its shape (the budget held both); on
+                # CUDA its one-token draft steps replay its own decode graphs.
+                runner = ModelRunner.for_engine(draft, dataclasses.replace(config, speculative_method=None), num_blocks,
                                                 max_model_len=self.max_model_len)
                 proposer = DraftModelProposer(runner, config.block_size)
             self.speculator = self.scheduler.speculator = Speculator(config, self.device.type, proposer)

@@ -6,8 +6,9 @@ KVCacheManager (no prefix cache). Each speculating sequence has a DraftShadow: t
 model's view of it (its tokens, block table, computed count). Before the scheduler runs,
 prepare() brings the shadows of every sequence about to decode up to date, rolling back the
 slots of draft tokens the target rejected, and runs up to K batched greedy draft steps over
-them all (the first also computes the tokens the target accepted since). A greedy draft is a
-point mass, so the verifier's rule is the same as for n-gram drafts.
+them all (the first also computes the tokens the target accepted since; on CUDA the one-token
+steps after it replay the draft runner's decode graphs). A greedy draft is a point mass, so the
+verifier's rule is the same as for n-gram drafts.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ class DraftModelProposer:
             shadow.draft = []
             shadow.for_length = len(tokens)
             active.append((shadow, k))
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is not None:
+            # Rolled-back shadows may hold other blocks at the same places: restage every table.
+            graphs.forget_tables()
         step = 0
         while active:
             rows = []
