@@ -188,21 +188,29 @@ class DecodeGraphs:
             positions[n:bs] = 0
             slots[n:bs] = -1
             self.n_lens[n:bs] = 1
+        self._stage(bs, n)
+        if m:
+            if prev_ids is not None and m == n == len(prev_ids) and pend_src == list(range(n)):  # steady decode: row i from row i
+                self.d_ids[:n].copy_(prev_ids)
+            else:
+                fill_pending(self.d_ids, self.d_pend_rows[:m], self.d_pend_src[:m], prev_ids)
+        return self._replay(bs)[:n]
+
+    def _stage(self, bs: int, n: int) -> None:
+        """Copy the staged inputs of bs slots (the block tables of the first n) to the device;
+        the pinned buffers may be rewritten once these copies have run."""
         # Contiguous ranges only (a strided copy would go through a pageable temporary).
         self.d_long.copy_(self.h_long, non_blocking=True)
         self.d_lens[:bs].copy_(self.h_lens[:bs], non_blocking=True)
         self.d_tables[:n].copy_(self.h_tables[:n], non_blocking=True)
         if self._staged is not None:
             self._staged.record()
-        if m:
-            if prev_ids is not None and m == n == len(prev_ids) and pend_src == list(range(n)):  # steady decode: row i from row i
-                self.d_ids[:n].copy_(prev_ids)
-            else:
-                fill_pending(self.d_ids, self.d_pend_rows[:m], self.d_pend_src[:m], prev_ids)
+
+    def _replay(self, bs: int) -> torch.Tensor:
         g, logits = self.graphs[bs]
         g.replay()
         self.num_replays += 1
-        return logits[:n]
+        return logits
 
 
 class VerifyGraphs(DecodeGraphs):
@@ -223,59 +231,26 @@ class VerifyGraphs(DecodeGraphs):
     def forget_tables(self) -> None:
         pass  # every step restages its rows' block tables
 
-    def run(self, scheduled, prev_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the sampling rows, in the eager step's order (ModelRunner.host_inputs): a
-        drafted row's K + 1 positions, a plain row's one, a forced row's none."""
-        n = len(scheduled)
+    def run(self, inputs) -> torch.Tensor:
+        """Logits of the step's sampling rows (inputs.logits_indices) from its flat batch as
+        ModelRunner.host_inputs lays it out (StepInputs), padded to the graph's slots."""
+        n, r = len(inputs.seq_lens), len(inputs.input_ids)
         if self._staged is not None:
             self._staged.synchronize()
         bs = self.padded_size(n)
-        bsz = self.block_size
-        ids, positions, slots, lens, sample = [], [], [], [], []
-        qsl = self.n_qsl
-        tables = self.n_tables
-        for i, s in enumerate(scheduled):
-            q, p = s.seq, s.start
-            table = q.block_table
-            token = q.token_ids[p]
-            if token < 0:
-                raise RuntimeError("a verify step reads a pending token")
-            draft = s.draft or ()
-            first = len(ids)
-            ids.append(token)
-            ids.extend(draft)
-            end = p + 1 + len(draft)
-            positions.extend(range(p, end))
-            slots.extend(table[x // bsz] * bsz + x % bsz for x in range(p, end))
-            qsl[i + 1] = len(ids)
-            lens.append(end)
-            nb = (end - 1) // bsz + 1
-            tables[i, :nb] = table[:nb]
-            if draft:
-                sample.extend(range(first, len(ids)))
-            elif s.samples:
-                sample.append(first)
-        r, t = len(ids), bs * self.rows
-        qsl[0] = 0
-        qsl[n + 1:bs + 1] = r
-        ids_h, pos_h, slots_h = self.n_long[0], self.n_long[1], self.n_long[2]
-        ids_h[:r] = ids
-        pos_h[:r] = positions
-        slots_h[:r] = slots
-        ids_h[r:t] = 0
-        pos_h[r:t] = 0
-        slots_h[r:t] = -1
-        self.n_lens[:n] = lens
+        t = bs * self.rows
+        ids, positions, slots = self.n_long[0], self.n_long[1], self.n_long[2]
+        ids[:r], positions[:r], slots[:r] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        ids[r:t], positions[r:t], slots[r:t] = 0, 0, -1
+        self.n_qsl[:n + 1] = inputs.query_start_loc
+        self.n_qsl[n + 1:bs + 1] = r
+        self.n_lens[:n] = inputs.seq_lens
         self.n_lens[n:bs] = 0
-        self.d_long.copy_(self.h_long, non_blocking=True)
-        self.d_lens[:bs].copy_(self.h_lens[:bs], non_blocking=True)
+        self.n_tables[:n, :inputs.block_tables.shape[1]] = inputs.block_tables
         self.d_qsl[:bs + 1].copy_(self.h_qsl[:bs + 1], non_blocking=True)
-        self.d_tables[:n].copy_(self.h_tables[:n], non_blocking=True)
-        if self._staged is not None:
-            self._staged.record()
-        g, logits = self.graphs[bs]
-        g.replay()
-        self.num_replays += 1
-        if len(sample) == t:
+        self._stage(bs, n)
+        logits = self._replay(bs)
+        rows = inputs.logits_indices
+        if len(rows) == t:
             return logits
-        return logits.index_select(0, to_device(sample, torch.int64, logits.device))
+        return logits.index_select(0, to_device(rows.tolist(), torch.int64, logits.device))

@@ -461,7 +461,7 @@ class ModelRunner:
             graphs.forget_tables()
         verify = self.verify_graphs
         if verify is not None and out.speculative and prev_ids is None and verify.fits(out.scheduled):
-            return verify.run(out.scheduled)
+            return verify.run(self.host_inputs(out))
         pending = None if prev_ids is None else [[], []]
         # Prefill rows keep their logits only for sequences that asked for prompt logprobs.
         self._prompt_rows = plan_prompt_rows(out.scheduled)
