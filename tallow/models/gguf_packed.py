@@ -79,8 +79,7 @@ class PackedWeights:
                 raise PackedMismatch("another source or kernel build")
             self._records = index["records"]
         else:
-            self._tmp = f"{target}.{os.getpid()}.tmp"
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            self._tmp = f"{target}.{os.getpid()}.tmp"  # (open() made the folder)
             self._file = open(self._tmp, "wb")
             self._records = []
 

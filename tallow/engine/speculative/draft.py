@@ -82,10 +82,9 @@ class DraftModelProposer:
             shadow.draft = []
             shadow.for_length = len(tokens)
             active.append((shadow, k))
-        graphs = getattr(self.runner, "graphs", None)
-        if graphs is not None:
+        if self.runner.graphs is not None:
             # Rolled-back shadows may hold other blocks at the same places: restage every table.
-            graphs.forget_tables()
+            self.runner.graphs.forget_tables()
         step = 0
         while active:
             rows = []

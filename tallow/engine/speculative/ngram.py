@@ -60,7 +60,7 @@ class NgramProposer:
             if n > end:
                 continue
             pos = tables[n].get(tuple(token_ids[end - n:end]))
-            if pos is not None and pos < end:
+            if pos is not None:  # (an n-gram is indexed once it ends before end - 1: pos < end)
                 # What followed the match; where that runs into the end of the sequence, the
                 # match says the text repeats with period end - pos: the draft goes on with it.
                 draft = token_ids[pos:min(pos + k, end)]

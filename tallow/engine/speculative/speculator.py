@@ -60,8 +60,7 @@ class Speculator:
         # sampling draws differently from plain sampling): its draft lengths must depend on its
         # own drafts only. Any other request's text does not depend on them (greedy: plain
         # decoding's tokens; unseeded: random anyway), so its rows are priced at the batch.
-        fixed = seq.params.seed is not None and not seq.params.greedy
-        k = spec.draft_length(None if fixed else batch_row_cost(self.row_cost, batch))
+        k = spec.draft_length(None if _text_follows_drafts(seq) else batch_row_cost(self.row_cost, batch))
         return max(0, min(k, seq.max_output_tokens - seq.num_output_tokens - 1, pool_tokens - len(seq.token_ids)))
 
     def prepare(self, running: list[Sequence], pool_tokens: int) -> None:
@@ -116,9 +115,7 @@ class Speculator:
         may = getattr(self.proposer, "may_propose", None)
         if may is None:
             return True
-        if seq.params.seed is not None and not seq.params.greedy:
-            return may(seq.spec.index, seq.token_ids, k)
-        return may(seq.spec.index, seq.token_ids, k, exact=False)
+        return may(seq.spec.index, seq.token_ids, k, exact=_text_follows_drafts(seq))
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """One verified draft of a speculating sequence (rows without a draft are counted by the
@@ -167,6 +164,13 @@ def batch_row_cost(row_cost: float, batch: int) -> float:
     batch grows (a row then costs about a token's share of the step)."""
     b = max(1, batch)
     return b * row_cost / (1.0 + (b - 1) * row_cost)
+
+
+def _text_follows_drafts(seq: Sequence) -> bool:
+    """A seeded sampled request: rejection sampling draws differently from plain sampling, so its
+    text depends on where its drafts were verified, and those must depend on its own tokens only
+    (not on the batch's row prices or the batch's other sequences)."""
+    return seq.params.seed is not None and not seq.params.greedy
 
 
 def _prompt_logprobs_pending(seq: Sequence) -> bool:
