@@ -102,12 +102,32 @@ def test_ngram_proposes_what_followed_the_longest_recent_suffix():
     assert p.propose(p.new_index(), [5, 7, 7, 7], 4) == [7, 7, 7, 7]
     assert p.propose(p.new_index(), [5, 1, 2, 1, 2, 1], 5) == [2, 1, 2, 1, 2]
     assert p.propose(p.new_index(), [1, 2, 1, 2], 0) == []
-    # The index grows with the tokens: the same answers as a fresh index.
+    # The index grows with the tokens: a draft exactly where a fresh index has one, read after
+    # an occurrence of the same longest suffix.
     grown = p.new_index()
     seq = []
     for t in [3, 1, 2, 3, 1, 2, 3, 1, 9, 1, 2]:
         seq.append(t)
-        assert p.propose(grown, seq, 4) == p.propose(p.new_index(), seq, 4)
+        draft, fresh = p.propose(grown, seq, 4), p.propose(p.new_index(), seq, 4)
+        assert bool(draft) == bool(fresh)
+        if draft:
+            n = max(n for n in (2, 3) if any(seq[e - n:e] == seq[-n:] for e in range(n, len(seq))))
+            assert any(seq[e - n:e] == seq[-n:] and draft[0] == seq[e] for e in range(n, len(seq)))
+
+
+def test_ngram_follows_the_source_its_last_draft_came_from():
+    """Of the suffix's occurrences, the one where the text being copied has got to since the last
+    draft: a copy of the source that meets a pair repeated further on stays in place."""
+    p = NgramProposer(ngram_max=2, ngram_min=2)
+    #         0  1  2  3  4  5  6  7  8  9  10
+    source = [1, 2, 3, 4, 5, 6, 2, 3, 7, 8, 9]  # (2, 3) twice: followed by 4 and by 7
+    index = p.new_index()
+    assert p.propose(index, source + [1, 2], 4) == [3, 4, 5, 6]  # (1, 2) occurs once: read at 2
+    # One token on, the source has moved to 3: (2, 3) there, not its later occurrence at 8.
+    assert p.propose(index, source + [1, 2, 3], 4) == [4, 5, 6, 2]
+    assert p.propose(p.new_index(), source + [1, 2, 3], 4) == [7, 8, 9, 1]  # no draft before: the latest
+    # A substitution (5 -> 0) and the text goes on: 6, 2, 3 resume at the source's second (2, 3).
+    assert p.propose(index, source + [1, 2, 3, 4, 0, 6, 2, 3], 3) == [7, 8, 9]
 
 
 @pytest.mark.parametrize("sizes", [(2, 4), (1, 3), (3, 4)])

@@ -1,10 +1,16 @@
 """N-gram prompt lookup: the longest recent suffix found earlier in the sequence proposes
 the tokens that followed it.
 
-Per sequence an index maps each n-gram (ngram_min <= n <= ngram_max) to the position after
-its latest occurrence; it grows with the tokens (each new token adds one n-gram per n), so
-a step's lookup is a few dict reads, not a scan of the context. A match close to the end
-(a loop of a few tokens) proposes the loop continued for the whole draft.
+Per sequence an index maps each n-gram (ngram_min <= n <= ngram_max) to the positions after its
+occurrences; it grows with the tokens (each new token adds one n-gram per n), so a step's lookup
+is a few dict reads and a bisection, not a scan of the context. A match close to the end (a loop
+of a few tokens) proposes the loop continued for the whole draft.
+
+Which occurrence: text that copies its input (a rewrite, a quote, an edit of code) runs through
+the source in order, so among the longest suffix's occurrences the one nearest where the last
+draft's source has moved to since (its position plus the tokens emitted after it) is taken; an
+edit that replaces a few tokens resumes at the right place, where the latest occurrence may be a
+repeated line further on. Before any draft, the latest occurrence.
 
 may_propose answers, before a sequence's last token is known on the host (asynchronous
 scheduling: it is still being sampled), whether a proposal could follow it at all: a proposal
@@ -18,15 +24,19 @@ proposed a step later, and a sequence that keeps finding nothing no longer holds
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from tallow.errors import TallowError
 
 
 class NgramIndex:
-    __slots__ = ("tables", "indexed", "heads", "heads_indexed")
+    __slots__ = ("tables", "indexed", "heads", "heads_indexed", "source", "source_end")
 
     def __init__(self, sizes: range):
-        self.tables = {n: {} for n in sizes}
-        self.indexed = 0  # n-grams ending before this position are in the tables
+        self.tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in sizes}
+        self.indexed = 0  # n-grams ending before this position are in the tables (positions ascending)
+        self.source = -1  # where the last draft was read from (-1: none yet)
+        self.source_end = 0  # the sequence's length then
         # The (ngram_min - 1)-grams that some token followed (may_propose), by their end position.
         self.heads: set[tuple[int, ...]] = set()
         self.heads_indexed = 0  # heads ending before this position are in the set
@@ -43,32 +53,52 @@ class NgramProposer:
         return NgramIndex(self.sizes)
 
     def propose(self, index: NgramIndex, token_ids: list[int], k: int) -> list[int]:
-        return self._propose(index, token_ids, len(token_ids), k)
-
-    def _propose(self, index: NgramIndex, token_ids: list[int], end: int, k: int) -> list[int]:
-        """The draft after token_ids[:end] (every one of them known)."""
-        if k <= 0 or end < 2:
+        end = len(token_ids)
+        pos = self._match(index, token_ids, end) if k > 0 else -1
+        if pos < 0:
             return []
+        index.source, index.source_end = pos, end
+        # What followed the match; where that runs into the end of the sequence, the match says
+        # the text repeats with period end - pos: the draft goes on with it.
+        draft = token_ids[pos:min(pos + k, end)]
+        period = end - pos
+        while len(draft) < k:
+            draft.append(draft[len(draft) - period])
+        return draft
+
+    def _match(self, index: NgramIndex, token_ids: list[int], end: int) -> int:
+        """Where the draft after token_ids[:end] (every one of them known) starts: the position
+        after an occurrence of its longest suffix (the module docstring says which), or -1."""
+        if end < 2:
+            return -1
         tables = index.tables
         # Index every n-gram that ends before the last token (the suffix itself is not a match).
         for e in range(index.indexed, end - 1):
             for n, table in tables.items():
                 if e + 1 >= n:
-                    table[tuple(token_ids[e + 1 - n:e + 1])] = e + 1
+                    key = tuple(token_ids[e + 1 - n:e + 1])
+                    found = table.get(key)
+                    if found is None:
+                        table[key] = [e + 1]
+                    else:
+                        found.append(e + 1)
         index.indexed = max(index.indexed, end - 1)
         for n in reversed(self.sizes):
             if n > end:
                 continue
-            pos = tables[n].get(tuple(token_ids[end - n:end]))
-            if pos is not None:  # (an n-gram is indexed once it ends before end - 1: pos < end)
-                # What followed the match; where that runs into the end of the sequence, the
-                # match says the text repeats with period end - pos: the draft goes on with it.
-                draft = token_ids[pos:min(pos + k, end)]
-                period = end - pos
-                while len(draft) < k:
-                    draft.append(draft[len(draft) - period])
-                return draft
-        return []
+            found = tables[n].get(tuple(token_ids[end - n:end]))
+            if found is None:
+                continue
+            if index.source < 0:
+                return found[-1]
+            expected = index.source + (end - index.source_end)
+            i = bisect_left(found, expected)  # the nearest, the later of two as near
+            if i == len(found):
+                return found[-1]
+            if i > 0 and expected - found[i - 1] < found[i] - expected:
+                return found[i - 1]
+            return found[i]
+        return -1
 
     def may_propose(self, index: NgramIndex, token_ids: list[int], k: int, exact: bool = True) -> bool:
         """Whether propose() could give a draft for token_ids once its last token is known.
@@ -80,9 +110,9 @@ class NgramProposer:
         if k <= 0 or end < 2:
             return False
         if token_ids[-1] >= 0:
-            return bool(self.propose(index, token_ids, k))
+            return self._match(index, token_ids, end) >= 0
         if not exact:
-            return bool(self._propose(index, token_ids, end - 1, 1))
+            return self._match(index, token_ids, end - 1) >= 0
         m = self.sizes[0] - 1
         if m == 0:
             return True
