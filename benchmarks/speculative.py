@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat", "random"],
                     choices=["grounded", "chat", "random", "oracle"])
     ap.add_argument("--max-tokens", type=int, default=400)
-    ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    ap.add_argument("--k", type=int, default=None, help="--num-speculative-tokens (default: the engine's, by device)")
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--speculative-model", default=None,
@@ -262,7 +262,7 @@ def main() -> None:
     cols = ["workload", "batch", "out_tokens", "plain_tok_s", "spec_tok_s", "speedup", "spec_eager_tok_s", "same", "drafts",
             "acceptance", "mean_accepted_len", "accept_per_pos", "async_steps", "verified_steps"]
     print(table(rows, cols))
-    write_json(args.json, {"model": args.model, "device": str(core.device), "k": args.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,
+    write_json(args.json, {"model": args.model, "device": str(core.device), "k": spec.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,
                            "row_cost": spec.row_cost,
                            "max_tokens": args.max_tokens, "rows": rows})
 

@@ -46,7 +46,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-model", default=None,
                    help="the draft model's source (the model's vocabulary) for --speculative-method draft")
     p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
-                   help="tokens proposed per speculating step")
+                   help="longest draft a speculating step verifies (default: 6 on the CPU, 4 on CUDA)")
     p.add_argument("--ngram-max", type=int, default=d.ngram_max, help="longest suffix the ngram proposer looks up")
     p.add_argument("--ngram-min", type=int, default=d.ngram_min, help="shortest suffix the ngram proposer looks up")
     p.add_argument("--speculative-row-cost", type=float, default=None,

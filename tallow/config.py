@@ -87,7 +87,9 @@ class EngineConfig:
     # Speculative decoding inside the continuous batch (tallow/engine/speculative/): None (off)
     # or "ngram" (prompt lookup: the longest recent suffix of ngram_max down to ngram_min tokens
     # found earlier in the prompt or output proposes the tokens that followed it). A speculating
-    # sequence verifies up to num_speculative_tokens proposed tokens per step.
+    # sequence verifies up to num_speculative_tokens proposed tokens per step (None: by the
+    # device, 6 on the CPU and 4 on CUDA; on a 2-core Xeon with AMX, stop 39, a grounded rewrite
+    # gained 2.08-2.10x at one sequence with 6 against 1.94-1.97x with 4).
     speculative_method: str | None = None
     # The chat template for every chat front end instead of the model's own: a jinja file's
     # path, or the template's text (vLLM's --chat-template). A model without one of its own
@@ -95,7 +97,7 @@ class EngineConfig:
     chat_template: str | None = None
     # "draft": the draft model's source (same vocabulary as the model), loaded as the model is.
     speculative_model: str | None = None
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None
     ngram_max: int = 4
     ngram_min: int = 2
     # What one more query row of a step costs, relative to a plain decode step of one sequence:
@@ -104,12 +106,14 @@ class EngineConfig:
     # with the batch for requests whose text cannot depend on it). None: by the kernels in use,
     # measured on the default model: 0.25 for tallow's AVX-512 VNNI build (a 2-core Xeon: 5.0 ms
     # for one row, +1.3 ms a row), 0.4 for the AVX2 one (Zen 3: 5 rows cost 2.2-2.9x one), 0.7
-    # for torch's CPU kernels, 0.1 on CUDA; 0.05 where the AVX-512 build runs many rows on AMX
+    # for torch's CPU kernels, 0.1 on CUDA; 0.02 where the AVX-512 build runs many rows on AMX
     # tiles (a Xeon with AMX: steps of 8 and 32 rows 19.3 and 35 ms, so a row past 8 costs about
     # 0.27 of a token's share of the step, which the batch pricing gives at 8 sequences from
-    # 0.05; 8 sequences' grounded drafts then pay, 1.09-1.13x, and chat 1.13-1.16x, against
-    # 1.02-1.05x and 0.97x at 0.25). A constant, not a timing: a seeded request's text
-    # must not depend on how fast the machine was.
+    # 0.05; 8 sequences' grounded drafts then paid, 1.09-1.13x, and chat 1.13-1.16x, against
+    # 1.02-1.05x and 0.97x at 0.25; lower still paid more: grounded at 8 sequences 1.23-1.25x at
+    # 0.02 against 1.19-1.24x at 0.05 in stop 38, 1.32x against 1.28x with 6-token drafts in
+    # stop 39: steps of many rows cost less a row than the first rows past 8). A constant, not a
+    # timing: a seeded request's text must not depend on how fast the machine was.
     speculative_row_cost: float | None = None
 
     # Where converted weights are cached (GGUF dequantization is slow on first load).

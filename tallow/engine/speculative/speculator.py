@@ -15,7 +15,7 @@ from tallow.errors import TallowError
 
 class Speculator:
     def __init__(self, config: EngineConfig, device_type: str = "cpu", proposer=None):
-        k = config.num_speculative_tokens
+        k = speculative_tokens(config, device_type)
         if not 1 <= k <= 64:
             raise TallowError(f"num_speculative_tokens must be in [1, 64], got {k}", param="num_speculative_tokens")
         if config.max_num_batched_tokens < k + 1:
@@ -146,6 +146,13 @@ class Speculator:
         }
 
 
+def speculative_tokens(config: EngineConfig, device_type: str) -> int:
+    """The longest draft (EngineConfig.num_speculative_tokens, by the device where None)."""
+    if config.num_speculative_tokens is not None:
+        return config.num_speculative_tokens
+    return 4 if device_type == "cuda" else 6
+
+
 def default_row_cost(device_type: str) -> float:
     """speculative_row_cost's default (EngineConfig): by the kernels that run the rows."""
     if device_type == "cuda":
@@ -153,7 +160,7 @@ def default_row_cost(device_type: str) -> float:
     from tallow.ops import cpu_native
 
     if cpu_native.variant() == "avx512" and cpu_native.amx_state() == "on":
-        return 0.05  # many rows on AMX tiles: see config.py
+        return 0.02  # many rows on AMX tiles: see config.py
     return {"avx512": 0.25, "avx2": 0.4}.get(cpu_native.variant() or "", 0.7)
 
 
