@@ -25,8 +25,9 @@ from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.engine.speculative import verify as verify_module
 from tallow.engine.speculative.ngram import NgramProposer
-from tallow.engine.speculative.speculator import Speculator
+from tallow.engine.speculative.speculator import Speculator, speculative_tokens
 from tallow.engine.speculative.state import SpecState
+from tallow.errors import TallowError
 from tallow.llm import LLM
 from tallow.models.config import ModelConfig
 from tallow.models.dummy import PRESETS, init_random_
@@ -269,6 +270,19 @@ def test_rows_are_priced_at_the_batch_unless_a_seeded_text_depends_on_them():
         assert speculator.draft_length(s, 10_000, batch=1) > 0
         assert speculator.draft_length(s, 10_000, batch=16) == 0
     assert speculator.draft_length(seeded, 10_000, batch=16) == speculator.draft_length(seeded, 10_000, batch=1) > 0
+
+
+def test_the_longest_draft_defaults_by_device():
+    """num_speculative_tokens None: 6 on the CPU, 4 on CUDA (its verify graphs are sized by it);
+    a value given is kept on either, and one outside [1, 64] is refused naming the field."""
+    default = EngineConfig(speculative_method="ngram", speculative_row_cost=0.25)
+    assert Speculator(default, "cpu").k == 6
+    assert Speculator(default, "cuda").k == 4
+    assert speculative_tokens(default, "cuda") == 4
+    given = EngineConfig(speculative_method="ngram", speculative_row_cost=0.25, num_speculative_tokens=3)
+    assert Speculator(given, "cpu").k == Speculator(given, "cuda").k == speculative_tokens(given, "cpu") == 3
+    with pytest.raises(TallowError, match="num_speculative_tokens"):
+        Speculator(EngineConfig(speculative_method="ngram", num_speculative_tokens=0), "cpu")
 
 
 # ---- greedy: token for token plain decoding -------------------------------------------------
