@@ -111,6 +111,7 @@ def test_async_equals_sync_on_a_mixed_batch(loaded):
     assert sync.num_overlapped_steps == 0
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_async_preemption_keeps_outputs(loaded):
     tok = make_core(loaded).tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
@@ -124,6 +125,7 @@ def test_async_preemption_keeps_outputs(loaded):
     assert small.kv.num_free_blocks == free0
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_async_prefix_cache_and_chunked_prefill(loaded):
     """Blocks completed while a token is pending are hashed with the right ids: a second
     request over the same long prefix hits the cache and gives the synchronous output."""

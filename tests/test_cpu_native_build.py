@@ -88,6 +88,7 @@ def test_a_prebuilt_build_is_used_only_when_its_digest_matches(fresh, monkeypatc
     assert not cache.exists()  # nothing built
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 @needs_kernels
 @needs_compiler
 def test_without_a_prebuilt_build_the_kernels_build_into_the_cache_on_first_use(fresh):

@@ -180,6 +180,7 @@ def test_the_late_guess_is_whether_the_known_tokens_had_a_draft(sizes):
     assert yes > 10 and no > 10
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_late_guess_keeps_random_text_overlapped(default_model, prompts, greedy_reference):
     """Asynchronous scheduling with the real proposer on prompts that rarely draft: guessing from
     the known tokens (greedy requests) overlaps more steps than the exact test, which waits
@@ -717,6 +718,7 @@ def test_steps_without_drafts_take_the_plain_asynchronous_path(default_model, pr
     assert spec.stats()["speculative"]["requests"] == 6
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_async_steps_wait_only_where_a_draft_may_come(default_model, prompts, greedy_reference):
     """The real n-gram proposer under asynchronous scheduling: repeating prompts draft (their
     steps verified, synchronously), random ones mostly cannot, and their steps overlap; the

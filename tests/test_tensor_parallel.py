@@ -73,7 +73,7 @@ def qwen3_dir(tmp_path_factory) -> str:
     return save_with_tokenizer(tiny_qwen3_mqa(), tmp_path_factory.mktemp("qwen3"))
 
 
-@pytest.fixture(params=["llama", "qwen3"])
+@pytest.fixture(params=["llama", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3: the slow tier (fast-tier budget)
 def model_dir(request) -> str:
     return request.getfixturevalue(f"{request.param}_dir")
 
@@ -291,6 +291,7 @@ def test_async_engine_shutdown_stops_the_workers(llama_dir):
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_workers_exit_when_the_engine_process_dies(llama_dir):
     """The engine process is killed (no shutdown): its worker must not outlive it."""
     script = textwrap.dedent(f"""
