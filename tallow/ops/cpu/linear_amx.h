@@ -107,6 +107,16 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_blocks(const uint8_
 
 #define AMX_BATCH 8  // blocks whose products are stored before the float math reads them
 
+// A call's rows run through the tiles in ceil(rows / 16) groups of 16, the last one shorter;
+// group gi starts at the row this returns. The groups run starting with the size the tiles are
+// configured for (`configured`, before the first group), so a batch of blocks reconfigures
+// once, not twice (ldtilecfg costs ~3% of a 20-row step). Each row's sums are its own: the
+// order moves no bit. (linear() and tl_gguf_linear's tile loops.)
+static inline int amx_group_start(int gi, int rows, int configured) {
+    const int ng = (rows + 15) / 16, last = rows - 16 * (ng - 1);
+    return 16 * (ng > 1 && last != 16 && configured == last ? ng - 1 - gi : gi);
+}
+
 // linear()'s float math (block_scale), block by block, for rows g .. g + n - 1 of the chunk at
 // m0 over blocks b0 .. b0 + nj - 1, their stored sums cs: acc (per row: dot, m) += ...
 static inline __attribute__((always_inline)) void amx_scale(const int32_t *cs, const __m512 *d, const __m512 *mv,
@@ -167,13 +177,9 @@ static void amx_tile_rows(const uint8_t *wt, const uint16_t *dt, const uint16_t 
             d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + NT * (b0 + j))));
             mv[j] = mt ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + NT * (b0 + j)))) : _mm512_setzero_ps();
         }
-        // Groups of 16 rows and a shorter last one: they run starting with the size the tiles are
-        // configured for, so a batch of blocks reconfigures once, not twice (ldtilecfg costs ~3%
-        // of a 20-row step). Each row's sums are its own: the order moves no bit.
-        const int ng = (rows + 15) / 16, last = rows - 16 * (ng - 1);
-        const int rev = ng > 1 && last != 16 && s->configured == last;
-        for (int gi = 0; gi < ng; gi++) {
-            const int g = 16 * (rev ? ng - 1 - gi : gi);
+        const int configured = s->configured;
+        for (int gi = 0; gi < (rows + 15) / 16; gi++) {
+            const int g = amx_group_start(gi, rows, configured);
             const int n = rows - g < 16 ? rows - g : 16;
             if (s->configured != n) amx_configure(n), s->configured = n;
             amx_blocks(xs + (size_t)(m0 + g) * stride + (size_t)b0 * 64, stride, s->bt, nj, q8, s->cs);

@@ -78,13 +78,9 @@ static inline __attribute__((always_inline)) void gguf_amx_tile_rows(int planes,
             for (int v = 0; v < 8; v++) _mm512_store_si512((void *)(bt + 512 * j + 64 * v), W.w[v]);
             gguf_block_scales(fmt, b0 + j, dt, mt, sct, mnt, dw0[j], dw1[j], mw[j]);
         }
-        // Groups of 16 rows and a shorter last one: they run starting with the size the tiles are
-        // configured for, so a batch of blocks reconfigures once, not twice (ldtilecfg costs ~3%
-        // of a 20-row step). Each row's sums are its own: the order moves no bit.
-        const int ng = (rows + 15) / 16, last = rows - 16 * (ng - 1);
-        const int rev = ng > 1 && last != 16 && s->configured == last;
-        for (int gi = 0; gi < ng; gi++) {
-            const int g = 16 * (rev ? ng - 1 - gi : gi);
+        const int configured = s->configured;  // (the groups' order: amx_group_start)
+        for (int gi = 0; gi < (rows + 15) / 16; gi++) {
+            const int g = amx_group_start(gi, rows, configured);
             const int n = rows - g < 16 ? rows - g : 16;
             if (s->configured != n) gguf_amx_configure(n), s->configured = n;
             gguf_amx_blocks(q8block(r, (size_t)(m0 + g), b0), r->bs, bt, nj, halves, cs);
