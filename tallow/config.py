@@ -89,7 +89,8 @@ class EngineConfig:
     # found earlier in the prompt or output proposes the tokens that followed it). A speculating
     # sequence verifies up to num_speculative_tokens proposed tokens per step (None: by the
     # device, 6 on the CPU and 4 on CUDA; on a 2-core Xeon with AMX, stop 39, a grounded rewrite
-    # gained 2.08-2.10x at one sequence with 6 against 1.94-1.97x with 4).
+    # at one sequence gained 2.05-2.10x with 6 against 1.94-1.97x with 4, side by side in two
+    # sittings; a later run of 6 alone gave 1.88x, its plain side faster).
     speculative_method: str | None = None
     # The chat template for every chat front end instead of the model's own: a jinja file's
     # path, or the template's text (vLLM's --chat-template). A model without one of its own
