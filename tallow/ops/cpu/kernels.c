@@ -395,10 +395,13 @@ static inline float max_of(const float *x, int n) {
 #define ATT_PARTS_MAX ((size_t)4 << 20)  // floats of span results per slab of tokens (16 MB)
 
 // The keys j0 .. j0 + n - 1 (n <= ATT_CHUNK) of chunk c of token t's context, for KV head kvh:
-// their element offsets in the caches (off), whose lines are prefetched to L2. Returns n.
+// their element offsets in the caches (off), whose lines are prefetched to L2 (K's, then V's):
+// whole 0, the head's; 1, every head's (the rows' kv_heads * D elements, one run of memory), for
+// a thread that runs the other heads of the same keys next; -1, none (they came with head 0's).
+// Returns n.
 static int chunk_rows(int t, int c, int kvh, const int *key0, const int *ctx, const int *seq,
                       const int32_t *block_tables, long bt_stride, int block_size, int kv_heads, int D,
-                      const void *k_cache, const void *v_cache, size_t esize, size_t *off) {
+                      const void *k_cache, const void *v_cache, size_t esize, int whole, size_t *off) {
     const int j0 = key0[t] + c * ATT_CHUNK;
     const int n = ctx[t] - j0 < ATT_CHUNK ? ctx[t] - j0 : ATT_CHUNK;
     const int32_t *table = block_tables + (size_t)seq[t] * bt_stride;
@@ -407,11 +410,12 @@ static int chunk_rows(int t, int c, int kvh, const int *key0, const int *ctx, co
         off[j] = ((size_t)table[b] * block_size + slot) * kv_row + (size_t)kvh * D;
         if (++slot == block_size) slot = 0, b++;
     }
+    if (whole < 0) return n;
+    const size_t from = whole ? (size_t)kvh * D : 0, len = (whole ? kv_row : (size_t)D) * esize;
     for (int j = 0; j < n; j++)
-        for (size_t i = 0; i < D * esize; i += 64) {
-            _mm_prefetch((const char *)k_cache + off[j] * esize + i, _MM_HINT_T1);
-            _mm_prefetch((const char *)v_cache + off[j] * esize + i, _MM_HINT_T1);
-        }
+        for (size_t i = 0; i < len; i += 64) _mm_prefetch((const char *)k_cache + (off[j] - from) * esize + i, _MM_HINT_T1);
+    for (int j = 0; j < n; j++)
+        for (size_t i = 0; i < len; i += 64) _mm_prefetch((const char *)v_cache + (off[j] - from) * esize + i, _MM_HINT_T1);
     return n;
 }
 
@@ -565,6 +569,11 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         t1++;
         const long items = (long)bspan[nblocks] * kv_heads;
         long claimed = 0;  // items handed out
+        // Items go out one at a time, or, where there are spans enough to keep the threads busy,
+        // a span's kv_heads items together (a span's keys' rows hold every head's K or V in one
+        // run of memory: fetched whole with the first head, they are in cache for the others;
+        // when neighbouring heads ran on other threads the rows came from memory in pieces).
+        const int claim = kv_heads > 1 && bspan[nblocks] >= 4L * nthreads ? kv_heads : 1;
 #pragma omp parallel num_threads(nthreads)
         {
             // scores: a chunk's rows (the block's tokens' heads); cpart: a span's chunk results
@@ -585,13 +594,14 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             // take (in its item, or the first of the next item it claims) are on their way from memory.
             size_t *off_cur = off, *off_next = off + ATT_CHUNK, *dense = off + 2 * ATT_CHUNK;
             int blk = 0, kvh = 0, s = 0, k = 0, i = 0, n_cur = 0;  // chunk i of the item's k
-            long cur = ok ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : items;
+            long cur = ok ? __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED) : items;
             if (ok) {
                 for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
                 if (cur < items) {
                     locate_item(cur, nblocks, bt, bspan, nch, kv_heads, &blk, &kvh, &s, &k);
                     n_cur = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN, kvh, lo, ctx, seq, block_tables, bt_stride,
-                                       block_size, kv_heads, D, k_cache, v_cache, esize, off_cur);
+                                       block_size, kv_heads, D, k_cache, v_cache, esize, claim > 1 ? (kvh == 0 ? 1 : -1) : 0,
+                                       off_cur);
                 }
             }
             float *vrows = tiles && half ? kt + (size_t)ATT_CHUNK * D : NULL;
@@ -600,12 +610,12 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 long next = cur;  // the item of the next chunk, and that chunk
                 int nblk = blk, nkvh = kvh, ns = s, nk = k, ni = i + 1;
                 if (ni == k) {
-                    next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), ni = 0;
+                    next = (cur + 1) % claim ? cur + 1 : __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED), ni = 0;
                     if (next < items) locate_item(next, nblocks, bt, bspan, nch, kv_heads, &nblk, &nkvh, &ns, &nk);
                 }
                 const int n_next = next < items ? chunk_rows(bt[nblk + 1] - 1, ns * ATT_SPAN + ni, nkvh, lo, ctx, seq,
                                                              block_tables, bt_stride, block_size, kv_heads, D, k_cache,
-                                                             v_cache, esize, off_next)
+                                                             v_cache, esize, claim > 1 ? (nkvh == 0 ? 1 : -1) : 0, off_next)
                                                 : 0;
                 const int c = s * ATT_SPAN + i, tb = bt[blk];
                 const size_t *voff = vrows ? dense : off_cur;
