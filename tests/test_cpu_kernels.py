@@ -226,6 +226,32 @@ def test_head_rms_norm_normalizes_each_head_of_strided_rows_in_place():
     assert torch.equal(qkv[:, 6 * 32:], rest)
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 8, 13, 49152])
+def test_rows_max_is_torch_max(vocab):
+    """The greedy pick (tallow.ops.reduce.rows_max): each row's largest value and its first place
+    as torch.max(dim=-1) gives them, for rows with ties (across lanes and within one), a NaN
+    (torch's value and place: the first NaN's), +inf, all -inf, logits rounded to few values,
+    in rows of a wider tensor (a stride) and lengths around the vector width."""
+    from tallow.ops.reduce import rows_max
+
+    g = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(12, vocab + 5, generator=g)
+    x = wide[:, :vocab]  # rows at a stride
+    x[1] = torch.round(x[1] * 2) / 2  # many ties
+    x[2] = float("-inf")
+    x[3, -1] = float("nan")
+    x[4, vocab // 2] = float("inf")
+    x[5] = 7.0  # every place ties
+    x[6, vocab // 3] = float("nan")
+    x[6, -1] = float("nan")
+    x[7, :] = torch.where(torch.rand(vocab, generator=g) < 0.5, float("-inf"), x[7])
+    for rows in (x, x[:1], x[3:4]):
+        values, places = rows_max(rows)
+        ref_values, ref_places = rows.max(dim=-1)
+        torch.testing.assert_close(values, ref_values, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(places, ref_places), (places, ref_places)
+
+
 @pytest.mark.parametrize("head_dim", [64, 24], ids=["vector", "scalar-tail"])
 def test_rotary_matches_the_torch_reference(head_dim):
     from tallow.models.layers import RotaryEmbedding, apply_rope

@@ -40,6 +40,7 @@ from tallow.engine.grammar import apply_bitmasks, grammar_bitmasks
 from tallow.engine.forced_tokens import apply_forced_tokens
 from tallow.engine.request import Sequence
 from tallow.engine.sampling import SamplingParams
+from tallow.ops.reduce import rows_max
 
 
 @dataclass
@@ -88,14 +89,14 @@ class Sampler:
         # The greedy pick and each row's largest logit come from one pass (max); the largest
         # logit is not finite exactly when the row has no distribution (NaN, +inf, all -inf).
         if plan.sampled_seqs is None:
-            highest, token_ids = processed.max(dim=-1)
+            highest, token_ids = rows_max(processed)
         elif plan.sampled_index is None:
             token_ids = self._sample(processed, plan.sampled_seqs, plan.sampling)
             highest = processed.amax(dim=-1)
         else:
             rows = plan.sampled_index
             chosen = self._sample(processed.index_select(0, rows), plan.sampled_seqs, plan.sampling)
-            highest, greedy = processed.max(dim=-1)
+            highest, greedy = rows_max(processed)
             token_ids = greedy.index_copy(0, rows, chosen)
 
         if plan.forced_rows:  # reasoning budgets (engine/forced_tokens.py)

@@ -67,6 +67,7 @@ _SIGNATURES = {
     "tl_half_linear": ([_p, _i, _i, _i, _p, _i, _p, _p, _i], _i),
     "tl_amx_enable": ([], _i),
     "tl_amx_set": ([_i], _i),
+    "tl_rows_max": ([_p, _l, _l, _l, _p, _p, _i], None),
 }
 
 
@@ -332,6 +333,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     lib().tl_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                           eps, T, D, out.data_ptr(), res.data_ptr(), torch.get_num_threads())
     return out, res
+
+
+def rows_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.max(dim=-1) of a float32 [N, V] tensor with contiguous rows: (values, int64 indices)."""
+    N, V = x.shape
+    values, indices = x.new_empty(N), torch.empty(N, dtype=torch.int64)
+    lib().tl_rows_max(x.data_ptr(), N, V, x.stride(0), values.data_ptr(), indices.data_ptr(), torch.get_num_threads())
+    return values, indices
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

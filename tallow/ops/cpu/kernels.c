@@ -218,6 +218,50 @@ void tl_exp(const float *x, float *y, int n) {  // for tests of exp8
     for (int i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
 }
 
+// Each of N rows of V floats (rows `stride` floats apart): its largest value and the index of
+// that value's first place, or, in a row holding a NaN, NaN and the first NaN's place: what
+// torch.max(dim=-1) gives on the CPU (the greedy pick of a batch's logits). Rows in parallel.
+void tl_rows_max(const float *x, long N, long V, long stride, float *val, int64_t *idx, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N > 1 && V >= 4096)
+    for (long r = 0; r < N; r++) {
+        const float *row = x + r * stride;
+        __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        __m256i at = _mm256_setzero_si256();  // per lane: the first index of its best
+        __m256i j8 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i eight = _mm256_set1_epi32(8);
+        long j = 0;
+        for (; j + 8 <= V; j += 8, j8 = _mm256_add_epi32(j8, eight)) {
+            const __m256 v = _mm256_loadu_ps(row + j);
+            const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  // strictly: a lane keeps its first
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            best = _mm256_blendv_ps(best, v, gt);
+            at = _mm256_blendv_epi8(at, j8, _mm256_castps_si256(gt));
+        }
+        long k = 0;
+        if (_mm256_movemask_ps(nan)) {  // the first NaN
+            while (row[k] == row[k]) k++;
+        } else {
+            float b[8];
+            int32_t a[8];
+            _mm256_storeu_ps(b, best);
+            _mm256_storeu_si256((__m256i *)a, at);
+            float m = b[0];
+            k = a[0];
+            for (int l = 1; l < 8; l++)
+                if (b[l] > m || (b[l] == m && a[l] < k)) m = b[l], k = a[l];
+            if (j == 0) m = row[0], k = 0;  // V < 8: no vector pass
+            for (; j < V; j++) {  // the tail, past every vector's places
+                if (row[j] != row[j]) {
+                    k = j;
+                    break;
+                }
+                if (row[j] > m) m = row[j], k = j;
+            }
+        }
+        val[r] = row[k], idx[r] = k;
+    }
+}
+
 // residual_out = x + residual (residual NULL: x itself); out = residual_out / rms * weight.
 // Rows of D (D % 8 == 0), contiguous.
 void tl_add_rms_norm(const float *x, const float *residual, const float *weight, float eps, int T, int D,
