@@ -241,15 +241,16 @@ void tl_rows_max(const float *x, long N, long V, long stride, float *val, int64_
         if (_mm256_movemask_ps(nan)) {  // the first NaN
             while (row[k] == row[k]) k++;
         } else {
-            float b[8];
-            int32_t a[8];
-            _mm256_storeu_ps(b, best);
-            _mm256_storeu_si256((__m256i *)a, at);
-            float m = b[0];
-            k = a[0];
-            for (int l = 1; l < 8; l++)
-                if (b[l] > m || (b[l] == m && a[l] < k)) m = b[l], k = a[l];
-            if (j == 0) m = row[0], k = 0;  // V < 8: no vector pass
+            float m = row[0];  // V < 8: no vector pass, the tail is the row
+            if (j) {  // the lanes' bests, the first place among equals
+                float b[8];
+                int32_t a[8];
+                _mm256_storeu_ps(b, best);
+                _mm256_storeu_si256((__m256i *)a, at);
+                m = b[0], k = a[0];
+                for (int l = 1; l < 8; l++)
+                    if (b[l] > m || (b[l] == m && a[l] < k)) m = b[l], k = a[l];
+            }
             for (; j < V; j++) {  // the tail, past every vector's places
                 if (row[j] != row[j]) {
                     k = j;
@@ -463,6 +464,10 @@ static int chunk_rows(int t, int c, int kvh, const int *key0, const int *ctx, co
     return n;
 }
 
+// chunk_rows' `whole` for KV head kvh's chunks where a thread claims `claim` heads of a span
+// together (1: one head at a time, each fetching its own part of the rows).
+static inline int rows_fetch(int claim, int kvh) { return claim > 1 ? (kvh == 0 ? 1 : -1) : 0; }
+
 // How many keys of chunk c of token t's context (n_cur: the chunk's, as located for the block's
 // last token) token t reads: its causal end may cut the chunk, or lie before it (0).
 static inline int chunk_keys(int t, int c, const int *key0, const int *ctx, int n_cur) {
@@ -644,8 +649,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 if (cur < items) {
                     locate_item(cur, nblocks, bt, bspan, nch, kv_heads, &blk, &kvh, &s, &k);
                     n_cur = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN, kvh, lo, ctx, seq, block_tables, bt_stride,
-                                       block_size, kv_heads, D, k_cache, v_cache, esize, claim > 1 ? (kvh == 0 ? 1 : -1) : 0,
-                                       off_cur);
+                                       block_size, kv_heads, D, k_cache, v_cache, esize, rows_fetch(claim, kvh), off_cur);
                 }
             }
             float *vrows = tiles && half ? kt + (size_t)ATT_CHUNK * D : NULL;
@@ -659,7 +663,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 }
                 const int n_next = next < items ? chunk_rows(bt[nblk + 1] - 1, ns * ATT_SPAN + ni, nkvh, lo, ctx, seq,
                                                              block_tables, bt_stride, block_size, kv_heads, D, k_cache,
-                                                             v_cache, esize, claim > 1 ? (nkvh == 0 ? 1 : -1) : 0, off_next)
+                                                             v_cache, esize, rows_fetch(claim, nkvh), off_next)
                                                 : 0;
                 const int c = s * ATT_SPAN + i, tb = bt[blk];
                 const size_t *voff = vrows ? dense : off_cur;
