@@ -125,6 +125,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
 
+    def speculative_tokens(self, device_type: str) -> int:
+        """The longest draft a speculating step verifies: num_speculative_tokens, or where None
+        the device's default (6 on the CPU, 4 on CUDA)."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return 4 if device_type == "cuda" else 6
+
 
 @dataclass
 class ServerConfig:

@@ -25,7 +25,7 @@ from tallow.engine.core import EngineCore
 from tallow.engine.sampling import SamplingParams
 from tallow.engine.speculative import verify as verify_module
 from tallow.engine.speculative.ngram import NgramProposer
-from tallow.engine.speculative.speculator import Speculator, speculative_tokens
+from tallow.engine.speculative.speculator import Speculator
 from tallow.engine.speculative.state import SpecState
 from tallow.errors import TallowError
 from tallow.llm import LLM
@@ -279,9 +279,9 @@ def test_the_longest_draft_defaults_by_device():
     default = EngineConfig(speculative_method="ngram", speculative_row_cost=0.25)
     assert Speculator(default, "cpu").k == 6
     assert Speculator(default, "cuda").k == 4
-    assert speculative_tokens(default, "cuda") == 4
+    assert default.speculative_tokens("cuda") == 4
     given = EngineConfig(speculative_method="ngram", speculative_row_cost=0.25, num_speculative_tokens=3)
-    assert Speculator(given, "cpu").k == Speculator(given, "cuda").k == speculative_tokens(given, "cpu") == 3
+    assert Speculator(given, "cpu").k == Speculator(given, "cuda").k == given.speculative_tokens("cpu") == 3
     with pytest.raises(TallowError, match="num_speculative_tokens"):
         Speculator(EngineConfig(speculative_method="ngram", num_speculative_tokens=0), "cpu")
 

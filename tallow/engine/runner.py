@@ -242,15 +242,13 @@ class ModelRunner:
                    max_model_len: int | None = None, parallel: ParallelContext | None = None) -> ModelRunner:
         """The runner of an EngineModel under config's limits: EngineCore builds rank 0's through
         here, and each tensor-parallel worker its own (TensorParallelWorkers gets this method)."""
-        from tallow.engine.speculative.speculator import speculative_tokens  # (speculative imports runner)
-
         loaded = engine_model.loaded
         return cls(loaded.model, loaded.config, block_size=config.block_size, num_blocks=num_blocks,
                    device=engine_model.device, dtype=engine_model.dtype, kv_dtype=engine_model.kv_dtype,
                    max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                    enforce_eager=config.enforce_eager, cuda_graph_max_batch=config.cuda_graph_max_batch,
                    parallel=parallel, kv_scale=engine_model.kv_scale,
-                   speculative_tokens=speculative_tokens(config, engine_model.device.type)
+                   speculative_tokens=config.speculative_tokens(engine_model.device.type)
                    if config.speculative_method else 0)
 
     def capture_graphs(self, max_batch: int, speculative_tokens: int = 0) -> None:

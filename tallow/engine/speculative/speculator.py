@@ -15,7 +15,7 @@ from tallow.errors import TallowError
 
 class Speculator:
     def __init__(self, config: EngineConfig, device_type: str = "cpu", proposer=None):
-        k = speculative_tokens(config, device_type)
+        k = config.speculative_tokens(device_type)
         if not 1 <= k <= 64:
             raise TallowError(f"num_speculative_tokens must be in [1, 64], got {k}", param="num_speculative_tokens")
         if config.max_num_batched_tokens < k + 1:
@@ -144,13 +144,6 @@ class Speculator:
             "mean_accepted_length": (1 + self.num_accepted_tokens / self.num_drafts) if self.num_drafts else 0.0,
             "accepted_per_position": list(self.accepted_per_position),
         }
-
-
-def speculative_tokens(config: EngineConfig, device_type: str) -> int:
-    """The longest draft (EngineConfig.num_speculative_tokens, by the device where None)."""
-    if config.num_speculative_tokens is not None:
-        return config.num_speculative_tokens
-    return 4 if device_type == "cuda" else 6
 
 
 def default_row_cost(device_type: str) -> float:
