@@ -161,8 +161,8 @@ def gguf_tensor_name(hf_name: str, names: dict[str, str]) -> str:
 
 def block_activations(x: torch.Tensor, levels: int) -> torch.Tensor:
     """x [rows, k] as tallow's CPU block kernels see it, float64: rounded per block of 32 to
-    integers of scale max|x| / levels (int8: 127, linear_gguf.h's GGUF formats; int16: 32767,
-    the Q4/Q8 kernels'), the kernel's float32 operations."""
+    integers of scale max|x| / levels (127: linear_gguf.h's GGUF formats; 2047: the Q4 kernels';
+    32767: the Q8 kernels'), the kernel's float32 operations."""
     groups = x.double().reshape(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
     step = (amax.float() / levels).double()  # the kernel's float32 scale
@@ -172,12 +172,13 @@ def block_activations(x: torch.Tensor, levels: int) -> torch.Tensor:
 
 def activation_levels(gguf_type: str) -> int | None:
     """How tallow's CPU kernels round a layer's input for a GGUF weight type: 127 (int8: Q5_0,
-    Q5_1 and the K-quants), 32767 (int16: Q4_0, Q4_1, Q8_0), None (float weights)."""
+    Q5_1 and the K-quants), 2047 (12-bit: Q4_0, Q4_1), 32767 (16-bit: Q8_0), None (float
+    weights)."""
     from tallow.models import gguf_linear as gl
 
     if gguf_type in gl.GGUF_KERNEL_FORMATS:
         return 127
-    return 32767 if gguf_type in ("Q4_0", "Q4_1", "Q8_0") else None
+    return {"Q4_0": 2047, "Q4_1": 2047, "Q8_0": 32767}.get(gguf_type)
 
 
 def round_linear_inputs(linear: torch.nn.Module, levels: int | None) -> None:

@@ -41,16 +41,22 @@ def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.T
     return torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g) * 0.1
 
 
+# The integers the kernels round a layer's activations to, per block of 32: |q| <= levels
+# (kernels.c: Q4 12-bit, so that an AMX tile product covers a block; Q8 16-bit).
+LEVELS = {Q4Linear: 2047.0, Q8Linear: 32767.0}
+
+
 def emulated(layer, x: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64: x quantized to int16 per block of 32 (scale
-    max|x| / 32767, round half to even) times the layer's dequantized weights."""
+    """What the kernel computes, in float64: x quantized per block of 32 (scale max|x| /
+    LEVELS, round half to even) times the layer's dequantized weights."""
+    levels = LEVELS[type(layer)]
     groups = x.float().reshape(x.shape[0], -1, GROUP_SIZE)
     amax = groups.abs().amax(-1, keepdim=True)
-    # a tensor divided by a tensor: IEEE division, as the kernel's (32767 / amax, a Python number
-    # over a tensor, is torch's reciprocal times 32767, one rounding more, which moves a code by
+    # a tensor divided by a tensor: IEEE division, as the kernel's (levels / amax, a Python number
+    # over a tensor, is torch's reciprocal times levels, one rounding more, which moves a code by
     # one now and then)
-    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, 0.0)
-    xq = (groups * inv).round() * (amax / 32767)
+    inv = torch.where(amax > 0, torch.full_like(amax, levels) / amax, 0.0)
+    xq = (groups * inv).round() * (amax / levels)
     y = xq.reshape(x.shape).double() @ layer.dequantized_weight().double().T
     return (y if layer.bias is None else y + layer.bias.double()).float()
 
@@ -396,18 +402,20 @@ def _amx_on() -> bool:
 
 @pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
 def test_the_amx_kernel_computes_the_floats_of_the_vnni_one(cls, kernels):
-    """Where the CPU runs AMX tiles (its probe passed), rows of 12 and more go to the tile kernel
-    (linear_amx.h): every row's result equals, bit for bit, the one the AVX-512 VNNI kernel
-    gives with the tiles turned off, so which one runs (the batch decides) never moves an
-    output. Blocks of very different scales (the int16 activations' high bytes in use), a
-    partial last tile, a bias, row counts across the 16-row tile groups and 64-row chunks."""
+    """Where the CPU runs AMX tiles (its probe passed), rows of 5 (Q4) or 12 (Q8) and more go to
+    the tile kernel (linear_amx.h): every row's result equals, bit for bit, the one the AVX-512
+    VNNI kernel gives with the tiles turned off, so which one runs (the batch decides) never
+    moves an output. Blocks of very different scales (the activations' high parts in use, down
+    to Q4's most negative, -128 x 16), a partial last tile, a bias, row counts across the
+    16-row tile groups and 64-row chunks."""
     if kernels is not cpu_native.load("avx512") or not _amx_on():
         pytest.skip(f"AMX not in use here ({cpu_native.amx_state()})")
     n, k = 100, 256
     layer = cls(random_weight(n, k, seed=7), torch.randn(n))
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(8)) * torch.logspace(-3, 2, k)
     try:
-        for m in (12, 16, 17, 31, 64, 65, 300):
+        x[3, :32] = -x[3, :32].abs()  # a block of negatives: its largest rounds to -2047 / -32767
+        for m in (5, 7, 12, 16, 17, 31, 64, 65, 300):
             kernels.tl_amx_set(0)
             vnni = layer(x[:m])
             kernels.tl_amx_set(1)

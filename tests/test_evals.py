@@ -27,7 +27,7 @@ pytestmark = pytest.mark.evals
 
 DATA = Path(__file__).parent / "data" / "evals"
 FLOAT_TOL = 1e-3
-# The default CPU format (Q4 projections, Q8 LM head, int16 activation blocks, float16 KV cache)
+# The default CPU format (Q4 projections with 12-bit activation blocks, a Q8 LM head with 16-bit ones, float16 KV cache)
 # against transformers' float32 on the float weights it was quantized from. The random 2-layer
 # model has large weights and peaked logits (sums of tens of nats over 3-10 tokens), a hard
 # case for 4 bits: the largest difference measured was 2.93 nats, 9.3% of that choice's sum. The

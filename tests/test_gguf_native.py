@@ -137,8 +137,8 @@ def test_c_repacking_equals_the_python_packing(name, kernels):
 @pytest.mark.parametrize("name", FORMATS)
 def test_products_match_float64_references(name, rows, kernels):
     """Against gguf's dequantized weights in float64:
-    with the activations rounded as the kernel does (int8 for linear_gguf.h's formats, int16
-    for Q4_0 / Q4_1 / Q8_0): its integer block sums are exact, what is left is the float32 scale
+    with the activations rounded as the kernel does (activation_levels: int8 for linear_gguf.h's
+    formats, 12-bit for Q4_0 / Q4_1, 16-bit for Q8_0): its integer block sums are exact, what is left is the float32 scale
     math, at most 3 roundings of 2^-24 per block of 32 (the scale product, the fma, the m term's
     fma), relative to sum |x| |w|. (Against the float activations the error is then at most
     that plus half a rounding step times |w| per input: implied, so not asserted apart.)"""
@@ -151,8 +151,7 @@ def test_products_match_float64_references(name, rows, kernels):
     y = layer(x)
     assert y.shape == (rows, 48) and y.dtype == torch.float32
     scale = (x.abs().double() @ w.abs().T).max().item()
-    int8 = name in gl.GGUF_KERNEL_FORMATS
-    rounded = block_activations(x, 127 if int8 else 32767)
+    rounded = block_activations(x, activation_levels(name))
     torch.testing.assert_close(y.double(), rounded @ w.T + bias.double(), rtol=0,
                                atol=3 * (512 // 32) * 2.0**-24 * scale)
 
@@ -352,7 +351,7 @@ def test_gguf_files_load_in_their_own_formats(types, arch, tied, tmp_path):
     prompts = [list(range(5, 30)), [7, 3, 99, 150, 2, 2, 41]]
     out, expected = logits_of(model, config, prompts), logits_of(ref, config, prompts)
     # int8 layers: a float difference that moves one rounding moves that input by 1/127 of its
-    # block's largest (int16: 1/32767); 0.4-0.9% of the largest logit seen
+    # block's largest (Q4: 1/2047, Q8: 1/32767); 0.4-0.9% of the largest logit seen
     int8 = any(t in gl.GGUF_KERNEL_FORMATS for t in types.values())
     assert (out - expected).abs().max() <= (1.5e-2 if int8 else 2e-3) * expected.abs().max()
     assert torch.equal(out.argmax(-1), expected.argmax(-1))

@@ -179,8 +179,8 @@ class Int4Linear(_QuantizedLinear):
 
 class _NativeBlockLinear(nn.Module):
     """Block-quantized weights (groups of 32 inputs) run by tallow's own CPU kernels
-    (tallow/ops/cpu/kernels.c): float32 in and out, activations quantized to int16 per block
-    of 32 inside the kernel, exact integer dot products per block. A row's result does not
+    (tallow/ops/cpu/kernels.c): float32 in and out, activations quantized per block of 32
+    inside the kernel (Q4: 12-bit integers, Q8: 16-bit), exact integer dot products per block. A row's result does not
     depend on the batch.
 
     A decode step calls ~120 of these on one row each: the kernel and the weights' addresses

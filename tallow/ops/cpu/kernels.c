@@ -4,12 +4,18 @@
 // (Many rows run on AMX tiles where the CPU has them: linear_amx.h, linear_gguf_amx.h.)
 //
 // Linear layers over block-quantized weights: the activations are quantized per block of 32
-// to int16 (scale = max|x| / 32767: a relative error of 2^-16 of the block's largest value,
-// finer than bfloat16), each block's integer dot product with the weights is exact (madd,
-// or vpdpwssd), and is scaled into a float32 accumulator. (int8 activations, as llama.cpp's
-// q8_1, moved SmolLM2's greedy answers: 0.3-1.7% error per layer.) GGUF's 5-bit and K-quant
-// formats (linear_gguf.h) take int8 activations instead (quantize_rows8): byte products at
-// twice the rate, as llama.cpp computes those formats.
+// to integers held in int16, each block's integer dot product with the weights is exact (madd,
+// vpdpwssd or AMX tile products), and is scaled into a float32 accumulator. Q8 layers take
+// 16-bit integers (scale = max|x| / 32767: 2^-16 of the block's largest value, finer than
+// bfloat16); Q4 layers 12-bit ones (max|x| / 2047), so that on AMX a block is one tile
+// product: x = 16 h + l (h a signed byte, l in 0..15) against Q4's codes q and 16 q (both
+// bytes) in one 64-byte row, where 16-bit needs two products and two stores (linear_amx.h).
+// On SmolLM2 (the default, Q4_1 with a Q8_0 LM head) 12-bit moved the logits of 400 positions
+// by at most 0.55% of the largest against transformers' float32 model of the same file (16-bit:
+// 0.045%; llama.cpp's int8 q8_1: 7%), and 15 of 16 greedy answers of 160 tokens were those of
+// 16-bit (int8: 5 of 16, the first differing after 6 tokens). GGUF's 5-bit and K-quant
+// formats (linear_gguf.h) take int8 activations (quantize_rows8): byte products at twice the
+// rate, as llama.cpp computes those formats.
 //   Q4: w = d * q + m, q in 0..15 (GGUF's Q4_1).
 //   Q8: w = d * q, q in -127..127 (GGUF's Q8_0).
 // d and m are float16 (as in GGUF), one per (output channel, block). The weights are stored
@@ -71,12 +77,16 @@ static inline __attribute__((always_inline)) float block_round(const float *xb, 
     return db;
 }
 
-// One row of K floats (K % 32 == 0) to int16 blocks: q[K], d[K/32] (the scale) and
-// s[K/32] (d * the block's integer sum, for Q4's m term).
-static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float *s) {
+// The integers Q4 and Q8 layers' activations are rounded to: |q| <= levels (above).
+#define Q4_LEVELS 2047.0f
+#define Q8_LEVELS 32767.0f
+
+// One row of K floats (K % 32 == 0) to integer blocks held in int16 (|q| <= levels): q[K],
+// d[K/32] (the scale, max|x| / levels) and s[K/32] (d * the block's integer sum, for Q4's m term).
+static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float *s, float levels) {
     for (int b = 0; b < K / QK; b++) {
         __m256 v[4];
-        const float db = block_round(x + b * QK, 32767.0f, v);
+        const float db = block_round(x + b * QK, levels, v);
         const __m256 v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];
         d[b] = db;
         s[b] = db * hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));  // exact integer sum
@@ -94,7 +104,8 @@ typedef struct {
     float *d, *s;
 } qrows;
 
-static int quantize_rows(const float *x, int M, int K, int nthreads, qrows *out) {
+static int quantize_rows(const float *x, int M, int K, int nthreads, int q8, qrows *out) {
+    const float levels = q8 ? Q8_LEVELS : Q4_LEVELS;
     const int nb = K / QK;
     out->q = (int16_t *)aligned_alloc(32, sizeof(int16_t) * ((size_t)M * K + 16));
     out->d = (float *)malloc(sizeof(float) * (size_t)M * nb);
@@ -105,7 +116,7 @@ static int quantize_rows(const float *x, int M, int K, int nthreads, qrows *out)
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 8)
     for (int m = 0; m < M; m++)
-        quantize_row_q16(x + (size_t)m * K, K, out->q + (size_t)m * K, out->d + (size_t)m * nb, out->s + (size_t)m * nb);
+        quantize_row_q16(x + (size_t)m * K, K, out->q + (size_t)m * K, out->d + (size_t)m * nb, out->s + (size_t)m * nb, levels);
     return 0;
 }
 

@@ -140,7 +140,7 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
     // rows per chunk: about ROW_CHUNK_BYTES of int16 activations, a multiple of ROWS
     const int fit = ROW_CHUNK_BYTES / (2 * K) / ROWS * ROWS, per = fit > ROWS ? fit : ROWS, chunk = M < per ? M : per;
     qrows r;
-    if (quantize_rows(x, M, K, nthreads, &r)) return -1;
+    if (quantize_rows(x, M, K, nthreads, q8, &r)) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {

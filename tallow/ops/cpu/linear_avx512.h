@@ -105,9 +105,9 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
                   const uint16_t *wm, const float *bias, float *y, int nthreads, int q8) {
     const int nb = K / QK, tiles = (N + NT - 1) / NT, chunk = M < CHUNK ? M : CHUNK;
     const size_t block_bytes = (size_t)NT * (q8 ? QK : QK / 2), tile_bytes = (size_t)nb * block_bytes;
-    const int on_tiles = amx_on && M >= AMX_MIN_ROWS;
+    const int on_tiles = amx_on && M >= (q8 ? AMX_MIN_ROWS_Q8 : AMX_MIN_ROWS_Q4);
     qrows r;
-    if (quantize_rows(x, M, K, nthreads, &r)) return -1;
+    if (quantize_rows(x, M, K, nthreads, q8, &r)) return -1;
     uint8_t *xs = NULL;  // the tiles' operands
     if (on_tiles) {
         xs = (uint8_t *)aligned_alloc(64, (size_t)nb * 64 * (size_t)M);
@@ -115,7 +115,7 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
             free_rows(&r);
             return -1;
         }
-        amx_split_rows(&r, M, K, nthreads, xs);
+        amx_split_rows(&r, M, K, nthreads, q8, xs);
     }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
