@@ -10,10 +10,11 @@
 // bfloat16); Q4 layers 12-bit ones (max|x| / 2047), so that on AMX a block is one tile
 // product: x = 16 h + l (h a signed byte, l in 0..15) against Q4's codes q and 16 q (both
 // bytes) in one 64-byte row, where 16-bit needs two products and two stores (linear_amx.h).
-// On SmolLM2 (the default, Q4_1 with a Q8_0 LM head) 12-bit moved the logits of 400 positions
-// by at most 0.55% of the largest against transformers' float32 model of the same file (16-bit:
-// 0.045%; llama.cpp's int8 q8_1: 7%), and 15 of 16 greedy answers of 160 tokens were those of
-// 16-bit (int8: 5 of 16, the first differing after 6 tokens). GGUF's 5-bit and K-quant
+// On SmolLM2 (the default, Q4_1 with a Q8_0 LM head) as the engine runs it, 12-bit moved the
+// logits of 400 positions by at most 0.43% of the largest against transformers' float32 model of
+// the same file (16-bit: 0.083%; llama.cpp's int8 q8_1 arithmetic: about 7%), and 15 of 16
+// greedy answers of 160 tokens were those of 16-bit (int8: 5 of 16, the first differing after 6
+// tokens): benchmarks/cpu_accuracy.py, HISTORY's stop 41. GGUF's 5-bit and K-quant
 // formats (linear_gguf.h) take int8 activations (quantize_rows8): byte products at twice the
 // rate, as llama.cpp computes those formats.
 //   Q4: w = d * q + m, q in 0..15 (GGUF's Q4_1).
