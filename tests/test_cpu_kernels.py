@@ -14,10 +14,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from model_utils import activation_levels, block_activations
 from torch import nn
 
 from tallow.models import quant
-from tallow.models.quant import GROUP_SIZE, Int4Linear, Int8Linear, Q4Linear, Q8Linear, quantize_model_
+from tallow.models.quant import Int4Linear, Int8Linear, Q4Linear, Q8Linear, quantize_model_
 from tallow.ops import cpu_build, cpu_native
 
 pytestmark = pytest.mark.skipif(cpu_native.lib() is None,
@@ -41,23 +42,15 @@ def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.T
     return torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g) * 0.1
 
 
-# The integers the kernels round a layer's activations to, per block of 32: |q| <= levels
-# (kernels.c: Q4 12-bit, so that an AMX tile product covers a block; Q8 16-bit).
-LEVELS = {Q4Linear: 2047.0, Q8Linear: 32767.0}
+# The GGUF type whose kernel each layer runs: its activations are rounded as activation_levels says.
+KERNEL_TYPE = {Q4Linear: "Q4_1", Q8Linear: "Q8_0"}
 
 
 def emulated(layer, x: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64: x quantized per block of 32 (scale max|x| /
-    LEVELS, round half to even) times the layer's dequantized weights."""
-    levels = LEVELS[type(layer)]
-    groups = x.float().reshape(x.shape[0], -1, GROUP_SIZE)
-    amax = groups.abs().amax(-1, keepdim=True)
-    # a tensor divided by a tensor: IEEE division, as the kernel's (levels / amax, a Python number
-    # over a tensor, is torch's reciprocal times levels, one rounding more, which moves a code by
-    # one now and then)
-    inv = torch.where(amax > 0, torch.full_like(amax, levels) / amax, 0.0)
-    xq = (groups * inv).round() * (amax / levels)
-    y = xq.reshape(x.shape).double() @ layer.dequantized_weight().double().T
+    """What the kernel computes, in float64: x rounded per block of 32 as the kernel rounds it
+    (block_activations at the layer's activation_levels) times the layer's dequantized weights."""
+    xq = block_activations(x, activation_levels(KERNEL_TYPE[type(layer)]))
+    y = xq @ layer.dequantized_weight().double().T
     return (y if layer.bias is None else y + layer.bias.double()).float()
 
 
