@@ -3,14 +3,15 @@ the same GGUF file: the logits of one long prompt (largest difference, relative 
 position's largest logit; KL per position; argmax agreement), and, with --greedy, the greedy
 answers to speculative.py's chat and code-rewrite prompts, saved to compare with another tree's
 (--compare). For numerics changes in the kernels (activation rounding, the KV cache's dtype):
-run it from each tree, e.g. a worktree of the old commit and this one.
+run it on each tree (--tree: tallow imported from another checkout, e.g. a worktree of the old
+commit; this script and its helpers stay this tree's).
 
     python benchmarks/cpu_accuracy.py --greedy /tmp/new.json
-    PYTHONPATH=/tmp/old python /tmp/old/benchmarks/cpu_accuracy.py --greedy /tmp/old.json
+    python benchmarks/cpu_accuracy.py --tree /tmp/old --greedy /tmp/old.json
     python benchmarks/cpu_accuracy.py --compare /tmp/old.json /tmp/new.json
 
 The model runs as the engine builds it on the CPU (load_engine_model: its quantization, its KV
-cache dtype, tallow's attention kernels), one prompt through one paged cache.
+cache dtype, tallow's attention kernels), the prompt in one forward pass (cpu_linear.text_logits).
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import table, write_json  # noqa: E402
+
+# (The helpers of cpu_linear.py and speculative.py are imported where used, after --tree: importing
+# cpu_linear imports tallow.)
 
 
 def gguf_path(model: str) -> str:
@@ -38,45 +43,26 @@ def engine_logits(model: str, ids: list[int]):
     """The engine's CPU model's logits for every position of one prompt."""
     import torch
 
+    from benchmarks.cpu_linear import text_logits
     from tallow.attention.cpu_backend import CpuAttentionBackend
-    from tallow.attention.metadata import AttentionMetadata
     from tallow.config import EngineConfig
     from tallow.engine.runner import set_attention_backend
     from tallow.models.engine_model import load_engine_model
 
     em = load_engine_model(EngineConfig(model=model, device="cpu"), torch.device("cpu"))
-    net, cfg = em.loaded.model, em.loaded.config
-    set_attention_backend(net, CpuAttentionBackend())
-    bs, n = 16, len(ids)
-    blocks = (n + bs - 1) // bs
-    shape = (blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=em.kv_dtype), torch.zeros(shape, dtype=em.kv_dtype))
-              for _ in range(cfg.num_hidden_layers)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-        max_query_len=n, max_seq_len=n, query_lens_cpu=[n], seq_lens_cpu=[n], block_size=bs)
+    set_attention_backend(em.loaded.model, CpuAttentionBackend())
     with torch.inference_mode():
-        out = net.compute_logits(net(torch.tensor(ids), torch.arange(n), caches, meta)).float()
-    return out, em
+        return text_logits(em.loaded.model, ids, len(ids), em.kv_dtype).float(), em
 
 
 def greedy_answers(model: str, max_tokens: int) -> list[list[int]]:
-    """Greedy answers to speculative.py's 8 chat and 8 code-rewrite prompts, batched."""
-    from benchmarks.speculative import prompts_for
-    from tallow.config import EngineConfig
-    from tallow.engine.core import EngineCore
-    from tallow.engine.sampling import SamplingParams
+    """Greedy answers to speculative.py's 8 chat and 8 code-rewrite prompts, batched, plain decoding."""
+    from benchmarks.offline_throughput import make_core
+    from benchmarks.speculative import prompts_for, run
 
-    core = EngineCore(EngineConfig(model=model, device="cpu", max_num_seqs=16, enable_prefix_caching=False))
+    core = make_core(model=model, device="cpu", max_num_seqs=16, enable_prefix_caching=False)
     prompts = prompts_for(core, "chat", 8) + prompts_for(core, "grounded", 8)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    seqs = [core.make_sequences(p, params)[0] for p in prompts]
-    for s in seqs:
-        core.add(s)
-    while not all(s.is_finished for s in seqs):
-        core.step()
-    return [list(s.token_ids[s.num_prompt_tokens:]) for s in seqs]
+    return run(core, prompts, max_tokens, speculative=False)[1]
 
 
 def compare(old_path: str, new_path: str) -> None:
@@ -101,11 +87,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--compare", nargs=2, default=None, metavar=("OLD", "NEW"),
                     help="compare the greedy answers of two earlier runs' JSON and exit")
+    ap.add_argument("--tree", default=None, help="import tallow from this checkout (default: this one's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.compare:
         compare(*args.compare)
         return
+    if args.tree:
+        sys.path.insert(0, os.path.abspath(args.tree))
+    import tallow
+
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(tallow.__file__)))
+    tree_commit = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip()
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -127,7 +121,7 @@ def main() -> None:
               "max_rel_to_largest": rel.max().item(), "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
               "argmax_agree": (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()}
     print(table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in result.items()}], list(result)))
-    payload = {"benchmark": "cpu_accuracy", **result}
+    payload = {"benchmark": "cpu_accuracy", "tallow_tree": tree, "tallow_commit": tree_commit, **result}
     if args.greedy:
         payload["greedy"] = greedy_answers(args.model, args.max_tokens)
         write_json(args.greedy, payload)

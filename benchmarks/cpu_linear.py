@@ -209,10 +209,11 @@ def attention_metadata(batch: int, start: int, count: int, block_size: int = BLO
         block_size=block_size)
 
 
-def kv_caches(config, num_blocks: int, fill: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_caches(config, num_blocks: int, fill: bool, dtype: torch.dtype = torch.float32
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
     make = torch.randn if fill else torch.zeros
-    return [(make(shape), make(shape)) for _ in range(config.num_hidden_layers)]
+    return [(make(shape, dtype=dtype), make(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)]
 
 
 def decode_step_inputs(config, batch: int, context: int):
@@ -222,10 +223,10 @@ def decode_step_inputs(config, batch: int, context: int):
     return ids, torch.full((batch,), context - 1), kv_caches(config, meta.block_tables.numel(), True), meta
 
 
-def text_logits(model, ids: list[int], step: int) -> torch.Tensor:
+def text_logits(model, ids: list[int], step: int, kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits at every position of ids, computed step tokens per forward pass (1: decode steps,
-    the packed kernels; len(ids): one prefill, the dense path)."""
-    caches = kv_caches(model.config, -(-len(ids) // BLOCK_SIZE), False)
+    the packed kernels; len(ids): one prefill, the dense path), the KV cache in kv_dtype."""
+    caches = kv_caches(model.config, -(-len(ids) // BLOCK_SIZE), False, kv_dtype)
     out = []
     for start in range(0, len(ids), step):
         chunk = ids[start:start + step]
