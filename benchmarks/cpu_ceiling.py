@@ -70,14 +70,17 @@ const char *instruction(void) { return "vpmaddwd + vpaddd (256 bits)"; }
 
 def build_ceiling_kernel(folder: str) -> ctypes.CDLL:
     """The chains loop, compiled for the widest int16 multiply-add this CPU lists."""
-    from tallow.ops import cpu_native
+    from tallow.ops import cpu_build, cpu_native
 
+    cc = cpu_build.compiler()
+    if cc is None:
+        raise SystemExit(f"cpu_ceiling.py compiles its loop: {cpu_build.cannot_build()}")
     flags = cpu_native.cpu_flags()
     isa = ["-mavx512f", "-mavx512bw", "-mavx512vnni"] if {"avx512f", "avx512_vnni"} <= flags else ["-mavx2"]
     src, lib = os.path.join(folder, "ceiling.c"), os.path.join(folder, "ceiling.so")
     with open(src, "w") as f:
         f.write(_SOURCE)
-    subprocess.run(["cc", "-O2", "-fopenmp", "-fPIC", "-shared", *isa, src, "-o", lib], check=True)
+    subprocess.run([cc, "-O2", "-fopenmp", "-fPIC", "-shared", *isa, src, "-o", lib], check=True)
     kernel = ctypes.CDLL(lib)
     kernel.chains.argtypes, kernel.chains.restype = [ctypes.c_long, ctypes.c_int], ctypes.c_long
     kernel.instruction.restype = ctypes.c_char_p
