@@ -96,6 +96,39 @@ def test_linear_rows_do_not_depend_on_the_batch(cls, threads):
         torch.set_num_threads(old)
 
 
+def test_tiles_of_threads_that_never_start_are_taken_by_the_others(kernels):
+    """A layer's tiles are handed out in one range per thread asked for (many rows). Under
+    OMP_THREAD_LIMIT=1 with four threads asked for, the one thread that runs takes the other three
+    ranges from their ends: every output equals the one-thread call's bit for bit (a tile skipped
+    would leave stale memory, one taken twice would not change it: the emulation tests cover
+    the arithmetic)."""
+    code = f"""
+import torch
+from tallow.models import gguf_linear as gl
+from tallow.models.quant import Q4Linear, Q8Linear
+import numpy as np, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from gguf_files import random_blocks
+import gguf
+g = torch.Generator().manual_seed(0)
+w = torch.randn(16 * 21, 192, generator=g)
+raw = random_blocks("Q4_K", 16 * 21, 512, np.random.default_rng(0))
+layers = [(Q4Linear(w), 192), (Q8Linear(w), 192), (gl.linear_from_raw(raw, gguf.GGMLQuantizationType.Q4_K, 512), 512)]
+for layer, k in layers:
+    x = torch.randn(33, k, generator=g)
+    torch.set_num_threads(4)
+    assert torch.get_num_threads() == 4
+    many = layer(x)
+    torch.set_num_threads(1)
+    one = layer(x)
+    assert torch.equal(many, one), type(layer).__name__
+print("ok", len(layers))
+"""
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1", "TALLOW_CPU_KERNELS": cpu_native.variant()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["ok", "3"], out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("cls", [Q4Linear, Q8Linear])
 def test_the_two_builds_compute_the_same_floats(cls, kernels):
     """One weight layout and one float arithmetic in both builds (linear_avx2.h reads
@@ -199,9 +232,18 @@ def test_add_rms_norm_matches_torch():
     torch.testing.assert_close(alone, F.rms_norm(x, (64,), w, 1e-5), rtol=1e-6, atol=1e-6)
 
 
-def test_silu_and_mul_matches_torch():
+def test_silu_and_mul_matches_torch(kernels):
     x = torch.randn(7, 96) * 4
     torch.testing.assert_close(cpu_native.silu_and_mul(x), F.silu(x[:, :48]) * x[:, 48:], rtol=1e-6, atol=1e-6)
+    # the AVX-512 build's 16-lane loop (32 of each row's 48 here) gives the AVX2 build's bits
+    if set(cpu_native.supported_variants()) >= {"avx2", "avx512"} and kernels is cpu_native.load("avx512"):
+        x = torch.randn(40, 2 * 1536) * 8
+        outs = []
+        for variant in ("avx2", "avx512"):
+            out = torch.empty(40, 1536)
+            cpu_native.load(variant).tl_silu_and_mul(x.data_ptr(), 40, 1536, out.data_ptr(), 2)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
 
 
 def test_gelu_tanh_and_mul_matches_a_float64_reference():

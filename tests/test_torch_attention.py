@@ -179,6 +179,24 @@ def test_native_rows_over_several_spans_of_chunks(dtype):
 
 
 @native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_native_decode_batch_of_many_spans(threads, dtype):
+    """A decode batch with spans enough that a thread claims a span's heads together and
+    prefetches the next span's rows from inside the current one's loops: against float64."""
+    contexts = [37, 16, 130, 48, 5, 100, 260, 300, 64, 65, 200, 129]
+    kv = PagedKV(contexts, seed=3, backend=CpuAttentionBackend, dtype=dtype)
+    decode = [(seq, n, 1) for seq, n in enumerate(contexts)]
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for (seq, ctx, q_len), out in zip(decode, kv.attend(decode)):
+            torch.testing.assert_close(out, kv.reference(seq, ctx, q_len), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+@native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_native_backend_writes_new_kv_and_skips_padding(dtype):
     """tl_kv_write puts each token's K/V at its slot (rounded to nearest in a float16 cache)

@@ -30,21 +30,6 @@ static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 *a) {
                          _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// exp8's arithmetic (kernels.c) on 16 lanes.
-static inline __m512 exp16(__m512 x) {
-    const __m512 hi = _mm512_set1_ps(EXP_HI), lo = _mm512_set1_ps(EXP_LO);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), f);
-    __m512 p = _mm512_set1_ps(exp_poly[0]);
-    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(exp_poly[i]));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
-}
-
 // 16 elements of a V row at element i (vhalf: float16).
 static inline __attribute__((always_inline)) __m512 v16(const void *v, size_t i, int vhalf) {
     return vhalf ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i)))
@@ -54,6 +39,8 @@ static inline __attribute__((always_inline)) __m512 v16(const void *v, size_t i,
 #define ATT_GROUP_BATCH 8  // heads whose exponentials run in one loop
 #define PV_REGS 24  // accumulators of the weighted V sum: PV_REGS / (D / 16) rows a pass, at most PV_ROWS
 #define PV_ROWS 6
+#define PF_LINES_QK 4  // lines pf_drain prefetches a vector of scores, and a V row of a pass
+#define PF_LINES_PV 3
 
 // Scores of hg heads (queries at q + h * D) for keys off[0 .. n) into s[h * ATT_CHUNK + j]: kpr =
 // 16 / hg keys a vector of sums, lane i of it head i / kpr's key i % kpr (lanes past hg * kpr idle).
@@ -61,7 +48,8 @@ static inline __attribute__((always_inline)) __m512 v16(const void *v, size_t i,
 // tree, which sums every input the same way wherever it sits; so a score's bits do not depend on
 // hg. Inlined with constant hg.
 static inline __attribute__((always_inline)) void qk_heads(const float *q, int D, const void *k, const size_t *off,
-                                                            int half, int n, int hg, float scale, float *s) {
+                                                            int half, int n, int hg, float scale, float *s,
+                                                            att_prefetch *pf) {
     const int w = D / 16, kpr = 16 / hg;
     for (int j0 = 0; j0 < n; j0 += kpr) {
         __m512 a[16];
@@ -80,6 +68,7 @@ static inline __attribute__((always_inline)) void qk_heads(const float *q, int D
             }
             for (int h = 0; h < hg; h++) a[perm16[h * kpr + j]] = x[h];
         }
+        pf_drain(pf, PF_LINES_QK);
         const __m512 sv = _mm512_mul_ps(hsum16x16(a), _mm512_set1_ps(scale));
         if (hg == 1) {
             _mm512_storeu_ps(s + j0, sv);  // (lanes past n: zeros, never read)
@@ -94,15 +83,17 @@ static inline __attribute__((always_inline)) void qk_heads(const float *q, int D
 // part[g].out[i0 * 16 ..] for wi vectors of the row. Inlined with constant hg and wi.
 static inline __attribute__((always_inline)) void pv_pass(const void *v, const size_t *voff, int vhalf, int n,
                                                            const float *p, int hg, int i0, int wi, float *out,
-                                                           size_t part_len) {
+                                                           size_t part_len, att_prefetch *pf) {
     __m512 acc[PV_REGS];
     for (int r = 0; r < PV_REGS; r++) acc[r] = _mm512_setzero_ps();
-    for (int j = 0; j < n; j++)
+    for (int j = 0; j < n; j++) {
+        pf_drain(pf, PF_LINES_PV);
         for (int i = 0; i < wi; i++) {
             const __m512 vi = v16(v, voff[j] + 16 * (size_t)(i0 + i), vhalf);
             for (int g = 0; g < hg && g * wi + i < PV_REGS; g++)  // (hg * wi <= PV_REGS: the bound is for gcc)
                 acc[g * wi + i] = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)g * ATT_CHUNK + j]), vi, acc[g * wi + i]);
         }
+    }
     for (int g = 0; g < hg; g++)
         for (int i = 0; i < wi && g * wi + i < PV_REGS; i++)
             _mm512_storeu_ps(out + g * part_len + 16 * (size_t)(i0 + i), acc[g * wi + i]);
@@ -113,17 +104,17 @@ static inline __attribute__((always_inline)) void pv_pass(const void *v, const s
 // and part[g] = {max, sum} (the outputs come from attend_values16).
 static inline __attribute__((always_inline)) void attend_scores16(const float *q, int group, int D, float scale,
                                                                    const void *k, const size_t *off, int half, int n,
-                                                                   float *scores, float *part) {
+                                                                   float *scores, float *part, att_prefetch *pf) {
     const size_t part_len = (size_t)D + 2;
     // q . k: up to four heads at a time (each K row loaded and converted once for them), 16 / hg
     // keys of each in one vector of sums
     for (int g = 0; g < group;) {
         const int hg = group - g >= 4 ? 4 : group - g;
         switch (hg) {  // constant head counts: the accumulators stay in registers
-            case 1: qk_heads(q + (size_t)g * D, D, k, off, half, n, 1, scale, scores + (size_t)g * ATT_CHUNK); break;
-            case 2: qk_heads(q + (size_t)g * D, D, k, off, half, n, 2, scale, scores + (size_t)g * ATT_CHUNK); break;
-            case 3: qk_heads(q + (size_t)g * D, D, k, off, half, n, 3, scale, scores + (size_t)g * ATT_CHUNK); break;
-            default: qk_heads(q + (size_t)g * D, D, k, off, half, n, 4, scale, scores + (size_t)g * ATT_CHUNK); break;
+            case 1: qk_heads(q + (size_t)g * D, D, k, off, half, n, 1, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
+            case 2: qk_heads(q + (size_t)g * D, D, k, off, half, n, 2, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
+            case 3: qk_heads(q + (size_t)g * D, D, k, off, half, n, 3, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
+            default: qk_heads(q + (size_t)g * D, D, k, off, half, n, 4, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
         }
         g += hg;
     }
@@ -166,7 +157,7 @@ static inline __attribute__((always_inline)) void attend_scores16(const float *q
 // that read the same keys: each row's sum in the same order either way).
 static inline __attribute__((always_inline)) void attend_values16(const void *v, const size_t *off, int half, int n,
                                                                    const float *p, int rows, int D, float *out,
-                                                                   size_t part_len) {
+                                                                   size_t part_len, att_prefetch *pf) {
     const int w = D / 16;
     const int per_pass = PV_REGS / w > PV_ROWS ? PV_ROWS : PV_REGS / w > 0 ? PV_REGS / w : 1;
     for (int r0 = 0; r0 < rows; r0 += per_pass) {
@@ -175,16 +166,16 @@ static inline __attribute__((always_inline)) void attend_values16(const void *v,
         float *o = out + (size_t)r0 * part_len;
         if (w > PV_REGS) {  // D beyond 384: one row at a time, in parts
             for (int i0 = 0; i0 < w; i0 += PV_REGS)
-                pv_pass(v, off, half, n, pr, 1, i0, w - i0 < PV_REGS ? w - i0 : PV_REGS, o, part_len);
+                pv_pass(v, off, half, n, pr, 1, i0, w - i0 < PV_REGS ? w - i0 : PV_REGS, o, part_len, pf);
             continue;
         }
         switch (hg) {  // constant row counts: the accumulators stay in registers
-            case 1: pv_pass(v, off, half, n, pr, 1, 0, w, o, part_len); break;
-            case 2: pv_pass(v, off, half, n, pr, 2, 0, w, o, part_len); break;
-            case 3: pv_pass(v, off, half, n, pr, 3, 0, w, o, part_len); break;
-            case 4: pv_pass(v, off, half, n, pr, 4, 0, w, o, part_len); break;
-            case 5: pv_pass(v, off, half, n, pr, 5, 0, w, o, part_len); break;
-            default: pv_pass(v, off, half, n, pr, 6, 0, w, o, part_len); break;
+            case 1: pv_pass(v, off, half, n, pr, 1, 0, w, o, part_len, pf); break;
+            case 2: pv_pass(v, off, half, n, pr, 2, 0, w, o, part_len, pf); break;
+            case 3: pv_pass(v, off, half, n, pr, 3, 0, w, o, part_len, pf); break;
+            case 4: pv_pass(v, off, half, n, pr, 4, 0, w, o, part_len, pf); break;
+            case 5: pv_pass(v, off, half, n, pr, 5, 0, w, o, part_len, pf); break;
+            default: pv_pass(v, off, half, n, pr, 6, 0, w, o, part_len, pf); break;
         }
     }
 }

@@ -99,6 +99,38 @@ static void quantize_row_q16(const float *x, int K, int16_t *q, float *d, float 
     }
 }
 
+// Work items 0 .. n - 1 of a parallel region, handed out so that a late thread does not hold up
+// the others at its end: thread i owns the i-th of nthreads contiguous ranges and takes its items
+// from the front, in order (its weights stream as under a static schedule); a thread whose range
+// is empty takes the last items of the others' (a thread the host delays, or whose core the
+// server's event loop takes for a while, gives its tail away). Who runs an item changes no bit
+// of its result. Each range (front in the low 32 bits, end in the high) has a cache line of its own.
+typedef struct {
+    _Alignas(64) uint64_t range;
+} work_range;
+
+static work_range *work_ranges(int nthreads, int n) {
+    work_range *w = (work_range *)aligned_alloc(64, sizeof(work_range) * (size_t)nthreads);
+    if (w)
+        for (int i = 0; i < nthreads; i++)
+            w[i].range = (uint64_t)n * i / nthreads | (uint64_t)n * (i + 1) / nthreads << 32;
+    return w;
+}
+
+// The next item for thread `me` (its own range's front, else another range's last), or -1.
+static inline int work_next(work_range *w, int nthreads, int me) {
+    for (int k = 0; k < nthreads; k++) {
+        work_range *o = &w[(me + k) % nthreads];
+        uint64_t r = __atomic_load_n(&o->range, __ATOMIC_RELAXED);
+        while ((uint32_t)r < (uint32_t)(r >> 32)) {
+            const uint64_t want = k ? r - ((uint64_t)1 << 32) : r + 1;
+            if (__atomic_compare_exchange_n(&o->range, &r, want, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                return k ? (int)(uint32_t)(want >> 32) : (int)(uint32_t)r;
+        }
+    }
+    return -1;
+}
+
 // Activations quantized once per call, rows in parallel.
 typedef struct {
     int16_t *q;
@@ -226,6 +258,23 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+#if defined(__AVX512F__)
+// exp8's arithmetic (kernels.c) on 16 lanes.
+static inline __m512 exp16(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(EXP_HI), lo = _mm512_set1_ps(EXP_LO);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), f);
+    __m512 p = _mm512_set1_ps(exp_poly[0]);
+    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(exp_poly[i]));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
+}
+#endif
+
 void tl_exp(const float *x, float *y, int n) {  // for tests of exp8
     for (int i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
 }
@@ -304,7 +353,15 @@ void tl_silu_and_mul(const float *x, int T, int I, float *out, int nthreads) {
     for (int t = 0; t < T; t++) {
         const float *g = x + (size_t)t * 2 * I, *u = g + I;
         float *o = out + (size_t)t * I;
-        for (int i = 0; i < I; i += 8) {
+        int i = 0;
+#if defined(__AVX512F__)  // the same arithmetic 16 lanes at a time (exp16 is exp8's)
+        for (; i + 16 <= I; i += 16) {
+            const __m512 a = _mm512_loadu_ps(g + i);
+            const __m512 s = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i += 8) {
             __m256 a = _mm256_loadu_ps(g + i);
             __m256 s = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), a))));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
@@ -389,6 +446,9 @@ static void to_half(const float *x, uint16_t *h, size_t n) {
 void tl_kv_write(const float *k, long k_stride, const float *v, long v_stride, int T, int kv_heads, int D,
                  const int64_t *slot_mapping, void *k_cache, void *v_cache, int half) {
     const size_t n = (size_t)kv_heads * D;
+    // (a prompt's or a batch's rows in parallel, on the threads torch uses: each row's store is a
+    // miss to memory, about 10 us a layer for 32 rows on one thread)
+#pragma omp parallel for schedule(static) if (T > 16)
     for (int t = 0; t < T; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
@@ -428,6 +488,30 @@ static inline float max_of(const float *x, int n) {
     float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     for (; j < n; j++) mx = x[j] > mx ? x[j] : mx;
     return mx;
+}
+
+// A thread's queue of K/V rows to prefetch to L2 a few lines at a time from inside the AVX-512
+// attention loops (pf_drain; NULL: none), so that fetching the rows of the work a thread takes
+// next overlaps the arithmetic of the work it is doing. Prefetching a chunk's rows in one burst
+// (hundreds of lines) stalls the core until line fill buffers free up, with the arithmetic queued
+// behind: memory time and compute time added up.
+typedef struct {
+    const char **row;  // the rows' first bytes
+    int n, next;  // rows queued; the row whose lines go next
+    size_t len, line;  // bytes a row; the next line's offset in row `next`
+} att_prefetch;
+
+static inline __attribute__((always_inline)) void pf_drain(att_prefetch *pf, int lines) {
+    if (!pf) return;
+    for (int r = 0; r < lines && pf->next < pf->n; r++) {
+        _mm_prefetch(pf->row[pf->next] + pf->line, _MM_HINT_T1);
+        if ((pf->line += 64) >= pf->len) pf->line = 0, pf->next++;
+    }
+}
+
+static void pf_flush(att_prefetch *pf) {
+    while (pf->next < pf->n) pf_drain(pf, 64);
+    pf->n = pf->next = 0, pf->line = 0;
 }
 
 #include "attention_avx2.h"
@@ -497,20 +581,20 @@ static inline __attribute__((always_inline)) void attend_block16(const float *q,
                                                                   const void *v_cache, const size_t *off, int half,
                                                                   int tb, int te, int c, const int *key0,
                                                                   const int *ctx, int n_cur, float *scores,
-                                                                  float *ci) {
+                                                                  float *ci, att_prefetch *pf) {
     const size_t part_len = (size_t)D + 2;
     for (int t = tb; t < te; t++) {
         const int n = chunk_keys(t, c, key0, ctx, n_cur);
         const size_t r0 = (size_t)(t - tb) * group;
         if (n) attend_scores16(q + t * q_stride + (size_t)kvh * group * D, group, D, scale, k_cache, off, half, n,
-                               scores + r0 * ATT_CHUNK, ci + r0 * part_len);
+                               scores + r0 * ATT_CHUNK, ci + r0 * part_len, pf);
     }
     for (int t = tb, u; t < te; t = u) {
         const int n = chunk_keys(t, c, key0, ctx, n_cur);
         for (u = t + 1; u < te && chunk_keys(u, c, key0, ctx, n_cur) == n; u++) {}
         const size_t r0 = (size_t)(t - tb) * group;
         if (n) attend_values16(v_cache, off, half, n, scores + r0 * ATT_CHUNK, (u - t) * group, D,
-                               ci + r0 * part_len + 2, part_len);
+                               ci + r0 * part_len + 2, part_len, pf);
     }
 }
 #endif
@@ -528,6 +612,22 @@ static void locate_item(long item, int nblocks, const int *bt, const int *bspan,
     }
     const int left = nch[bt[lo + 1] - 1] - (int)(span - bspan[lo]) * ATT_SPAN;
     *blk = lo, *kvh = (int)(item % kv_heads), *s = (int)(span - bspan[lo]), *k = left < ATT_SPAN ? left : ATT_SPAN;
+}
+
+// Queues for pf_drain the rows of every chunk of work item `item`'s span, whole (every KV head's;
+// K rows, then V rows, chunk by chunk); off: scratch for ATT_CHUNK offsets.
+static void pf_push_span(att_prefetch *pf, long item, int nblocks, const int *bt, const int *bspan, const int *nch,
+                         const int *key0, const int *ctx, const int *seq, const int32_t *block_tables, long bt_stride,
+                         int block_size, int kv_heads, int D, const void *k_cache, const void *v_cache, size_t esize,
+                         size_t *off) {
+    int blk, kvh, s, k;
+    locate_item(item, nblocks, bt, bspan, nch, kv_heads, &blk, &kvh, &s, &k);
+    for (int i = 0; i < k; i++) {
+        const int n = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN + i, 0, key0, ctx, seq, block_tables, bt_stride,
+                                 block_size, kv_heads, D, k_cache, v_cache, esize, -1, off);
+        for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)k_cache + off[j] * esize;
+        for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)v_cache + off[j] * esize;
+    }
 }
 
 // Parts {max, sum, out[D]} p[0], p[stride], ... p[(nc - 1) * stride] of one row merged in order:
@@ -642,11 +742,18 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)max_rows);
             float *cpart = (float *)malloc(sizeof(float) * ATT_SPAN * (size_t)max_rows * part_len);
             att_row *rows = (att_row *)malloc(sizeof(att_row) * (size_t)max_rows);
-            size_t *off = (size_t *)malloc(sizeof(size_t) * 3 * ATT_CHUNK);  // two chunks' row offsets; dense ones
+            size_t *off = (size_t *)malloc(sizeof(size_t) * 4 * ATT_CHUNK);  // two chunks' row offsets; dense ones; scratch
             const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else attend_scores16 / values16 (K, V in place)
+            // Where a thread claims a span's heads together on the AVX-512 loops, it claims the next
+            // span when it starts one and prefetches that span's rows from inside this one's
+            // arithmetic (att_prefetch); otherwise each chunk's rows are prefetched as the one
+            // before it starts.
+            const int drip = claim > 1 && !tiles;
+            att_prefetch pf = {(const char **)malloc(sizeof(char *) * 2 * ATT_SPAN * ATT_CHUNK), 0, 0,
+                               (size_t)kv_heads * D * esize, 0};
             // the tiles' K columns, then (from a float16 cache) V rows as float32: the conversion is exact
             float *kt = tiles ? (float *)malloc(sizeof(float) * (half ? 2 : 1) * ATT_CHUNK * (size_t)D) : NULL;
-            const int ok = scores && cpart && rows && off && (kt || !tiles);
+            const int ok = scores && cpart && rows && off && pf.row && (kt || !tiles);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -655,13 +762,22 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             // take (in its item, or the first of the next item it claims) are on their way from memory.
             size_t *off_cur = off, *off_next = off + ATT_CHUNK, *dense = off + 2 * ATT_CHUNK;
             int blk = 0, kvh = 0, s = 0, k = 0, i = 0, n_cur = 0;  // chunk i of the item's k
-            long cur = ok ? __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED) : items;
+            long cur = ok ? __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED) : items, ahead = items;
+#define PUSH_SPAN(item) pf_push_span(&pf, item, nblocks, bt, bspan, nch, lo, ctx, seq, block_tables, bt_stride, \
+                                     block_size, kv_heads, D, k_cache, v_cache, esize, off + 3 * ATT_CHUNK)
             if (ok) {
                 for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
                 if (cur < items) {
                     locate_item(cur, nblocks, bt, bspan, nch, kv_heads, &blk, &kvh, &s, &k);
+                    if (drip) {  // the first span's rows at once, the next span's from inside it
+                        PUSH_SPAN(cur);
+                        pf_flush(&pf);
+                        ahead = __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED);
+                        if (ahead < items) PUSH_SPAN(ahead);
+                    }
                     n_cur = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN, kvh, lo, ctx, seq, block_tables, bt_stride,
-                                       block_size, kv_heads, D, k_cache, v_cache, esize, rows_fetch(claim, kvh), off_cur);
+                                       block_size, kv_heads, D, k_cache, v_cache, esize,
+                                       drip ? -1 : rows_fetch(claim, kvh), off_cur);
                 }
             }
             float *vrows = tiles && half ? kt + (size_t)ATT_CHUNK * D : NULL;
@@ -670,12 +786,23 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 long next = cur;  // the item of the next chunk, and that chunk
                 int nblk = blk, nkvh = kvh, ns = s, nk = k, ni = i + 1;
                 if (ni == k) {
-                    next = (cur + 1) % claim ? cur + 1 : __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED), ni = 0;
+                    if ((cur + 1) % claim) {
+                        next = cur + 1;
+                    } else if (drip) {  // the span claimed ahead: the rest of its rows now, and the one after it queued
+                        next = ahead;
+                        pf_flush(&pf);
+                        ahead = next < items ? __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED) : items;
+                        if (ahead < items) PUSH_SPAN(ahead);
+                    } else {
+                        next = __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED);
+                    }
+                    ni = 0;
                     if (next < items) locate_item(next, nblocks, bt, bspan, nch, kv_heads, &nblk, &nkvh, &ns, &nk);
                 }
                 const int n_next = next < items ? chunk_rows(bt[nblk + 1] - 1, ns * ATT_SPAN + ni, nkvh, lo, ctx, seq,
                                                              block_tables, bt_stride, block_size, kv_heads, D, k_cache,
-                                                             v_cache, esize, rows_fetch(claim, nkvh), off_next)
+                                                             v_cache, esize, drip ? -1 : rows_fetch(claim, nkvh),
+                                                             off_next)
                                                 : 0;
                 const int c = s * ATT_SPAN + i, tb = bt[blk];
                 const size_t *voff = vrows ? dense : off_cur;
@@ -689,7 +816,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
 #if ATTEND16
                 if (!tiles) {
 #define BLOCK16(d) attend_block16(q, q_stride, kvh, group, d, scale, k_cache, v_cache, off_cur, half, tb, \
-                                  bt[blk + 1], c, lo, ctx, n_cur, scores, ci)
+                                  bt[blk + 1], c, lo, ctx, n_cur, scores, ci, drip ? &pf : NULL)
                     if (D == 64) BLOCK16(64);
                     else if (D == 128) BLOCK16(128);
                     else BLOCK16(D);
@@ -736,6 +863,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             free(cpart);
             free(rows);
             free(off);
+            free(pf.row);
             free(kt);
         }
     }

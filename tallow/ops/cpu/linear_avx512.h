@@ -117,6 +117,13 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
         }
         amx_split_rows(&r, M, K, nthreads, q8, xs);
     }
+    // many rows: tiles handed out by work_next (a tile is worth a claim), else a static schedule
+    work_range *work = NULL;
+    if (M > 8 && !(work = work_ranges(nthreads, tiles))) {
+        free(xs);
+        free_rows(&r);
+        return -1;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -127,9 +134,10 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            if (broken) continue;
+        // this thread's tiles: work_next's, else its static share t_lo .. t_hi - 1
+        const int me = omp_get_thread_num(), team = omp_get_num_threads();
+        const int t_lo = (int)((long)tiles * me / team), t_hi = (int)((long)tiles * (me + 1) / team);
+        for (int t = t_lo - 1; !broken && (t = work ? work_next(work, nthreads, me) : t + 1 < t_hi ? t + 1 : -1) >= 0;) {
             const uint8_t *wt = wq + (size_t)t * tile_bytes;
             const uint16_t *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
             const int cols = N - t * NT < NT ? N - t * NT : NT;
@@ -168,6 +176,7 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
         amx_scratch_free(&scratch);
         free(acc);
     }
+    free(work);
     free(xs);
     free_rows(&r);
     return failed ? -1 : 0;
