@@ -135,3 +135,37 @@ def test_gguf_cache_is_hit_on_the_second_load(tmp_path, monkeypatch):
     os.utime(path, ns=(0, 0))  # a changed file is converted again
     with pytest.raises(AssertionError, match="read again"):
         load_model(path, cache_dir=cache_dir, **CPU)
+
+
+def test_the_default_loads_in_its_own_blocks_as_the_int4_layers_bit_for_bit(tmp_path):
+    """The engine loads the default's Q4_1 / Q8_0 blocks as they are (no float32 copy, no float32
+    cache on disk): the same layers, bit for bit, as the float32 path quantized by the int4
+    scheme (the default's scheme). A scheme that asks for other weights (none) keeps the float
+    path."""
+    from tallow.config import EngineConfig
+    from tallow.models.engine_model import load_engine_model
+    from tallow.models.quant import Q4Linear, Q8Linear, quantize_model_
+    from tallow.ops import cpu_native
+
+    if cpu_native.lib() is None:
+        pytest.skip("no CPU kernels: the default's blocks are dequantized either way")
+    cache = str(tmp_path / "cache")
+    engine = load_engine_model(EngineConfig(model="default", device="cpu", cache_dir=cache), torch.device("cpu"))
+    assert not os.path.isdir(os.path.join(cache, "gguf")) or not os.listdir(os.path.join(cache, "gguf"))
+    assert os.listdir(os.path.join(cache, "gguf-packed"))  # the repacked tiles, mapped at the next start
+    native = engine.loaded.model
+    floats = load_model("default", cache_dir=cache, gguf_native=False, **CPU).model
+    assert type(floats.lm_head) is torch.nn.Linear
+    quantize_model_(floats, "int4")
+    kinds = {type(m) for m in native.modules()}
+    assert Q4Linear in kinds and Q8Linear in kinds and torch.nn.Linear not in kinds
+    a, b = floats.state_dict(), native.state_dict()
+    table = a.pop("model.embed_tokens.weight")  # the native embedding: the file's Q8_0 rows, dequantized on lookup
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert torch.equal(native.model.embed_tokens(torch.arange(table.shape[0])), table)
+    plain = load_engine_model(EngineConfig(model="default", device="cpu", cache_dir=cache, quantization="none"),
+                              torch.device("cpu"))
+    assert type(plain.loaded.model.lm_head) is torch.nn.Linear
+    assert plain.loaded.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32

@@ -55,8 +55,12 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
     if config.kv_cache_dtype in FP8_KV_NAMES and device.type != "cuda":
         resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.quantization, 0)  # raises
     if loaded is None:
+        # The default's Q4_1 / Q8_0 blocks are the int4 scheme's layers bit for bit: loaded in
+        # them, it needs no float32 copy (about 600 MB less memory, 440 MB less cache on disk)
+        native = True if (config.model == "default" and device.type == "cpu" and dtype == torch.float32
+                          and config.quantization in ("auto", "int4")) else None
         loaded = load_model(config.model, dtype=dtype, device=device, cache_dir=config.cache_dir,
-                            seed=config.seed, parallel=parallel,
+                            seed=config.seed, parallel=parallel, gguf_native=native,
                             # fp8 of a GGUF file: its blocks dequantized, then quantized to fp8
                             gguf_blocks=not (device.type == "cuda" and config.quantization in ("none", "fp8")))
     mc = loaded.config

@@ -132,7 +132,7 @@ def resolve_source(source: str) -> ResolvedSource:
 
 def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
                cache_dir: str | None = None, seed: int = 0, parallel: ParallelContext | None = None,
-               gguf_blocks: bool = True) -> LoadedModel:
+               gguf_blocks: bool = True, gguf_native: bool | None = None) -> LoadedModel:
     """Build the engine's model for a source. cache_dir keeps dequantized GGUF weights
     (None: dequantize on every load); seed drives the random weights of dummy models.
     With parallel, the model is this tensor-parallel rank's shard, and no more than one whole
@@ -140,7 +140,12 @@ def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
     cache). A registered source (register_model_source) loads through its own function.
     gguf_blocks: on CUDA, a GGUF file with block-quantized weights keeps them in their blocks
     (tallow/models/gguf_cuda.py; not the `default` source; with parallel where the o/down
-    input slices fall on block boundaries); False dequantizes it to `dtype` as before."""
+    input slices fall on block boundaries); False dequantizes it to `dtype` as before.
+    gguf_native: on the CPU in float32, a GGUF file's quantized weights stay in their own formats
+    (gguf.load_native, no float32 copy); False: dequantized through the float32 cache, so that
+    they can be quantized again as asked. None: native for every file but the `default` source
+    (load_engine_model asks for native where the engine's scheme is int4, whose layers the
+    default's own Q4_1 / Q8_0 blocks are bit for bit)."""
     registered = registered_source(source)
     if registered is not None:
         if parallel is not None:
@@ -164,7 +169,8 @@ def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
             tokenizer = TokenizerSource("gguf", resolved.location, metadata)
             generation = {}
         elif resolved.kind == "gguf":
-            model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir, native=source != "default",
+            native = source != "default" if gguf_native is None else gguf_native
+            model, metadata = _load_gguf(resolved.location, device, dtype, cache_dir, native=native,
                                          blocks=gguf_blocks)
             tokenizer = TokenizerSource("gguf", resolved.location, metadata,
                                         cache_path=tokenizer_cache_path(resolved.location, cache_dir))
@@ -221,8 +227,9 @@ def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
     """A file with quantized (or F16/BF16) weights, on the CPU in float32: its weights kept in
     their own types (gguf.load_native; the repacked tiles cached and mapped by gguf_packed).
     Otherwise from the cache when it holds this file (memory-mapped, no copy on CPU in float32),
-    or converted in float32 on the CPU, cached, then moved. native False (the default model): the cached float32 path for every file (its
-    warm start maps the cache instead of parsing the GGUF). On CUDA (native and blocks) a file
+    or converted in float32 on the CPU, cached, then moved. native False: the cached float32 path
+    for every file (weights to quantize again); a native load of quantized weights never reads
+    that cache. On CUDA (native and blocks) a file
     with block-quantized weights keeps its blocks on the device (gguf_cuda.load_gguf_blocks)."""
     from tallow.models import gguf
 
@@ -230,16 +237,17 @@ def _load_gguf(path: str, device: torch.device, dtype: torch.dtype,
         found = _cuda_blocks(path, device, dtype, None)
         if found is not None:
             return found
+    if native and device.type == "cpu" and dtype == torch.float32:
+        reader = gguf.open_gguf(path)
+        if gguf.quantized_weights(reader):
+            _, metadata, model = gguf.load_native(path, reader, cache_dir)
+            return model, metadata
+        del reader  # a float file: the float32 path below
     cached = gguf.read_cache(path, cache_dir) if cache_dir else None
     if cached is not None:
         config, metadata, state = cached
         state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
         return LlamaForCausalLM.from_state_dict(config, state), metadata
-    reader = gguf.open_gguf(path)
-    if native and device.type == "cpu" and dtype == torch.float32 and gguf.quantized_weights(reader):
-        _, metadata, model = gguf.load_native(path, reader, cache_dir)
-        return model, metadata
-    del reader  # (read_gguf parses the file again: float files pay it on their first, uncached load only)
     config, metadata, weights = gguf.read_gguf(path)
     model = LlamaForCausalLM.empty(config, device=torch.device("cpu"), dtype=torch.float32)
     model.load_weights(weights)
