@@ -847,6 +847,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 off_cur = off_next, off_next = swap;
                 cur = next, blk = nblk, kvh = nkvh, s = ns, k = nk, i = ni, n_cur = n_next;
             }
+#undef PUSH_SPAN
 #pragma omp barrier
             // (every span is done) each (token, head)'s spans merged in order
 #pragma omp for schedule(static)
