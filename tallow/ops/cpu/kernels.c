@@ -131,6 +131,16 @@ static inline int work_next(work_range *w, int nthreads, int me) {
     return -1;
 }
 
+// A layer's weight tiles go out by work_next from this many rows (a tile is then worth a claim);
+// with fewer, each thread takes a static share.
+#define STEAL_MIN_ROWS 9
+
+// Thread me's next tile after t: work_next's where work is given, else the next of its static
+// share ending at t_hi; -1 when there is none.
+static inline int next_tile(work_range *work, int nthreads, int me, int t, int t_hi) {
+    return work ? work_next(work, nthreads, me) : t + 1 < t_hi ? t + 1 : -1;
+}
+
 // Activations quantized once per call, rows in parallel.
 typedef struct {
     int16_t *q;
@@ -561,8 +571,9 @@ static int chunk_rows(int t, int c, int kvh, const int *key0, const int *ctx, co
 }
 
 // chunk_rows' `whole` for KV head kvh's chunks where a thread claims `claim` heads of a span
-// together (1: one head at a time, each fetching its own part of the rows).
-static inline int rows_fetch(int claim, int kvh) { return claim > 1 ? (kvh == 0 ? 1 : -1) : 0; }
+// together (1: one head at a time, each fetching its own part of the rows); drip: the rows come
+// through att_prefetch instead (-1).
+static inline int rows_fetch(int claim, int drip, int kvh) { return drip ? -1 : claim > 1 ? (kvh == 0 ? 1 : -1) : 0; }
 
 // How many keys of chunk c of token t's context (n_cur: the chunk's, as located for the block's
 // last token) token t reads: its causal end may cut the chunk, or lie before it (0).
@@ -749,11 +760,11 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             // arithmetic (att_prefetch); otherwise each chunk's rows are prefetched as the one
             // before it starts.
             const int drip = claim > 1 && !tiles;
-            att_prefetch pf = {(const char **)malloc(sizeof(char *) * 2 * ATT_SPAN * ATT_CHUNK), 0, 0,
+            att_prefetch pf = {drip ? (const char **)malloc(sizeof(char *) * 2 * ATT_SPAN * ATT_CHUNK) : NULL, 0, 0,
                                (size_t)kv_heads * D * esize, 0};
             // the tiles' K columns, then (from a float16 cache) V rows as float32: the conversion is exact
             float *kt = tiles ? (float *)malloc(sizeof(float) * (half ? 2 : 1) * ATT_CHUNK * (size_t)D) : NULL;
-            const int ok = scores && cpart && rows && off && pf.row && (kt || !tiles);
+            const int ok = scores && cpart && rows && off && (pf.row || !drip) && (kt || !tiles);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -777,7 +788,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                     }
                     n_cur = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN, kvh, lo, ctx, seq, block_tables, bt_stride,
                                        block_size, kv_heads, D, k_cache, v_cache, esize,
-                                       drip ? -1 : rows_fetch(claim, kvh), off_cur);
+                                       rows_fetch(claim, drip, kvh), off_cur);
                 }
             }
             float *vrows = tiles && half ? kt + (size_t)ATT_CHUNK * D : NULL;
@@ -801,8 +812,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 }
                 const int n_next = next < items ? chunk_rows(bt[nblk + 1] - 1, ns * ATT_SPAN + ni, nkvh, lo, ctx, seq,
                                                              block_tables, bt_stride, block_size, kv_heads, D, k_cache,
-                                                             v_cache, esize, drip ? -1 : rows_fetch(claim, nkvh),
-                                                             off_next)
+                                                             v_cache, esize, rows_fetch(claim, drip, nkvh), off_next)
                                                 : 0;
                 const int c = s * ATT_SPAN + i, tb = bt[blk];
                 const size_t *voff = vrows ? dense : off_cur;
