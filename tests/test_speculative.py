@@ -339,6 +339,7 @@ def test_greedy_with_preemption_and_no_prefix_cache(default_model, prompts, gree
     assert small.kv.num_free_blocks == free0
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_greedy_with_preemption_and_prefix_cache(default_model, prompts, greedy_reference):
     small = make_core(default_model, num_kv_blocks=40, block_size=4, **SPEC)
     short = dataclasses.replace(GREEDY, max_tokens=16)  # plain greedy's first 16 tokens
@@ -352,6 +353,7 @@ def test_greedy_with_preemption_and_prefix_cache(default_model, prompts, greedy_
     assert small.kv.prefix_hits > 0
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_off_switch_stops_bad_drafts_and_keeps_outputs(default_model, prompts, greedy_reference):
     """With the CPU's row cost, a proposer whose drafts are always wrong is soon not asked:
     each sequence drafts a few times, then pauses (longer each time); the tokens stay plain
@@ -430,6 +432,7 @@ def test_stop_id_inside_an_accepted_run(spec_core, prompts, greedy_reference):
     assert spec_core.kv.num_free_blocks == spec_core.kv.num_blocks
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_stop_string_inside_an_accepted_run_and_max_tokens(default_model):
     def llm_for(**kw):
         llm = LLM.__new__(LLM)
@@ -548,6 +551,7 @@ def grammar_requests(tok):
     ]
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_grammar_requests_speculate_as_plain_decoding(plain_core, spec_core, prompts):
     """Grammar requests speculate beside other speculating sequences: their drafts are cut to
     what the grammar allows, the verified positions masked by a matcher advanced over the draft;
@@ -586,6 +590,7 @@ def test_sampled_grammar_request_speculates_within_its_grammar(spec_core):
         assert s.spec.proposed > 0
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_grammar_cuts_drafts_at_a_token_it_rejects(default_model, plain_core, prompts):
     """A proposer whose drafts carry a token the grammar forbids after their first: each draft is
     cut before it (one token verified), and the tokens stay plain decoding's."""
@@ -610,6 +615,7 @@ def test_grammar_cuts_drafts_at_a_token_it_rejects(default_model, plain_core, pr
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_reasoning_budget_request_in_a_speculating_batch_is_plain(plain_core, spec_core, prompts):
     """A reasoning-budget request's forced end-of-reasoning tokens come where they come without
     speculation; its prompt repeats itself, so it would draft if it speculated."""
@@ -630,6 +636,7 @@ def test_reasoning_budget_request_in_a_speculating_batch_is_plain(plain_core, sp
     assert refused["reasoning_budget"] - refused0["reasoning_budget"] == 1
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_prompt_logprobs_unchanged_beside_drafted_rows(plain_core, spec_core, prompts):
     """A prompt-logprob request whose prefill follows drafted rows in a step (the rows scoring its
     prompt sit after the drafts in the flat batch) gets plain decoding's prompt logprobs and
@@ -732,6 +739,7 @@ def test_async_steps_wait_only_where_a_draft_may_come(default_model, prompts, gr
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_seeded_sampling_repeats_alone_and_in_a_batch(spec_core, prompts):
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=1234, ignore_eos=True)
     alone = run_all(spec_core, [prompts[0]], params)[0].output_ids
@@ -829,6 +837,7 @@ def sampling_setup(tiny):
     return params, first_two(plain, params, seed0=10**6)
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_rejection_sampling_keeps_the_distribution(tiny, sampling_setup):
     params, reference = sampling_setup
     spec = tiny_core(tiny, **SPEC)
@@ -841,6 +850,7 @@ def test_rejection_sampling_keeps_the_distribution(tiny, sampling_setup):
     assert spec.kv.num_free_blocks == spec.kv.num_blocks
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_the_chi_square_rejects_a_verifier_without_the_residual(tiny, sampling_setup, monkeypatch):
     """On rejection, drawing from p itself (the draft token included) instead of the residual
     over-weights the draft: the same test must catch it."""
@@ -869,7 +879,7 @@ def random_draft(vocab: int) -> LoadedModel:
     return LoadedModel(model.config, model.eval().requires_grad_(False), None, {}, "random-draft")
 
 
-@pytest.mark.parametrize("which", ["self", "random"])
+@pytest.mark.parametrize("which", ["self", pytest.param("random", marks=pytest.mark.slow)])
 def test_draft_model_greedy_equals_plain(default_model, prompts, greedy_reference, which):
     """The default model drafting for itself (nearly every draft token accepted) and a random
     model of its vocabulary (nearly none): plain greedy decoding's tokens either way, with a
