@@ -39,7 +39,7 @@ def gguf_path(model: str) -> str:
     return resolved.location
 
 
-def engine_logits(model: str, ids: list[int]):
+def engine_logits(model: str, ids: list[int], kv_cache_dtype: str = "auto"):
     """The engine's CPU model's logits for every position of one prompt."""
     import torch
 
@@ -49,18 +49,19 @@ def engine_logits(model: str, ids: list[int]):
     from tallow.engine.runner import set_attention_backend
     from tallow.models.engine_model import load_engine_model
 
-    em = load_engine_model(EngineConfig(model=model, device="cpu"), torch.device("cpu"))
+    em = load_engine_model(EngineConfig(model=model, device="cpu", kv_cache_dtype=kv_cache_dtype), torch.device("cpu"))
     set_attention_backend(em.loaded.model, CpuAttentionBackend())
     with torch.inference_mode():
         return text_logits(em.loaded.model, ids, len(ids), em.kv_dtype).float(), em
 
 
-def greedy_answers(model: str, max_tokens: int) -> list[list[int]]:
+def greedy_answers(model: str, max_tokens: int, kv_cache_dtype: str = "auto") -> list[list[int]]:
     """Greedy answers to speculative.py's 8 chat and 8 code-rewrite prompts, batched, plain decoding."""
     from benchmarks.offline_throughput import make_core
     from benchmarks.speculative import prompts_for, run
 
-    core = make_core(model=model, device="cpu", max_num_seqs=16, enable_prefix_caching=False)
+    core = make_core(model=model, device="cpu", max_num_seqs=16, enable_prefix_caching=False,
+                     kv_cache_dtype=kv_cache_dtype)
     prompts = prompts_for(core, "chat", 8) + prompts_for(core, "grounded", 8)
     return run(core, prompts, max_tokens, speculative=False)[1]
 
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--compare", nargs=2, default=None, metavar=("OLD", "NEW"),
                     help="compare the greedy answers of two earlier runs' JSON and exit")
     ap.add_argument("--tree", default=None, help="import tallow from this checkout (default: this one's)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache (auto: float16; float32; int8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.compare:
@@ -108,7 +110,7 @@ def main() -> None:
     folder, name = os.path.dirname(path), os.path.basename(path)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     ids = tok(open(args.text).read())["input_ids"][: args.tokens]
-    ours, em = engine_logits(args.model, ids)
+    ours, em = engine_logits(args.model, ids, args.kv_cache_dtype)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
@@ -123,7 +125,7 @@ def main() -> None:
     print(table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in result.items()}], list(result)))
     payload = {"benchmark": "cpu_accuracy", "tallow_tree": tree, "tallow_commit": tree_commit, **result}
     if args.greedy:
-        payload["greedy"] = greedy_answers(args.model, args.max_tokens)
+        payload["greedy"] = greedy_answers(args.model, args.max_tokens, args.kv_cache_dtype)
         write_json(args.greedy, payload)
     write_json(args.out, payload)
 

@@ -9,6 +9,10 @@ head and context key: q.k and p.v, the causal half only) and whether the two out
 bit-identical.
 
     python benchmarks/cpu_attention_ab.py --old /work/wt/base --new . --context 4096 7500
+
+--new-dtype gives the new side a cache of another dtype (the same tree twice compares two cache
+formats, e.g. `--old . --new . --dtype float16 --new-dtype int8`; the outputs then differ by the
+int8 rounding). An int8 cache holds random codes and per-32 scales (cpu_backend's layout).
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=1, help="sequences in the batch, each with its own blocks")
     ap.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], metavar=("H", "KV", "D"))
     ap.add_argument("--window", type=int, default=0)
-    ap.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    ap.add_argument("--dtype", choices=["float16", "float32", "int8"], default="float16")
+    ap.add_argument("--new-dtype", choices=["float16", "float32", "int8"], default=None,
+                    help="the new side's cache dtype (default: --dtype)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layers", type=int, default=1,
                     help="layers with caches of their own, run in turn per timed call (a decode step's KV "
@@ -56,9 +62,17 @@ def main() -> None:
             S = args.seqs
             per_seq = (ctx + bs - 1) // bs
             nblocks = per_seq * S
-            dt = getattr(torch, args.dtype)
-            kcs = [torch.randn(nblocks + 1, bs, KV, D, generator=g).to(dt) for _ in range(args.layers)]
-            vcs = [torch.randn(nblocks + 1, bs, KV, D, generator=g).to(dt) for _ in range(args.layers)]
+            dtypes = {"old": args.dtype, "new": args.new_dtype or args.dtype}
+
+            def cache(name: str) -> torch.Tensor:
+                if name != "int8":
+                    return torch.randn(nblocks + 1, bs, KV, D, generator=g).to(getattr(torch, name))
+                codes = torch.randint(-127, 128, (nblocks + 1, bs, KV, D), generator=g, dtype=torch.int8)
+                scales = (torch.rand(nblocks + 1, bs, KV, D // 32, generator=g) * 0.02 + 0.005).float()
+                return torch.cat((codes, scales.view(torch.int8)), -1).contiguous()
+
+            caches = {tag: [(cache(dtypes[tag]), cache(dtypes[tag])) for _ in range(args.layers)] for tag in libs}
+            formats = {"float32": 0, "float16": 1, "int8": 2}
             table = (torch.randperm(nblocks, generator=g).to(torch.int32) + 1).view(S, per_seq).contiguous()
             q = torch.randn(S * T, H, D, generator=g)
             qsl = torch.arange(0, S * T + 1, T, dtype=torch.int32)
@@ -69,11 +83,11 @@ def main() -> None:
             for r in range(args.rounds):
                 for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
                     t0 = time.perf_counter()
-                    for kc, vc in zip(kcs, vcs):
+                    for kc, vc in caches[name]:
                         rc = libs[name].tl_paged_attention(q.data_ptr(), H * D, outs[name].data_ptr(), H * D,
                                                            kc.data_ptr(), vc.data_ptr(), qsl.data_ptr(),
                                                            sl.data_ptr(), table.data_ptr(), table.stride(0), S, H,
-                                                           KV, D, bs, D ** -0.5, int(args.dtype == "float16"),
+                                                           KV, D, bs, D ** -0.5, formats[dtypes[name]],
                                                            args.window, args.threads)
                         assert rc == 0
                     times[name].append((time.perf_counter() - t0) / args.layers)

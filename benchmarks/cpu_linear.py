@@ -211,7 +211,12 @@ def attention_metadata(batch: int, start: int, count: int, block_size: int = BLO
 
 def kv_caches(config, num_blocks: int, fill: bool, dtype: torch.dtype = torch.float32
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+    from tallow.attention.cpu_backend import cache_head_width
+
+    shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, cache_head_width(config.head_dim, dtype))
+    if dtype == torch.int8:  # codes and their rows' scales: zeros, or noise filled by writing rows
+        assert not fill, "an int8 cache is filled through tl_kv_write"
+        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)]
     make = torch.randn if fill else torch.zeros
     return [(make(shape, dtype=dtype), make(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)]
 

@@ -98,6 +98,36 @@ def test_kv_cache_is_float16_with_quantized_weights_and_keeps_the_answers(loaded
         assert [s.output_ids for s in run_all(core, ids, params)] == [s.output_ids for s in run_all(full, ids, params)]
 
 
+def test_int8_kv_cache_option(loaded, core):
+    """--kv-cache-dtype int8 (alias q8_0) on the CPU: rows of int8 codes with a float32 scale per
+    32 (72 bytes a row of 64 against float16's 128), greedy answers independent of the batch and
+    starting as the float16 cache's do; refused where tallow's kernels cannot read it."""
+    from tallow.attention.cpu_backend import CpuAttentionBackend
+    from tallow.errors import TallowError
+    from tallow.models.engine_model import resolve_kv_cache_dtype
+
+    cpu = torch.device("cpu")
+    for name, dtype, device, head_dim in (("int8", torch.float32, torch.device("cuda"), 64),
+                                          ("q8_0", torch.bfloat16, cpu, 64), ("int8", torch.float32, cpu, 40)):
+        with pytest.raises(TallowError, match="kv_cache_dtype") as e:
+            resolve_kv_cache_dtype(name, dtype, device, "int4", head_dim)
+        assert e.value.param == "kv_cache_dtype"
+    if not CpuAttentionBackend.supports(torch.float32, 64):
+        pytest.skip("no CPU kernels")
+    assert resolve_kv_cache_dtype("q8_0", torch.float32, cpu, "none", 64) == torch.int8
+    q8 = make_core(loaded, kv_cache_dtype="int8")
+    assert q8.kv_dtype == torch.int8
+    assert all(k.dtype == v.dtype == torch.int8 and k.shape[-1] == v.shape[-1] == 72 for k, v in q8.runner.kv_caches)
+    assert core.kv_dtype == torch.float16 and q8.kv_block_bytes * 128 == core.kv_block_bytes * 72
+    ids = [q8.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    together = [s.output_ids for s in run_all(q8, ids, params)]
+    assert together == [run_all(q8, [x], params)[0].output_ids for x in ids]
+    half = [s.output_ids for s in run_all(core, ids, params)]
+    assert all(a[:3] == b[:3] for a, b in zip(together, half))
+    assert sum(a == b for a, b in zip(together, half)) >= len(ids) // 2
+
+
 @pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_preemption_keeps_outputs(dense_loaded):
     dense = make_core(dense_loaded, quantization="none")

@@ -1,6 +1,8 @@
-"""The CPU attention backends (the torch reference and tallow's own kernel, over float32 and
-float16 caches) against plain float64 attention, and a row's result bit for bit the same
-whatever it is batched with."""
+"""The CPU attention backends (the torch reference and tallow's own kernel, over float32,
+float16 and int8 caches) against plain float64 attention, and a row's result bit for bit the
+same whatever it is batched with. An int8 cache's rows are read back here independently of the
+kernels (each block of 32 codes times its float32 scale, from the bytes after the row's codes),
+so its attention is compared with float64 attention over the values the cache holds."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ native = pytest.mark.skipif(cpu_native.lib() is None, reason=f"no CPU kernels: {
 
 
 @pytest.fixture(params=[(TorchAttentionBackend, torch.float32), pytest.param((CpuAttentionBackend, torch.float32), marks=native),
-                        pytest.param((CpuAttentionBackend, torch.float16), marks=native)],
-                ids=["torch", "native", "native-fp16-cache"])
+                        pytest.param((CpuAttentionBackend, torch.float16), marks=native),
+                        pytest.param((CpuAttentionBackend, torch.int8), marks=native)],
+                ids=["torch", "native", "native-fp16-cache", "native-int8-cache"])
 def backend(request):
     """PagedKV's backend and cache dtype."""
     cls, dtype = request.param
@@ -26,6 +29,26 @@ def backend(request):
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention
 NUM_BLOCKS = 128
 SCALE = HEAD_DIM ** -0.5
+NATIVE_DTYPES = [torch.float32, torch.float16, torch.int8]
+
+
+def random_cache(shape: tuple[int, int, int, int], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """A cache [blocks, block_size, kv_heads, D] of random values; int8: each row D codes in
+    [-127, 127] and then a float32 scale's 4 bytes per block of 32 (values about N(0, 1))."""
+    if dtype != torch.int8:
+        return torch.randn(shape, generator=g).to(dtype)
+    *lead, D = shape
+    codes = torch.randint(-127, 128, (*lead, D), generator=g, dtype=torch.int8)
+    scales = (torch.rand(*lead, D // 32, generator=g) * 0.02 + 0.005).float()
+    return torch.cat((codes, scales.view(torch.int8)), dim=-1).contiguous()
+
+
+def cache_values(cache: torch.Tensor, D: int) -> torch.Tensor:
+    """The float32 values a cache holds, [..., D]: an int8 row's blocks of 32 codes times their scales."""
+    if cache.dtype != torch.int8:
+        return cache.float()
+    scales = cache[..., D:].contiguous().view(torch.float32)  # [..., D / 32]
+    return (cache[..., :D].float().unflatten(-1, (D // 32, 32)) * scales[..., None]).flatten(-2)
 
 
 class PagedKV:
@@ -37,15 +60,14 @@ class PagedKV:
         self.backend = backend
         g = torch.Generator().manual_seed(seed)
         shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
-        self.k_cache, self.v_cache = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+        self.k_cache, self.v_cache = (random_cache(shape, dtype, g) for _ in range(2))
         free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
         self.tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in context_lens]
         self.q = [torch.randn(n, HEADS, HEAD_DIM, generator=g) for n in context_lens]
 
     def kv(self, seq: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         slots = torch.tensor([self.tables[seq][p // BLOCK] * BLOCK + p % BLOCK for p in positions])
-        flat = (-1, KV_HEADS, HEAD_DIM)
-        return self.k_cache.view(flat)[slots], self.v_cache.view(flat)[slots]
+        return tuple(cache_values(c.view(-1, KV_HEADS, c.shape[-1])[slots], HEAD_DIM) for c in (self.k_cache, self.v_cache))
 
     def batch(self, chunks: list[tuple[int, int, int]]):
         """(seq, context length after the step, query length) per sequence -> backend inputs."""
@@ -144,7 +166,7 @@ def test_lone_row_on_consecutive_blocks_reads_them_in_place_with_the_same_result
 
 
 @native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_prefill_rows_do_not_depend_on_their_batch(threads, dtype):
     """The kernel computes every query token from its own causal context: a prefill chunk's
@@ -163,7 +185,7 @@ def test_native_prefill_rows_do_not_depend_on_their_batch(threads, dtype):
 
 
 @native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
 def test_native_rows_over_several_spans_of_chunks(dtype):
     """Long contexts: a work item merges a span of up to four 64-key chunks, and a token's spans
     are merged at the end. A prefill chunk whose tokens end on both sides of a span boundary (8
@@ -180,7 +202,7 @@ def test_native_rows_over_several_spans_of_chunks(dtype):
 
 @native
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
 def test_native_decode_batch_of_many_spans(threads, dtype):
     """A decode batch with spans enough that a thread claims a span's heads together and
     prefetches the next span's rows from inside the current one's loops: against float64."""
@@ -217,7 +239,60 @@ def test_native_backend_writes_new_kv_and_skips_padding(dtype):
 
 
 @native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("variant", cpu_native.supported_variants())
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
+def test_native_caches_on_every_build(variant, dtype, monkeypatch):
+    """Each instruction set's build (an AVX-512 machine runs the AVX2 one too: transposed float32
+    tiles of the keys instead of 16-lane sums) against float64 over the values the cache holds:
+    decode rows and a prefill chunk over a cached prefix."""
+    monkeypatch.setattr(cpu_native, "_lib", cpu_native.load(variant))
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    kv = PagedKV(CONTEXTS, seed=5, backend=CpuAttentionBackend, dtype=dtype)
+    chunks = [(0, 37, 1), (3, 130, 1), (4, 48, 20), (6, 100, 1)]
+    for (seq, ctx, q_len), out in zip(chunks, kv.attend(chunks)):
+        torch.testing.assert_close(out, kv.reference(seq, ctx, q_len), atol=1e-5, rtol=1e-5)
+
+
+@native
+def test_native_int8_cache_rows_are_rounded_codes_and_a_scale():
+    """tl_kv_write into an int8 cache: each block of 32 of a (token, KV head) row becomes
+    round-to-nearest-even of x * (127 / max|x|), and the row's codes are followed by the blocks'
+    max|x| / 127 as float32 bytes (computed here in torch); a block of zeros gets scale 0; slot
+    -1 stays unwritten."""
+    kv = PagedKV([20], backend=CpuAttentionBackend, dtype=torch.int8)
+    q, k, v, meta = kv.batch([(0, 20, 5)])
+    k_new, v_new = torch.randn_like(k) * 3, torch.randn_like(v)
+    k_new[2, 1, :32] = 0.0  # a block of zeros
+    v_new[3, 0, 5] = 50.0  # an outlier sets its row's scale
+    meta.slot_mapping = meta.slot_mapping.clone()
+    meta.slot_mapping[1] = -1
+    k_before = kv.k_cache.clone()
+    CpuAttentionBackend().forward(q, k_new, v_new, kv.k_cache, kv.v_cache, meta, SCALE)
+    width = HEAD_DIM + HEAD_DIM // 32 * 4
+    for new, cache in ((k_new, kv.k_cache), (v_new, kv.v_cache)):
+        blocks = new.unflatten(-1, (HEAD_DIM // 32, 32))
+        amax = blocks.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        codes = torch.round(blocks * inv).to(torch.int8).flatten(-2)
+        scales = (amax / 127.0).float().squeeze(-1)
+        flat = cache.view(-1, KV_HEADS, width)
+        for i, slot in enumerate(meta.slot_mapping.tolist()):
+            if slot < 0:
+                continue
+            assert torch.equal(flat[slot, :, :HEAD_DIM], codes[i])
+            assert torch.equal(flat[slot, :, HEAD_DIM:].contiguous().view(torch.float32), scales[i])
+    zero_row = kv.k_cache.view(-1, KV_HEADS, width)[meta.slot_mapping[2], 1]
+    assert zero_row[:32].abs().sum() == 0 and zero_row[HEAD_DIM:HEAD_DIM + 4].abs().sum() == 0
+    skipped = kv.tables[0][16 // BLOCK] * BLOCK + 16 % BLOCK  # position 16 is the chunk's second token
+    assert torch.equal(kv.k_cache.view(-1, KV_HEADS, width)[skipped], k_before.view(-1, KV_HEADS, width)[skipped])
+    # and the values read back are within half a code of what was written
+    back = cache_values(kv.v_cache.view(-1, KV_HEADS, width)[meta.slot_mapping[0]], HEAD_DIM)
+    step = v_new[0].unflatten(-1, (HEAD_DIM // 32, 32)).abs().amax(-1, keepdim=True) / 127
+    assert ((back - v_new[0]).unflatten(-1, (HEAD_DIM // 32, 32)).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
+@native
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (8, 2, 128), (12, 2, 64), (16, 2, 64), (10, 2, 64),
                                                      (6, 2, 256), (4, 2, 40), (2, 1, 272)],
                          ids=["mha", "gqa4-d128", "gqa6", "gqa8", "gqa5", "gqa3-d256", "d40", "d272"])
@@ -225,15 +300,17 @@ def test_native_shapes_match_float64_attention(heads, kv_heads, head_dim, dtype)
     """Other group sizes and head sizes than SmolLM2's: head dims that are and are not a
     multiple of 16 (the AVX-512 kernel's vectors), groups that take one to four heads per pass
     over V and whose q . k runs in sets of one to four heads, a head dim past 256, decode rows and a prefill chunk over a cached prefix."""
+    if dtype == torch.int8 and head_dim % 32:
+        pytest.skip("an int8 cache needs head_dim % 32 == 0 (refused by resolve_kv_cache_dtype)")
     g = torch.Generator().manual_seed(7)
     block, num_blocks = 16, 40
     shape = (num_blocks, block, kv_heads, head_dim)
-    k_cache, v_cache = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    k_cache, v_cache = (random_cache(shape, dtype, g) for _ in range(2))
     contexts, q_lens = [70, 5, 130], [1, 5, 9]
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[free.pop() for _ in range(-(-n // block))] for n in contexts]
     slots = [tables[s][p // block] * block + p % block for s, n in enumerate(contexts) for p in range(n - q_lens[s], n)]
-    flat = lambda c: c.view(-1, kv_heads, head_dim)  # noqa: E731
+    flat = lambda c: cache_values(c.view(-1, kv_heads, c.shape[-1]), head_dim)  # noqa: E731
     k, v = flat(k_cache)[slots].float(), flat(v_cache)[slots].float()
     q = torch.randn(len(slots), heads, head_dim, generator=g)
     width = max(map(len, tables))

@@ -1,5 +1,8 @@
 """CpuAttentionBackend: paged attention on the CPU with tallow's own kernels: float32 queries
-and outputs, a float32 or float16 KV cache (float16: K and V rounded to nearest on write).
+and outputs, a float32, float16 or int8 KV cache (float16: K and V rounded to nearest on write;
+int8: each (token, KV head) row of K or V as head_dim codes, blocks of 32 of them round(x * 127 /
+max|x|), followed by each block's scale max|x| / 127 in 4 bytes of float32: llama.cpp's q8_0
+blocks with float32 scales, 0.56x a float16 cache's bytes, which attention reads at every step).
 
 One call per layer writes the step's K/V into the cache (tl_kv_write) and one computes
 every query token's causal attention over its sequence's blocks in place (tl_paged_attention:
@@ -19,6 +22,24 @@ from tallow.attention.metadata import AttentionMetadata
 from tallow.ops import cpu_native
 
 
+INT8_BLOCK = 32  # an int8 cache row's codes per float32 scale (the scales follow the head_dim codes)
+CACHE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # the kernels' KV_F32, KV_F16, KV_I8
+
+
+def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one (token, KV head) row of a cache of `dtype`: the last dim of its
+    [num_blocks, block_size, num_kv_heads, width] tensor (int8: head_dim % 32 == 0)."""
+    return head_dim + head_dim // INT8_BLOCK * 4 if dtype == torch.int8 else head_dim
+
+
+def cache_format(cache: torch.Tensor) -> int:
+    """The kernels' format code of a KV cache tensor."""
+    fmt = CACHE_FORMATS.get(cache.dtype)
+    if fmt is None:
+        raise ValueError(f"a {cache.dtype} KV cache is not read by tallow's CPU kernels")
+    return fmt
+
+
 class CpuAttentionBackend:
     supports_sliding_window = True
 
@@ -35,23 +56,25 @@ class CpuAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotated), rows at any
-        stride, heads contiguous; caches [num_blocks, block_size, num_kv_heads, head_dim].
+        stride, heads contiguous; caches [num_blocks, block_size, num_kv_heads, cache_head_width].
         sliding_window: each token attends to its last `sliding_window` positions only."""
         T, H, D = q.shape
         kv_heads = k_cache.shape[2]
         for t in (q, k, v):
             assert t.stride(1) == D and t.stride(2) == 1, "heads must be contiguous"
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype in (torch.float32, torch.float16)
-        half = int(k_cache.dtype == torch.float16)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+        assert k_cache.shape[3] == cache_head_width(D, k_cache.dtype), "cache rows must hold head_dim"
+        assert k_cache.dtype != torch.int8 or D % INT8_BLOCK == 0, "an int8 cache's head_dim is a multiple of 32"
+        fmt = cache_format(k_cache)
         lib = self._lib
         lib.tl_kv_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), T, kv_heads, D,
-                        meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), half)
+                        meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), fmt)
         out = q.new_empty(T, H, D)
         tables = meta.block_tables
         if lib.tl_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), H * D, k_cache.data_ptr(),
                                   v_cache.data_ptr(), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
                                   tables.data_ptr(), tables.stride(0), meta.seq_lens.shape[0], H, kv_heads, D,
-                                  k_cache.shape[1], scale, half, sliding_window or 0, torch.get_num_threads()):
+                                  k_cache.shape[1], scale, fmt, sliding_window or 0, torch.get_num_threads()):
             raise MemoryError("paged attention: out of memory for its workspace")
         return out
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tallow.attention.cpu_backend import cache_head_width
 from tallow.attention.metadata import AttentionMetadata
 from tallow.config import EngineConfig
 from tallow.distributed.step_channel import StepChannel, StepInputs
@@ -113,7 +114,8 @@ def _dropped_row():
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
+    width = cache_head_width(cfg.head_dim, dtype)  # an int8 row carries its scale
+    return cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size * width // cfg.head_dim
 
 
 def available_host_memory() -> int:
@@ -203,8 +205,8 @@ class ModelRunner:
             model_config, parallel.rank, parallel.world_size)
         # Rank 0 of a tensor-parallel group sends each step's inputs to the others.
         self.step_channel = StepChannel(parallel.control_group) if parallel is not None and parallel.is_first else None
-        shape = (num_blocks, block_size, shard.num_kv_heads, model_config.head_dim)
         kv_dtype = kv_dtype or dtype
+        shape = (num_blocks, block_size, shard.num_kv_heads, cache_head_width(model_config.head_dim, kv_dtype))
         self.kv_caches = [(zeroed_cache(shape, kv_dtype, device), zeroed_cache(shape, kv_dtype, device))
                           for _ in range(model_config.num_hidden_layers)]
         self.sampler = Sampler(model_config.vocab_size, device)

@@ -21,6 +21,7 @@ import ctypes
 
 import torch
 
+from tallow.attention.cpu_backend import cache_format
 from tallow.attention.metadata import AttentionMetadata
 from tallow.ops import cpu_native, gelu_tanh_and_mul, silu_and_mul
 
@@ -51,7 +52,7 @@ class _Layer(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("T", ctypes.c_int), ("B", ctypes.c_int), ("block_size", ctypes.c_int), ("kv_half", ctypes.c_int),
+    _fields_ = [("T", ctypes.c_int), ("B", ctypes.c_int), ("block_size", ctypes.c_int), ("kv_fmt", ctypes.c_int),
                 ("bt_stride", ctypes.c_long),
                 ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
                 ("query_start_loc", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
@@ -169,7 +170,7 @@ class FusedCpuLayers:
         tables = meta.block_tables
         assert positions.dtype == meta.slot_mapping.dtype == torch.int64 and tables.dtype == torch.int32
         assert tables.stride(1) == 1 and meta.query_start_loc.is_contiguous() and meta.seq_lens.is_contiguous()
-        step = _Step(T, meta.seq_lens.shape[0], kv_caches[0][0].shape[1], int(kv_caches[0][0].dtype == torch.float16),
+        step = _Step(T, meta.seq_lens.shape[0], kv_caches[0][0].shape[1], cache_format(kv_caches[0][0]),
                      tables.stride(0), positions.data_ptr(),
                      meta.slot_mapping.data_ptr(), cos_sin_cache.data_ptr(), meta.query_start_loc.data_ptr(),
                      meta.seq_lens.data_ptr(), tables.data_ptr(), *(p.data_ptr() for p in parts))

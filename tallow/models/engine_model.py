@@ -52,7 +52,8 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
         from tallow.models.fp8 import require_fp8_device
 
         require_fp8_device(device, "quantization 'fp8'", "quantization")
-    if config.kv_cache_dtype in FP8_KV_NAMES and device.type != "cuda":
+    if ((config.kv_cache_dtype in FP8_KV_NAMES and device.type != "cuda")
+            or (config.kv_cache_dtype in INT8_KV_NAMES and device.type != "cpu")):
         resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.quantization, 0)  # raises
     if loaded is None:
         # The default's Q4_1 / Q8_0 blocks are the int4 scheme's layers bit for bit: loaded in
@@ -103,6 +104,7 @@ def resolve_kv_cache_scale(value: str | float) -> float | None:
 
 
 FP8_KV_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
+INT8_KV_NAMES = ("int8", "q8_0")
 FP8_LARGE_BATCH_PATHS = ("weight_only", "w8a8", "scaled_mm")
 
 
@@ -131,7 +133,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     """The KV cache's dtype. "auto": float16 on the CPU where tallow's kernels run a float32
     model with int4/int8 weights (attention reads half the bytes; K and V round to float16's
     11 significant bits, as llama.cpp's default cache does), else the model's dtype. A named
-    dtype must be the model's, or float16 on the CPU with tallow's attention kernels."""
+    dtype must be the model's, or float16 or int8 on the CPU with tallow's attention kernels
+    ("int8", alias "q8_0": blocks of 32 codes and a scale, 0.56x float16's bytes, as llama.cpp's
+    `-ctk q8_0 -ctv q8_0`; head_dim a multiple of 32)."""
     from tallow.attention.cpu_backend import CpuAttentionBackend
 
     if name in FP8_KV_NAMES:
@@ -140,13 +144,20 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
                               f"(CUDA); not on {device.type}", param="kv_cache_dtype")
         return torch.float8_e4m3fn
     native = device.type == "cpu" and CpuAttentionBackend.supports(model_dtype, head_dim)
+    if name in INT8_KV_NAMES:
+        if not native or head_dim % 32:
+            where = (f"on {device.type}" if device.type != "cpu" else
+                     f"for this model (dtype {str(model_dtype).removeprefix('torch.')}, head_dim {head_dim})")
+            raise TallowError(f"kv_cache_dtype {name!r}: an int8 KV cache is read by tallow's CPU attention kernels "
+                              f"(float32 models, head_dim a multiple of 32), not {where}", param="kv_cache_dtype")
+        return torch.int8
     if name == "auto":
         quantized = quantization in ("auto", "int4", "int8")
         return torch.float16 if native and quantized else model_dtype
     dtype = resolve_dtype(name, device)
     if dtype != model_dtype and not (native and dtype == torch.float16):
         raise TallowError(f"kv_cache_dtype {name!r}: the cache holds the model's dtype "
-                          f"({str(model_dtype).removeprefix('torch.')}), or float16 on the CPU with tallow's kernels",
+                          f"({str(model_dtype).removeprefix('torch.')}), or float16 or int8 on the CPU with tallow's kernels",
                           param="kv_cache_dtype")
     return dtype
 

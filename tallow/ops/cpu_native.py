@@ -36,7 +36,7 @@ from tallow.ops import cpu_build
 log = logging.getLogger(__name__)
 
 VARIANTS = cpu_build.VARIANTS
-ABI_VERSION = 13
+ABI_VERSION = 14
 # The OpenMP entry points gcc's code calls: the kernels must find torch's definitions of them.
 OPENMP_SYMBOLS = ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")
 

@@ -30,19 +30,23 @@ static inline __attribute__((always_inline)) void transpose8x8(__m256 r[8]) {
     r[6] = _mm256_permute2f128_ps(u2, u6, 0x31), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// The chunk's n keys (rows at element off[j] of the cache, float16 where half) as float32
-// columns: kt[d * ATT_CHUNK + j] for j < n rounded up to 8, zeros past n.
-static void keys_transposed(const void *k_cache, int half, const size_t *off, int n, int D, float *kt) {
-    for (int j0 = 0; j0 < n; j0 += 8)
+// The chunk's n keys (rows at element off[j] of the cache, format fmt: KV_*) as float32
+// columns: kt[d * ATT_CHUNK + j] for j < n rounded up to 8, zeros past n (an int8 row: its codes
+// times their blocks' scales).
+static void keys_transposed(const void *k_cache, int fmt, const size_t *off, int n, int D, float *kt) {
+    for (int j0 = 0; j0 < n; j0 += 8) {
         for (int d0 = 0; d0 < D; d0 += 8) {
             __m256 r[8];
             for (int i = 0; i < 8; i++)
-                r[i] = j0 + i >= n ? _mm256_setzero_ps()
-                       : half     ? half8((const uint16_t *)k_cache + off[j0 + i] + d0)
-                                  : _mm256_loadu_ps((const float *)k_cache + off[j0 + i] + d0);
+                r[i] = j0 + i >= n     ? _mm256_setzero_ps()
+                       : fmt == KV_I8  ? _mm256_mul_ps(int8x8((const int8_t *)k_cache + off[j0 + i] + d0),
+                                                       _mm256_set1_ps(kv_block_scale(k_cache, off[j0 + i], D, d0 / KV_I8_BLOCK)))
+                       : fmt == KV_F16 ? half8((const uint16_t *)k_cache + off[j0 + i] + d0)
+                                       : _mm256_loadu_ps((const float *)k_cache + off[j0 + i] + d0);
             transpose8x8(r);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (size_t)(d0 + i) * ATT_CHUNK + j0, r[i]);
         }
+    }
 }
 
 // s[r * ATT_CHUNK + j] = scale * (q[r] . k_j) for the R rows and the keys of vectors 0 .. nv-1,

@@ -30,10 +30,14 @@ static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 *a) {
                          _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// 16 elements of a V row at element i (vhalf: float16).
-static inline __attribute__((always_inline)) __m512 v16(const void *v, size_t i, int vhalf) {
-    return vhalf ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i)))
-                 : _mm512_loadu_ps((const float *)v + i);
+// Elements i .. i + 15 of the K or V row at element off of a cache of format fmt (KV_*; int8:
+// the codes times their block's scale, which starts D bytes into the row).
+static inline __attribute__((always_inline)) __m512 v16(const void *v, size_t off, size_t i, int fmt, int D) {
+    if (fmt == KV_I8)
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)v + off + i)))),
+                             _mm512_set1_ps(kv_block_scale(v, off, D, (int)(i / KV_I8_BLOCK))));
+    return fmt == KV_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + off + i)))
+                         : _mm512_loadu_ps((const float *)v + off + i);
 }
 
 #define ATT_GROUP_BATCH 8  // heads whose exponentials run in one loop
@@ -48,7 +52,7 @@ static inline __attribute__((always_inline)) __m512 v16(const void *v, size_t i,
 // tree, which sums every input the same way wherever it sits; so a score's bits do not depend on
 // hg. Inlined with constant hg.
 static inline __attribute__((always_inline)) void qk_heads(const float *q, int D, const void *k, const size_t *off,
-                                                            int half, int n, int hg, float scale, float *s,
+                                                            int fmt, int n, int hg, float scale, float *s,
                                                             att_prefetch *pf) {
     const int w = D / 16, kpr = 16 / hg;
     for (int j0 = 0; j0 < n; j0 += kpr) {
@@ -60,10 +64,10 @@ static inline __attribute__((always_inline)) void qk_heads(const float *q, int D
         for (int j = 0; j < kpr; j++) {  // (constant bounds: a[] stays in registers)
             if (j >= nk) continue;
             __m512 x[4];
-            __m512 kv = v16(k, off[j0 + j], half);
+            __m512 kv = v16(k, off[j0 + j], 0, fmt, D);
             for (int h = 0; h < hg; h++) x[h] = _mm512_mul_ps(_mm512_loadu_ps(q + (size_t)h * D), kv);
             for (int i = 1; i < w; i++) {
-                kv = v16(k, off[j0 + j] + 16 * (size_t)i, half);
+                kv = v16(k, off[j0 + j], 16 * (size_t)i, fmt, D);
                 for (int h = 0; h < hg; h++) x[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (size_t)h * D + 16 * i), kv, x[h]);
             }
             for (int h = 0; h < hg; h++) a[perm16[h * kpr + j]] = x[h];
@@ -81,7 +85,7 @@ static inline __attribute__((always_inline)) void qk_heads(const float *q, int D
 
 // One pass of the weighted V sum for hg heads (g0 ..), the accumulators in registers:
 // part[g].out[i0 * 16 ..] for wi vectors of the row. Inlined with constant hg and wi.
-static inline __attribute__((always_inline)) void pv_pass(const void *v, const size_t *voff, int vhalf, int n,
+static inline __attribute__((always_inline)) void pv_pass(const void *v, const size_t *voff, int fmt, int D, int n,
                                                            const float *p, int hg, int i0, int wi, float *out,
                                                            size_t part_len, att_prefetch *pf) {
     __m512 acc[PV_REGS];
@@ -89,7 +93,7 @@ static inline __attribute__((always_inline)) void pv_pass(const void *v, const s
     for (int j = 0; j < n; j++) {
         pf_drain(pf, PF_LINES_PV);
         for (int i = 0; i < wi; i++) {
-            const __m512 vi = v16(v, voff[j] + 16 * (size_t)(i0 + i), vhalf);
+            const __m512 vi = v16(v, voff[j], 16 * (size_t)(i0 + i), fmt, D);
             for (int g = 0; g < hg && g * wi + i < PV_REGS; g++)  // (hg * wi <= PV_REGS: the bound is for gcc)
                 acc[g * wi + i] = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)g * ATT_CHUNK + j]), vi, acc[g * wi + i]);
         }
@@ -100,10 +104,10 @@ static inline __attribute__((always_inline)) void pv_pass(const void *v, const s
 }
 
 // One token's group heads q[g] over one chunk of n <= ATT_CHUNK keys (K rows at element off[j] of
-// the cache, float16 where half): its scores as exp(score - max) at scores[g * ATT_CHUNK + j],
+// the cache, format fmt): its scores as exp(score - max) at scores[g * ATT_CHUNK + j],
 // and part[g] = {max, sum} (the outputs come from attend_values16).
 static inline __attribute__((always_inline)) void attend_scores16(const float *q, int group, int D, float scale,
-                                                                   const void *k, const size_t *off, int half, int n,
+                                                                   const void *k, const size_t *off, int fmt, int n,
                                                                    float *scores, float *part, att_prefetch *pf) {
     const size_t part_len = (size_t)D + 2;
     // q . k: up to four heads at a time (each K row loaded and converted once for them), 16 / hg
@@ -111,10 +115,10 @@ static inline __attribute__((always_inline)) void attend_scores16(const float *q
     for (int g = 0; g < group;) {
         const int hg = group - g >= 4 ? 4 : group - g;
         switch (hg) {  // constant head counts: the accumulators stay in registers
-            case 1: qk_heads(q + (size_t)g * D, D, k, off, half, n, 1, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
-            case 2: qk_heads(q + (size_t)g * D, D, k, off, half, n, 2, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
-            case 3: qk_heads(q + (size_t)g * D, D, k, off, half, n, 3, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
-            default: qk_heads(q + (size_t)g * D, D, k, off, half, n, 4, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
+            case 1: qk_heads(q + (size_t)g * D, D, k, off, fmt, n, 1, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
+            case 2: qk_heads(q + (size_t)g * D, D, k, off, fmt, n, 2, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
+            case 3: qk_heads(q + (size_t)g * D, D, k, off, fmt, n, 3, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
+            default: qk_heads(q + (size_t)g * D, D, k, off, fmt, n, 4, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
         }
         g += hg;
     }
@@ -152,10 +156,10 @@ static inline __attribute__((always_inline)) void attend_scores16(const float *q
 }
 
 // out[r] = sum_j p[r][j] v_j for `rows` rows over the same n keys (probabilities at p + r *
-// ATT_CHUNK, outputs at out + r * part_len; V rows at element off[j], float16 where half): passes
+// ATT_CHUNK, outputs at out + r * part_len; V rows at element off[j], format fmt): passes
 // over the V rows for as many rows as the registers hold (the heads of one token or of several
 // that read the same keys: each row's sum in the same order either way).
-static inline __attribute__((always_inline)) void attend_values16(const void *v, const size_t *off, int half, int n,
+static inline __attribute__((always_inline)) void attend_values16(const void *v, const size_t *off, int fmt, int n,
                                                                    const float *p, int rows, int D, float *out,
                                                                    size_t part_len, att_prefetch *pf) {
     const int w = D / 16;
@@ -166,16 +170,16 @@ static inline __attribute__((always_inline)) void attend_values16(const void *v,
         float *o = out + (size_t)r0 * part_len;
         if (w > PV_REGS) {  // D beyond 384: one row at a time, in parts
             for (int i0 = 0; i0 < w; i0 += PV_REGS)
-                pv_pass(v, off, half, n, pr, 1, i0, w - i0 < PV_REGS ? w - i0 : PV_REGS, o, part_len, pf);
+                pv_pass(v, off, fmt, D, n, pr, 1, i0, w - i0 < PV_REGS ? w - i0 : PV_REGS, o, part_len, pf);
             continue;
         }
         switch (hg) {  // constant row counts: the accumulators stay in registers
-            case 1: pv_pass(v, off, half, n, pr, 1, 0, w, o, part_len, pf); break;
-            case 2: pv_pass(v, off, half, n, pr, 2, 0, w, o, part_len, pf); break;
-            case 3: pv_pass(v, off, half, n, pr, 3, 0, w, o, part_len, pf); break;
-            case 4: pv_pass(v, off, half, n, pr, 4, 0, w, o, part_len, pf); break;
-            case 5: pv_pass(v, off, half, n, pr, 5, 0, w, o, part_len, pf); break;
-            default: pv_pass(v, off, half, n, pr, 6, 0, w, o, part_len, pf); break;
+            case 1: pv_pass(v, off, fmt, D, n, pr, 1, 0, w, o, part_len, pf); break;
+            case 2: pv_pass(v, off, fmt, D, n, pr, 2, 0, w, o, part_len, pf); break;
+            case 3: pv_pass(v, off, fmt, D, n, pr, 3, 0, w, o, part_len, pf); break;
+            case 4: pv_pass(v, off, fmt, D, n, pr, 4, 0, w, o, part_len, pf); break;
+            case 5: pv_pass(v, off, fmt, D, n, pr, 5, 0, w, o, part_len, pf); break;
+            default: pv_pass(v, off, fmt, D, n, pr, 6, 0, w, o, part_len, pf); break;
         }
     }
 }

@@ -40,7 +40,7 @@
 
 #define QK 32
 
-int tl_abi_version(void) { return 13; }
+int tl_abi_version(void) { return 14; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -50,8 +50,9 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-// 8 float16 values as float32 (F16C).
+// 8 float16 values as float32 (F16C); 8 int8 values as float32.
 static inline __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256 int8x8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 
 // The int16 pair (x[0], x[1]) in every 32-bit lane: the activation operand of madd against
 // weight vectors with one channel per lane (linear_avx2.h, linear_gguf.h's AVX2 loops).
@@ -443,7 +444,24 @@ void tl_rotary(float *x, int T, int heads, int D, long row_stride, const int64_t
     }
 }
 
-// ---- paged attention: float32 queries, a float32 or float16 KV cache --------------------------
+// ---- paged attention: float32 queries, a float32, float16 or int8 KV cache ---------------------
+
+// The caches' formats (tl_kv_write's and tl_paged_attention's `fmt`). KV_I8: each (token, KV head)
+// row is D int8 codes, then a float32 scale (4 bytes) per block of KV_I8_BLOCK codes: a block's
+// codes are q = round(x * 127 / max|x|) (nearest even) and its scale max|x| / 127, so x ~ q *
+// scale (llama.cpp's q8_0 blocks, with float32 scales). A row is D + D / 8 bytes (D % 32 == 0),
+// the cache [blocks, block_size, kv_heads, D + D / 8] int8.
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
+#define KV_I8_BLOCK 32
+// elements from one (token, head) row of a cache to the next, and bytes an element
+static inline size_t kv_pitch(int D, int fmt) { return fmt == KV_I8 ? (size_t)D + (size_t)D / KV_I8_BLOCK * 4 : (size_t)D; }
+static inline size_t kv_esize(int fmt) { return fmt == KV_I8 ? 1 : fmt == KV_F16 ? 2 : 4; }
+// the scale of block b of the int8 row at element (byte) off
+static inline float kv_block_scale(const void *cache, size_t off, int D, int b) {
+    float sc;
+    memcpy(&sc, (const int8_t *)cache + off + D + 4 * (size_t)b, sizeof sc);
+    return sc;
+}
 
 // n floats to float16, rounded to nearest even (n % 8 == 0).
 static void to_half(const float *x, uint16_t *h, size_t n) {
@@ -451,10 +469,32 @@ static void to_half(const float *x, uint16_t *h, size_t n) {
         _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
 }
 
-// k/v [T, kv_heads, D] (row strides in floats) into the caches [blocks, block_size, kv_heads, D]
-// at slot_mapping[t] (negative: padding, skipped); half: the caches hold float16.
+// D floats (D % KV_I8_BLOCK == 0) to an int8 row: its blocks' codes, then their scales (KV_I8).
+static void to_int8_row(const float *x, int D, int8_t *dst) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < D / KV_I8_BLOCK; b++) {
+        const float *xb = x + b * KV_I8_BLOCK;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < KV_I8_BLOCK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float scale = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        for (int i = 0; i < KV_I8_BLOCK; i += 8) {
+            const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv));  // nearest even
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            _mm_storel_epi64((__m128i *)(dst + b * KV_I8_BLOCK + i), _mm_packs_epi16(w, w));
+        }
+        memcpy(dst + D + 4 * b, &scale, sizeof scale);
+    }
+}
+
+// k/v [T, kv_heads, D] (row strides in floats) into the caches [blocks, block_size, kv_heads,
+// kv_pitch] at slot_mapping[t] (negative: padding, skipped), in format fmt (KV_*: float16 rounded
+// to nearest even; int8 as to_int8_row).
 void tl_kv_write(const float *k, long k_stride, const float *v, long v_stride, int T, int kv_heads, int D,
-                 const int64_t *slot_mapping, void *k_cache, void *v_cache, int half) {
+                 const int64_t *slot_mapping, void *k_cache, void *v_cache, int fmt) {
     const size_t n = (size_t)kv_heads * D;
     // (a prompt's or a batch's rows in parallel, on the threads torch uses: each row's store is a
     // miss to memory, about 10 us a layer for 32 rows on one thread)
@@ -462,7 +502,13 @@ void tl_kv_write(const float *k, long k_stride, const float *v, long v_stride, i
     for (int t = 0; t < T; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        if (half) {
+        if (fmt == KV_I8) {
+            const size_t row = (size_t)kv_heads * kv_pitch(D, fmt);
+            for (int h = 0; h < kv_heads; h++) {
+                to_int8_row(k + t * k_stride + (size_t)h * D, D, (int8_t *)k_cache + slot * row + h * kv_pitch(D, fmt));
+                to_int8_row(v + t * v_stride + (size_t)h * D, D, (int8_t *)v_cache + slot * row + h * kv_pitch(D, fmt));
+            }
+        } else if (fmt == KV_F16) {
             to_half(k + t * k_stride, (uint16_t *)k_cache + slot * n, n);
             to_half(v + t * v_stride, (uint16_t *)v_cache + slot * n, n);
         } else {
@@ -472,11 +518,19 @@ void tl_kv_write(const float *k, long k_stride, const float *v, long v_stride, i
     }
 }
 
-// n float16 rows of D (at off[j] in cache) as float32 rows at dst + j * D (D % 8 == 0).
-static void gather_half(const uint16_t *cache, const size_t *off, int n, int D, float *dst) {
+// n float16 or int8 rows of D (at element off[j] of the cache, format fmt) as float32 rows at
+// dst + j * D (D % 8 == 0); an int8 row's codes times their blocks' scales.
+static void gather_rows(const void *cache, int fmt, const size_t *off, int n, int D, float *dst) {
     for (int j = 0; j < n; j++)
-        for (int i = 0; i < D; i += 8)
-            _mm256_storeu_ps(dst + (size_t)j * D + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cache + off[j] + i))));
+        if (fmt == KV_I8) {
+            for (int i = 0; i < D; i += 8)
+                _mm256_storeu_ps(dst + (size_t)j * D + i,
+                                 _mm256_mul_ps(int8x8((const int8_t *)cache + off[j] + i),
+                                               _mm256_set1_ps(kv_block_scale(cache, off[j], D, i / KV_I8_BLOCK))));
+        } else {
+            for (int i = 0; i < D; i += 8)
+                _mm256_storeu_ps(dst + (size_t)j * D + i, half8((const uint16_t *)cache + off[j] + i));
+        }
 }
 
 // Attention works on chunks of ATT_CHUNK context keys: one work item is (query block, KV head,
@@ -546,23 +600,24 @@ static void pf_flush(att_prefetch *pf) {
 #define ATT_PARTS_MAX ((size_t)4 << 20)  // floats of span results per slab of tokens (16 MB)
 
 // The keys j0 .. j0 + n - 1 (n <= ATT_CHUNK) of chunk c of token t's context, for KV head kvh:
-// their element offsets in the caches (off), whose lines are prefetched to L2 (K's, then V's):
+// their element offsets in the caches (off; P = kv_pitch: elements from one (token, head) row to
+// the next), whose lines are prefetched to L2 (K's, then V's):
 // whole 0, the head's; 1, every head's (the rows' kv_heads * D elements, one run of memory), for
 // a thread that runs the other heads of the same keys next; -1, none (they came with head 0's).
 // Returns n.
 static int chunk_rows(int t, int c, int kvh, const int *key0, const int *ctx, const int *seq,
-                      const int32_t *block_tables, long bt_stride, int block_size, int kv_heads, int D,
+                      const int32_t *block_tables, long bt_stride, int block_size, int kv_heads, size_t P,
                       const void *k_cache, const void *v_cache, size_t esize, int whole, size_t *off) {
     const int j0 = key0[t] + c * ATT_CHUNK;
     const int n = ctx[t] - j0 < ATT_CHUNK ? ctx[t] - j0 : ATT_CHUNK;
     const int32_t *table = block_tables + (size_t)seq[t] * bt_stride;
-    const size_t kv_row = (size_t)kv_heads * D;
+    const size_t kv_row = (size_t)kv_heads * P;
     for (int j = 0, b = j0 / block_size, slot = j0 % block_size; j < n; j++) {  // no division per row
-        off[j] = ((size_t)table[b] * block_size + slot) * kv_row + (size_t)kvh * D;
+        off[j] = ((size_t)table[b] * block_size + slot) * kv_row + (size_t)kvh * P;
         if (++slot == block_size) slot = 0, b++;
     }
     if (whole < 0) return n;
-    const size_t from = whole ? (size_t)kvh * D : 0, len = (whole ? kv_row : (size_t)D) * esize;
+    const size_t from = whole ? (size_t)kvh * P : 0, len = (whole ? kv_row : P) * esize;
     for (int j = 0; j < n; j++)
         for (size_t i = 0; i < len; i += 64) _mm_prefetch((const char *)k_cache + (off[j] - from) * esize + i, _MM_HINT_T1);
     for (int j = 0; j < n; j++)
@@ -589,7 +644,7 @@ static inline int chunk_keys(int t, int c, const int *key0, const int *ctx, int 
 // ci: token t's head g at row (t - tb) * group + g. Inlined with constant D.
 static inline __attribute__((always_inline)) void attend_block16(const float *q, long q_stride, int kvh, int group,
                                                                   int D, float scale, const void *k_cache,
-                                                                  const void *v_cache, const size_t *off, int half,
+                                                                  const void *v_cache, const size_t *off, int fmt,
                                                                   int tb, int te, int c, const int *key0,
                                                                   const int *ctx, int n_cur, float *scores,
                                                                   float *ci, att_prefetch *pf) {
@@ -597,14 +652,14 @@ static inline __attribute__((always_inline)) void attend_block16(const float *q,
     for (int t = tb; t < te; t++) {
         const int n = chunk_keys(t, c, key0, ctx, n_cur);
         const size_t r0 = (size_t)(t - tb) * group;
-        if (n) attend_scores16(q + t * q_stride + (size_t)kvh * group * D, group, D, scale, k_cache, off, half, n,
+        if (n) attend_scores16(q + t * q_stride + (size_t)kvh * group * D, group, D, scale, k_cache, off, fmt, n,
                                scores + r0 * ATT_CHUNK, ci + r0 * part_len, pf);
     }
     for (int t = tb, u; t < te; t = u) {
         const int n = chunk_keys(t, c, key0, ctx, n_cur);
         for (u = t + 1; u < te && chunk_keys(u, c, key0, ctx, n_cur) == n; u++) {}
         const size_t r0 = (size_t)(t - tb) * group;
-        if (n) attend_values16(v_cache, off, half, n, scores + r0 * ATT_CHUNK, (u - t) * group, D,
+        if (n) attend_values16(v_cache, off, fmt, n, scores + r0 * ATT_CHUNK, (u - t) * group, D,
                                ci + r0 * part_len + 2, part_len, pf);
     }
 }
@@ -629,13 +684,13 @@ static void locate_item(long item, int nblocks, const int *bt, const int *bspan,
 // K rows, then V rows, chunk by chunk); off: scratch for ATT_CHUNK offsets.
 static void pf_push_span(att_prefetch *pf, long item, int nblocks, const int *bt, const int *bspan, const int *nch,
                          const int *key0, const int *ctx, const int *seq, const int32_t *block_tables, long bt_stride,
-                         int block_size, int kv_heads, int D, const void *k_cache, const void *v_cache, size_t esize,
-                         size_t *off) {
+                         int block_size, int kv_heads, size_t P, const void *k_cache, const void *v_cache,
+                         size_t esize, size_t *off) {
     int blk, kvh, s, k;
     locate_item(item, nblocks, bt, bspan, nch, kv_heads, &blk, &kvh, &s, &k);
     for (int i = 0; i < k; i++) {
         const int n = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN + i, 0, key0, ctx, seq, block_tables, bt_stride,
-                                 block_size, kv_heads, D, k_cache, v_cache, esize, -1, off);
+                                 block_size, kv_heads, P, k_cache, v_cache, esize, -1, off);
         for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)k_cache + off[j] * esize;
         for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)v_cache + off[j] * esize;
     }
@@ -679,12 +734,12 @@ static void merge_parts(const float *p, size_t stride, int nc, int D, float *mx_
 // out [T, H, D] with row strides in floats (heads at stride D); sequence b owns tokens
 // query_start_loc[b] .. query_start_loc[b+1] - 1, the last of its seq_lens[b] context
 // tokens. window > 0 (a sliding-window layer): a token attends to its last `window` positions
-// only, itself included; the keys before are never read. The caches hold float32, or float16
-// where half is set. Returns 0, or -1 out of memory.
+// only, itself included; the keys before are never read. The caches hold float32, float16 or
+// int8 rows (fmt: KV_*, tl_kv_write's layout). Returns 0, or -1 out of memory.
 int tl_paged_attention(const float *q, long q_stride, float *out, long out_stride, const void *k_cache,
                        const void *v_cache, const int32_t *query_start_loc, const int32_t *seq_lens,
                        const int32_t *block_tables, long bt_stride, int B, int H, int kv_heads, int D,
-                       int block_size, float scale, int half, int window, int nthreads) {
+                       int block_size, float scale, int fmt, int window, int nthreads) {
     const int T = query_start_loc[B];
     const int group = H / kv_heads;
     const size_t part_len = (size_t)D + 2;
@@ -717,7 +772,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         return -1;
     }
     int failed = 0;
-    const size_t esize = half ? 2 : 4;
+    const size_t esize = kv_esize(fmt), P = kv_pitch(D, fmt);
     const int max_rows = ATT_QBLOCK * group;  // a block's rows (token, head) per KV head
     for (int t0 = 0, t1; t0 < T; t0 = t1) {
         // slab t0 .. t1 - 1: spans first[t] .. first[t + 1] - 1 of token t (from 0 at t0); query
@@ -761,9 +816,9 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             // before it starts.
             const int drip = claim > 1 && !tiles;
             att_prefetch pf = {drip ? (const char **)malloc(sizeof(char *) * 2 * ATT_SPAN * ATT_CHUNK) : NULL, 0, 0,
-                               (size_t)kv_heads * D * esize, 0};
+                               (size_t)kv_heads * P * esize, 0};
             // the tiles' K columns, then (from a float16 cache) V rows as float32: the conversion is exact
-            float *kt = tiles ? (float *)malloc(sizeof(float) * (half ? 2 : 1) * ATT_CHUNK * (size_t)D) : NULL;
+            float *kt = tiles ? (float *)malloc(sizeof(float) * (fmt != KV_F32 ? 2 : 1) * ATT_CHUNK * (size_t)D) : NULL;
             const int ok = scores && cpart && rows && off && (pf.row || !drip) && (kt || !tiles);
             if (!ok) {
 #pragma omp atomic write
@@ -775,7 +830,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             int blk = 0, kvh = 0, s = 0, k = 0, i = 0, n_cur = 0;  // chunk i of the item's k
             long cur = ok ? __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED) : items, ahead = items;
 #define PUSH_SPAN(item) pf_push_span(&pf, item, nblocks, bt, bspan, nch, lo, ctx, seq, block_tables, bt_stride, \
-                                     block_size, kv_heads, D, k_cache, v_cache, esize, off + 3 * ATT_CHUNK)
+                                     block_size, kv_heads, P, k_cache, v_cache, esize, off + 3 * ATT_CHUNK)
             if (ok) {
                 for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
                 if (cur < items) {
@@ -787,11 +842,11 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                         if (ahead < items) PUSH_SPAN(ahead);
                     }
                     n_cur = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN, kvh, lo, ctx, seq, block_tables, bt_stride,
-                                       block_size, kv_heads, D, k_cache, v_cache, esize,
+                                       block_size, kv_heads, P, k_cache, v_cache, esize,
                                        rows_fetch(claim, drip, kvh), off_cur);
                 }
             }
-            float *vrows = tiles && half ? kt + (size_t)ATT_CHUNK * D : NULL;
+            float *vrows = tiles && fmt != KV_F32 ? kt + (size_t)ATT_CHUNK * D : NULL;
             const float *vc = vrows ? vrows : (const float *)v_cache;
             while (cur < items) {
                 long next = cur;  // the item of the next chunk, and that chunk
@@ -811,21 +866,21 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                     if (next < items) locate_item(next, nblocks, bt, bspan, nch, kv_heads, &nblk, &nkvh, &ns, &nk);
                 }
                 const int n_next = next < items ? chunk_rows(bt[nblk + 1] - 1, ns * ATT_SPAN + ni, nkvh, lo, ctx, seq,
-                                                             block_tables, bt_stride, block_size, kv_heads, D, k_cache,
+                                                             block_tables, bt_stride, block_size, kv_heads, P, k_cache,
                                                              v_cache, esize, rows_fetch(claim, drip, nkvh), off_next)
                                                 : 0;
                 const int c = s * ATT_SPAN + i, tb = bt[blk];
                 const size_t *voff = vrows ? dense : off_cur;
                 if (tiles) {
-                    keys_transposed(k_cache, half, off_cur, n_cur, D, kt);
-                    if (vrows) gather_half((const uint16_t *)v_cache, off_cur, n_cur, D, vrows);
+                    keys_transposed(k_cache, fmt, off_cur, n_cur, D, kt);
+                    if (vrows) gather_rows(v_cache, fmt, off_cur, n_cur, D, vrows);
                 }
                 // chunk i's results of the block's rows (token t's head g at row (t - tb) * group + g)
                 float *ci = cpart + (size_t)i * max_rows * part_len;
                 int nrows = 0;
 #if ATTEND16
                 if (!tiles) {
-#define BLOCK16(d) attend_block16(q, q_stride, kvh, group, d, scale, k_cache, v_cache, off_cur, half, tb, \
+#define BLOCK16(d) attend_block16(q, q_stride, kvh, group, d, scale, k_cache, v_cache, off_cur, fmt, tb, \
                                   bt[blk + 1], c, lo, ctx, n_cur, scores, ci, drip ? &pf : NULL)
                     if (D == 64) BLOCK16(64);
                     else if (D == 128) BLOCK16(128);
@@ -921,7 +976,7 @@ typedef struct {
 } tl_layer;
 
 typedef struct {
-    int T, B, block_size, kv_half;  // kv_half: the KV cache holds float16
+    int T, B, block_size, kv_fmt;  // kv_fmt: the KV caches' format (KV_*)
     long bt_stride;
     const int64_t *positions, *slot_mapping;
     const float *cos_sin;
@@ -978,10 +1033,10 @@ int tl_llama_layer(const tl_layer *L, const tl_step *S, void *k_cache, void *v_c
     tl_rotary(S->qkv, T, L->heads + L->kv_heads, D, qkv_stride, S->positions, L->cos_sin ? L->cos_sin : S->cos_sin,
               nthreads);
     tl_kv_write(S->qkv + q_dim, qkv_stride, S->qkv + q_dim + kv_dim, qkv_stride, T, L->kv_heads, D, S->slot_mapping,
-                k_cache, v_cache, S->kv_half);
+                k_cache, v_cache, S->kv_fmt);
     if (tl_paged_attention(S->qkv, qkv_stride, S->attn, q_dim, k_cache, v_cache, S->query_start_loc, S->seq_lens,
                            S->block_tables, S->bt_stride, S->B, L->heads, L->kv_heads, D, S->block_size, L->scale,
-                           S->kv_half, L->window, nthreads))
+                           S->kv_fmt, L->window, nthreads))
         return -1;
     if (proj(&L->o, S->attn, T, h, nthreads)) return -1;
     if (L->pre_ff_norm) {  // sandwich: norm(attention output), then the residual add and the MLP's norm
