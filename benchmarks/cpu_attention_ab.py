@@ -71,7 +71,8 @@ def main() -> None:
                 scales = (torch.rand(nblocks + 1, bs, KV, D // 32, generator=g) * 0.02 + 0.005).float()
                 return torch.cat((codes, scales.view(torch.int8)), -1).contiguous()
 
-            caches = {tag: [(cache(dtypes[tag]), cache(dtypes[tag])) for _ in range(args.layers)] for tag in libs}
+            made = {d: [(cache(d), cache(d)) for _ in range(args.layers)] for d in set(dtypes.values())}
+            caches = {tag: made[dtypes[tag]] for tag in libs}  # one dtype: both sides read the same caches
             formats = {"float32": 0, "float16": 1, "int8": 2}
             table = (torch.randperm(nblocks, generator=g).to(torch.int32) + 1).view(S, per_seq).contiguous()
             q = torch.randn(S * T, H, D, generator=g)

@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="ceiling / decode pairs, alternated")
     ap.add_argument("--ceiling-only", action="store_true")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                    help="one engine per KV cache dtype (auto, int8, ...), each timed in every round, alternated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -135,33 +137,41 @@ def main() -> None:
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
         kernel = build_ceiling_kernel(tmp)
-        core = None
+        cores = {}
         if not args.ceiling_only:
-            core = make_core(model=args.model, device="cpu", max_num_seqs=args.batch, enable_prefix_caching=False,
-                             max_model_len=args.prompt_len + args.new_tokens + 16)
+            for kv in args.kv_cache_dtypes:
+                cores[kv] = make_core(model=args.model, device="cpu", max_num_seqs=args.batch,
+                                      enable_prefix_caching=False, max_model_len=args.prompt_len + args.new_tokens + 16,
+                                      kv_cache_dtype=kv)
+            core = next(iter(cores.values()))
             rng = random.Random(0)
             vocab = min(core.model_config.vocab_size, 10000)
             prompts = [[rng.randint(10, vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-            run_tallow(core, prompts, 8)  # warm-up: the KV pool's pages touched once
+            for c in cores.values():
+                run_tallow(c, prompts, 8)  # warm-up: the KV pool's pages touched once
             macs = decode_macs_per_token(core.model_config, args.prompt_len + args.new_tokens / 2)
         rows = []
         for r in range(args.rounds):
             row = {"round": r + 1, "ceiling_gmacs": ceiling_gmacs(kernel, threads)}
-            if core is not None:
-                _, rate = run_tallow(core, prompts, args.new_tokens)
-                row.update(decode_tok_s=rate, decode_gmacs=rate * macs / 1e9,
-                           of_ceiling=rate * macs / 1e9 / row["ceiling_gmacs"])
+            for kv in (list(cores) if r % 2 == 0 else list(cores)[::-1]):
+                _, rate = run_tallow(cores[kv], prompts, args.new_tokens)
+                tag = "" if len(cores) == 1 else f"_{kv}"
+                row.update({f"decode_tok_s{tag}": rate, f"decode_gmacs{tag}": rate * macs / 1e9,
+                            f"of_ceiling{tag}": rate * macs / 1e9 / row["ceiling_gmacs"]})
             rows.append(row)
             print(table([row], list(row)), flush=True)
     summary = {"ceiling_gmacs_median": statistics.median(r["ceiling_gmacs"] for r in rows)}
-    if core is not None:
-        summary.update(decode_tok_s_median=statistics.median(r["decode_tok_s"] for r in rows),
-                       of_ceiling_median=statistics.median(r["of_ceiling"] for r in rows),
-                       macs_per_token=macs, tok_s_at_60_percent=0.6 * summary["ceiling_gmacs_median"] * 1e9 / macs)
+    for kv in cores:
+        tag = "" if len(cores) == 1 else f"_{kv}"
+        summary.update({f"decode_tok_s_median{tag}": statistics.median(r[f"decode_tok_s{tag}"] for r in rows),
+                        f"of_ceiling_median{tag}": statistics.median(r[f"of_ceiling{tag}"] for r in rows)})
+    if cores:
+        summary.update(macs_per_token=macs, tok_s_at_60_percent=0.6 * summary["ceiling_gmacs_median"] * 1e9 / macs)
     print(f"\n{kernel.instruction().decode()} on {threads} threads; " +
           ", ".join(f"{k} {v:.4g}" for k, v in summary.items()))
     write_json(args.out, {"benchmark": "cpu_ceiling", "instruction": kernel.instruction().decode(),
                           "threads": threads, "batch": args.batch, "prompt_len": args.prompt_len,
+                          "kv_cache_dtypes": args.kv_cache_dtypes,
                           "new_tokens": args.new_tokens, "rounds": rows, "summary": summary})
 
 

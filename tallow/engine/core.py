@@ -86,9 +86,10 @@ class EngineCore:
             from tallow.ops import cpu_native
 
             kernels = f", CPU kernels {cpu_native.kernels_in_use()}"
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, quantization %s, tensor parallel %d%s, %.2fs",
-                 self.model_name, self.device, str(self.dtype).removeprefix("torch."), self.runner.num_blocks,
-                 config.block_size, self.quantization, config.tensor_parallel_size, kernels, self.load_seconds)
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%s), quantization %s, tensor parallel %d%s, "
+                 "%.2fs", self.model_name, self.device, str(self.dtype).removeprefix("torch."), self.runner.num_blocks,
+                 config.block_size, str(self.kv_dtype).removeprefix("torch."), self.quantization,
+                 config.tensor_parallel_size, kernels, self.load_seconds)
 
     def _start_workers(self, loaded):
         """Check that the model splits in tensor_parallel_size shards, then start the other ranks."""
