@@ -146,6 +146,7 @@ def test_async_prefix_cache_and_chunked_prefill(loaded):
     assert results[1][2] == 144 and results[1][4] == (len(a) + 16) // 16 * 16
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_async_abort_between_steps_frees_everything(loaded):
     core = make_core(loaded, async_scheduling=True)
     free0 = core.kv.num_free_blocks
@@ -169,6 +170,7 @@ def test_async_abort_between_steps_frees_everything(loaded):
     assert core.kv.num_free_blocks == free0
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_async_falls_back_to_sync_steps_for_penalties(loaded):
     tok = make_core(loaded).tokenizer
     ids = [tok.encode(p) for p in PROMPTS[:4]]

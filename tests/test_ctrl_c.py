@@ -45,6 +45,7 @@ def test_ctrl_c_when_idle(script, tmp_path):
         stop(proc)
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_ctrl_c_twice_with_a_stream_in_flight(script, tmp_path):
     log = open(tmp_path / "serve.log", "w+")
     proc, url = spawn_server(serve_args(script), log)
@@ -61,6 +62,7 @@ def test_ctrl_c_twice_with_a_stream_in_flight(script, tmp_path):
         stop(proc)
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_ctrl_c_while_the_model_loads(script, tmp_path):
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "tallow.testing", "serve", *serve_args(script),

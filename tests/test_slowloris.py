@@ -114,6 +114,7 @@ def test_a_connection_that_sends_nothing_is_closed(server):
     assert_timed_out(drip)
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_an_idle_keep_alive_connection_is_closed(server):
     sock = connect(server)
     body = json.dumps(CHAT).encode()
@@ -125,6 +126,7 @@ def test_an_idle_keep_alive_connection_is_closed(server):
     assert drip.received.startswith(b"HTTP/1.1 200")  # answered, then closed once idle
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_a_response_may_take_longer_than_the_read_timeout(server):
     reader = StreamReader(server, max_tokens=300)  # 300 steps of >= 10 ms: past the 1.5 s limit
     started = time.monotonic()

@@ -476,10 +476,11 @@ def test_min_tokens_logit_bias_and_refusals(plain_core, spec_core, prompts):
     assert after.get("request", 0) - before.get("request", 0) == 2
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 @pytest.mark.parametrize("penalties", [
     dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
-    pytest.param(dict(presence_penalty=0.8, frequency_penalty=0.6), marks=pytest.mark.slow),
-    pytest.param(dict(repetition_penalty=0.9, frequency_penalty=-0.5), marks=pytest.mark.slow)])
+    dict(presence_penalty=0.8, frequency_penalty=0.6),
+    dict(repetition_penalty=0.9, frequency_penalty=-0.5)])
 def test_penalties_per_draft_position_equal_plain(plain_core, spec_core, prompts, penalties):
     """Penalties count the output as of each draft position: the tokens of plain decoding
     (which, with penalties, break the loops that drafts feed on less often than not)."""
@@ -879,7 +880,8 @@ def random_draft(vocab: int) -> LoadedModel:
     return LoadedModel(model.config, model.eval().requires_grad_(False), None, {}, "random-draft")
 
 
-@pytest.mark.parametrize("which", ["self", pytest.param("random", marks=pytest.mark.slow)])
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
+@pytest.mark.parametrize("which", ["self", "random"])
 def test_draft_model_greedy_equals_plain(default_model, prompts, greedy_reference, which):
     """The default model drafting for itself (nearly every draft token accepted) and a random
     model of its vocabulary (nearly none): plain greedy decoding's tokens either way, with a

@@ -131,6 +131,7 @@ def test_tp2_matches_tp1_tokens_and_logits(model_dir):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=lambda m: f"step {step}: {m}")
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_tp2_prompt_logprobs_match_tp1(llama_dir):
     """Prompt-logprob rows travel with the logits indices: the workers gather the same LM-head
     slices, so TP=2 scores a chunked prompt as TP=1 does, next to a request that does not ask."""
@@ -157,6 +158,7 @@ def test_tp2_prompt_logprobs_match_tp1(llama_dir):
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_tp2_prefix_cache_hit_gives_the_same_output(model_dir):
     prefix = [(7 * i + 3) % 90 + 2 for i in range(41)]  # 10 full blocks and one token
     first, second = prefix + [17, 4], prefix + [25, 60, 9]
@@ -271,6 +273,7 @@ def test_preloaded_model_and_replay_fixture_are_refused(llama_dir, tmp_path):
         EngineCore(engine_config(f"replay:{tmp_path}/replies.json", tensor_parallel_size=2))
 
 
+@pytest.mark.slow  # fast-tier budget: CI runs it in the slow tier
 def test_async_engine_shutdown_stops_the_workers(llama_dir):
     engine = AsyncEngine(EngineCore(engine_config(llama_dir, tensor_parallel_size=2)))
     workers = engine.core.workers.processes
