@@ -48,7 +48,8 @@ class EngineConfig:
     # KV cache
     block_size: int = 16
     # "auto": float16 on the CPU where tallow's kernels run the model (int4/int8 weights: attention
-    # reads half the bytes), else the model's dtype; "float16" or the model's dtype by name.
+    # reads half the bytes), else the model's dtype; "float16" or the model's dtype by name;
+    # "int8" / "q8_0" on the CPU (int8 codes with a float32 scale per 32); "fp8" on CUDA.
     kv_cache_dtype: str = "auto"
     # "fp8" caches (float8_e4m3fn, CUDA): each layer's K and V scale, "1.0" as vLLM's default or
     # "calibrate" (amax of the first prefill's K / 200 and V / 100, as vLLM's calculate_kv_scales).
