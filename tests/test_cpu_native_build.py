@@ -100,6 +100,31 @@ def test_without_a_prebuilt_build_the_kernels_build_into_the_cache_on_first_use(
     assert kernels.tl_abi_version() == cpu_native.ABI_VERSION
 
 
+def test_a_new_build_prunes_the_variants_builds_used_least_lately(fresh, monkeypatch):
+    """Each change of the sources makes a new cached build: a new one deletes the variant's
+    builds beyond the KEEP_BUILDS used last (a load marks one used); other variants and files stay."""
+    prebuilt, cache = fresh
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(cpu_native, "KEEP_BUILDS", 3)
+    monkeypatch.setattr(cpu_build, "compiler", lambda: "cc")
+    monkeypatch.setattr(cpu_build, "build", lambda variant, out, **kw: open(out, "wb").close())  # (no compile)
+    old = [cache / f"tallow_cpu_{VARIANT}_{i:016x}.so" for i in range(5)]
+    for age, path in enumerate(old):  # old[0] the newest, old[4] the oldest
+        path.write_bytes(b"")
+        os.utime(path, (1e9 - age * 1000, 1e9 - age * 1000))
+    other = cache / "tallow_cpu_other_0000000000000000.so"
+    other.write_bytes(b"")
+    os.utime(other, (1.0, 1.0))
+    os.utime(old[3], None)  # used just now: kept over older-used ones
+    built = cpu_native.library_path(VARIANT)
+    assert os.path.exists(built)
+    left = set(os.listdir(cache))
+    assert left == {os.path.basename(built), old[3].name, old[0].name, other.name}
+    before = os.path.getmtime(old[0])
+    os.utime(built, (1.0, 1.0))
+    assert cpu_native.library_path(VARIANT) == built and os.path.getmtime(built) > before  # a load marks it used
+
+
 def test_neither_a_build_nor_a_compiler_logs_the_slow_torch_path(fresh, monkeypatch, caplog):
     monkeypatch.setattr(cpu_build, "compiler", lambda: None)
     with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import logging
 import os
 import subprocess
@@ -102,21 +103,48 @@ def _cache_dir() -> str:
     return os.path.join(_default_cache_dir(), "kernels")
 
 
+KEEP_BUILDS = 8  # cached builds of each variant kept (each change of the sources makes a new one)
+
+
 def library_path(variant: str) -> str:
     """The shared object of one build for the sources here: the one a wheel carries if it
     matches them, else the first-use build in the cache (compiled now if missing; raises
-    RuntimeError where there is no compiler)."""
+    RuntimeError where there is no compiler). A cached build is marked used (its mtime); a new
+    one prunes the variant's builds to the KEEP_BUILDS used last."""
     name = cpu_build.file_name(variant)
     prebuilt = os.path.join(cpu_build.PREBUILT_DIR, name)
     if os.path.exists(prebuilt):
         return prebuilt
     cached = os.path.join(_cache_dir(), name)
-    if not os.path.exists(cached):
-        if cpu_build.compiler() is None:
-            raise RuntimeError(f"no build of the kernels in the package ({cpu_build.PREBUILT_DIR}) and "
-                               "no C compiler (gcc or cc) on PATH to build them")
-        cpu_build.build(variant, cached)
+    if os.path.exists(cached):
+        try:
+            os.utime(cached)
+        except OSError:  # a read-only cache still serves
+            pass
+        return cached
+    if cpu_build.compiler() is None:
+        raise RuntimeError(f"no build of the kernels in the package ({cpu_build.PREBUILT_DIR}) and "
+                           "no C compiler (gcc or cc) on PATH to build them")
+    cpu_build.build(variant, cached)
+    prune_builds(variant, keep=cached)
     return cached
+
+
+def prune_builds(variant: str, keep: str) -> list[str]:
+    """Delete the variant's cached builds beyond the KEEP_BUILDS used last (never `keep`);
+    returns the paths deleted. (A process that has one loaded keeps its mapping.)"""
+    builds = sorted(glob.glob(os.path.join(_cache_dir(), f"tallow_cpu_{variant}_*.so")),
+                    key=lambda p: os.path.getmtime(p), reverse=True)
+    deleted = []
+    for path in builds[KEEP_BUILDS:]:
+        if path == keep:
+            continue
+        try:
+            os.remove(path)
+            deleted.append(path)
+        except OSError:
+            pass
+    return deleted
 
 
 # ---- one OpenMP runtime ---------------------------------------------------------------------------
