@@ -32,6 +32,11 @@ def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + head_dim // INT8_BLOCK * 4 if dtype == torch.int8 else head_dim
 
 
+def cache_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernels read a KV cache of `dtype` for this head_dim (int8: whole blocks of 32)."""
+    return dtype in CACHE_FORMATS and (dtype != torch.int8 or head_dim % INT8_BLOCK == 0)
+
+
 def cache_format(cache: torch.Tensor) -> int:
     """The kernels' format code of a KV cache tensor."""
     fmt = CACHE_FORMATS.get(cache.dtype)
@@ -63,8 +68,7 @@ class CpuAttentionBackend:
         for t in (q, k, v):
             assert t.stride(1) == D and t.stride(2) == 1, "heads must be contiguous"
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
-        assert k_cache.shape[3] == cache_head_width(D, k_cache.dtype), "cache rows must hold head_dim"
-        assert k_cache.dtype != torch.int8 or D % INT8_BLOCK == 0, "an int8 cache's head_dim is a multiple of 32"
+        assert cache_supported(k_cache.dtype, D) and k_cache.shape[3] == cache_head_width(D, k_cache.dtype)
         fmt = cache_format(k_cache)
         lib = self._lib
         lib.tl_kv_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), T, kv_heads, D,

@@ -136,7 +136,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     dtype must be the model's, or float16 or int8 on the CPU with tallow's attention kernels
     ("int8", alias "q8_0": blocks of 32 codes and a scale, 0.56x float16's bytes, as llama.cpp's
     `-ctk q8_0 -ctv q8_0`; head_dim a multiple of 32)."""
-    from tallow.attention.cpu_backend import CpuAttentionBackend
+    from tallow.attention.cpu_backend import CpuAttentionBackend, cache_supported
 
     if name in FP8_KV_NAMES:
         if device.type != "cuda":
@@ -145,7 +145,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
         return torch.float8_e4m3fn
     native = device.type == "cpu" and CpuAttentionBackend.supports(model_dtype, head_dim)
     if name in INT8_KV_NAMES:
-        if not native or head_dim % 32:
+        if not (native and cache_supported(torch.int8, head_dim)):
             where = (f"on {device.type}" if device.type != "cpu" else
                      f"for this model (dtype {str(model_dtype).removeprefix('torch.')}, head_dim {head_dim})")
             raise TallowError(f"kv_cache_dtype {name!r}: an int8 KV cache is read by tallow's CPU attention kernels "

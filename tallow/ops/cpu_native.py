@@ -130,21 +130,17 @@ def library_path(variant: str) -> str:
     return cached
 
 
-def prune_builds(variant: str, keep: str) -> list[str]:
-    """Delete the variant's cached builds beyond the KEEP_BUILDS used last (never `keep`);
-    returns the paths deleted. (A process that has one loaded keeps its mapping.)"""
+def prune_builds(variant: str, keep: str) -> None:
+    """Delete the variant's cached builds beyond the KEEP_BUILDS used last (never `keep`). (A
+    process that has one loaded keeps its mapping.)"""
     builds = sorted(glob.glob(os.path.join(_cache_dir(), f"tallow_cpu_{variant}_*.so")),
-                    key=lambda p: os.path.getmtime(p), reverse=True)
-    deleted = []
+                    key=os.path.getmtime, reverse=True)
     for path in builds[KEEP_BUILDS:]:
-        if path == keep:
-            continue
-        try:
-            os.remove(path)
-            deleted.append(path)
-        except OSError:
-            pass
-    return deleted
+        if path != keep:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 # ---- one OpenMP runtime ---------------------------------------------------------------------------

@@ -169,8 +169,17 @@ static void free_rows(qrows *r) { free(r->q), free(r->d), free(r->s); }
 // One row of K floats (K % 32 == 0) to int8 blocks (linear_gguf.h's formats): block b's 32
 // values at q + b * bs (round(x * 127 / max|x|), |q| <= 127), d[b] = max|x| / 127, s[b] = d[b] *
 // the block's integer sum, hs[2 b + h] = the integer sum of its half h (16 values).
+// A block_round block's 32 integers (|q| <= 127) as bytes at dst, in order.
+static inline __attribute__((always_inline)) void store_block_i8(const __m256 v[4], int8_t *dst) {
+    // packs work within 128-bit lanes: [v0 0-3, v1 0-3, v2 0-3, v3 0-3 | the 4-7s]; the dword
+    // permute restores the order.
+    const __m256i w01 = _mm256_packs_epi32(_mm256_cvtps_epi32(v[0]), _mm256_cvtps_epi32(v[1]));
+    const __m256i w23 = _mm256_packs_epi32(_mm256_cvtps_epi32(v[2]), _mm256_cvtps_epi32(v[3]));
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
 static void quantize_row_q8(const float *x, int K, int8_t *q, size_t bs, float *d, float *s, int16_t *hs) {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int b = 0; b < K / QK; b++) {
         __m256 v[4];
         const float db = block_round(x + b * QK, 127.0f, v);
@@ -179,11 +188,7 @@ static void quantize_row_q8(const float *x, int K, int8_t *q, size_t bs, float *
         d[b] = db;
         s[b] = db * (h0 + h1);
         hs[2 * b] = (int16_t)h0, hs[2 * b + 1] = (int16_t)h1;
-        // packs work within 128-bit lanes: [v0 0-3, v1 0-3, v2 0-3, v3 0-3 | the 4-7s]; the
-        // dword permute restores the order.
-        const __m256i w01 = _mm256_packs_epi32(_mm256_cvtps_epi32(v0), _mm256_cvtps_epi32(v1));
-        const __m256i w23 = _mm256_packs_epi32(_mm256_cvtps_epi32(v2), _mm256_cvtps_epi32(v3));
-        _mm256_storeu_si256((__m256i *)(q + b * bs), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order));
+        store_block_i8(v, q + b * bs);
     }
 }
 
@@ -452,7 +457,7 @@ void tl_rotary(float *x, int T, int heads, int D, long row_stride, const int64_t
 // scale (llama.cpp's q8_0 blocks, with float32 scales). A row is D + D / 8 bytes (D % 32 == 0),
 // the cache [blocks, block_size, kv_heads, D + D / 8] int8.
 enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
-#define KV_I8_BLOCK 32
+#define KV_I8_BLOCK QK  // block_round's blocks
 // elements from one (token, head) row of a cache to the next, and bytes an element
 static inline size_t kv_pitch(int D, int fmt) { return fmt == KV_I8 ? (size_t)D + (size_t)D / KV_I8_BLOCK * 4 : (size_t)D; }
 static inline size_t kv_esize(int fmt) { return fmt == KV_I8 ? 1 : fmt == KV_F16 ? 2 : 4; }
@@ -469,23 +474,13 @@ static void to_half(const float *x, uint16_t *h, size_t n) {
         _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
 }
 
-// D floats (D % KV_I8_BLOCK == 0) to an int8 row: its blocks' codes, then their scales (KV_I8).
+// D floats (D % KV_I8_BLOCK == 0) to an int8 row: its blocks' codes, then their scales (KV_I8),
+// rounded as int8 activations are (block_round).
 static void to_int8_row(const float *x, int D, int8_t *dst) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < D / KV_I8_BLOCK; b++) {
-        const float *xb = x + b * KV_I8_BLOCK;
-        __m256 m = _mm256_setzero_ps();
-        for (int i = 0; i < KV_I8_BLOCK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float scale = amax / 127.0f;
-        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        for (int i = 0; i < KV_I8_BLOCK; i += 8) {
-            const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv));  // nearest even
-            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-            _mm_storel_epi64((__m128i *)(dst + b * KV_I8_BLOCK + i), _mm_packs_epi16(w, w));
-        }
+        __m256 v[4];
+        const float scale = block_round(x + b * KV_I8_BLOCK, 127.0f, v);
+        store_block_i8(v, dst + b * KV_I8_BLOCK);
         memcpy(dst + D + 4 * b, &scale, sizeof scale);
     }
 }
@@ -495,7 +490,7 @@ static void to_int8_row(const float *x, int D, int8_t *dst) {
 // to nearest even; int8 as to_int8_row).
 void tl_kv_write(const float *k, long k_stride, const float *v, long v_stride, int T, int kv_heads, int D,
                  const int64_t *slot_mapping, void *k_cache, void *v_cache, int fmt) {
-    const size_t n = (size_t)kv_heads * D;
+    const size_t P = kv_pitch(D, fmt), n = (size_t)kv_heads * P;  // a slot's elements
     // (a prompt's or a batch's rows in parallel, on the threads torch uses: each row's store is a
     // miss to memory, about 10 us a layer for 32 rows on one thread)
 #pragma omp parallel for schedule(static) if (T > 16)
@@ -503,10 +498,9 @@ void tl_kv_write(const float *k, long k_stride, const float *v, long v_stride, i
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
         if (fmt == KV_I8) {
-            const size_t row = (size_t)kv_heads * kv_pitch(D, fmt);
             for (int h = 0; h < kv_heads; h++) {
-                to_int8_row(k + t * k_stride + (size_t)h * D, D, (int8_t *)k_cache + slot * row + h * kv_pitch(D, fmt));
-                to_int8_row(v + t * v_stride + (size_t)h * D, D, (int8_t *)v_cache + slot * row + h * kv_pitch(D, fmt));
+                to_int8_row(k + t * k_stride + (size_t)h * D, D, (int8_t *)k_cache + slot * n + h * P);
+                to_int8_row(v + t * v_stride + (size_t)h * D, D, (int8_t *)v_cache + slot * n + h * P);
             }
         } else if (fmt == KV_F16) {
             to_half(k + t * k_stride, (uint16_t *)k_cache + slot * n, n);
@@ -817,7 +811,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             const int drip = claim > 1 && !tiles;
             att_prefetch pf = {drip ? (const char **)malloc(sizeof(char *) * 2 * ATT_SPAN * ATT_CHUNK) : NULL, 0, 0,
                                (size_t)kv_heads * P * esize, 0};
-            // the tiles' K columns, then (from a float16 cache) V rows as float32: the conversion is exact
+            // the tiles' K columns, then (from a float16 or int8 cache) V rows as float32 (gather_rows)
             float *kt = tiles ? (float *)malloc(sizeof(float) * (fmt != KV_F32 ? 2 : 1) * ATT_CHUNK * (size_t)D) : NULL;
             const int ok = scores && cpart && rows && off && (pf.row || !drip) && (kt || !tiles);
             if (!ok) {
