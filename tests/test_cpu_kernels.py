@@ -98,10 +98,11 @@ def test_linear_rows_do_not_depend_on_the_batch(cls, threads):
 
 def test_tiles_of_threads_that_never_start_are_taken_by_the_others(kernels):
     """A layer's tiles are handed out in one range per thread asked for (many rows). Under
-    OMP_THREAD_LIMIT=1 with four threads asked for, the one thread that runs takes the other three
-    ranges from their ends: every output equals the one-thread call's bit for bit (a tile skipped
-    would leave stale memory, one taken twice would not change it: the emulation tests cover
-    the arithmetic)."""
+    OMP_THREAD_LIMIT=1 with four threads asked for, the one thread that runs claims its own range
+    from the front a quarter of what is left at a time (70 tiles: 17 or 18 a range) and takes the
+    other three ranges one tile at a time from their ends: every output equals the one-thread
+    call's bit for bit (a tile skipped would leave stale memory, one taken twice would not change
+    it: the emulation tests cover the arithmetic)."""
     code = f"""
 import torch
 from tallow.models import gguf_linear as gl
@@ -111,8 +112,8 @@ sys.path.insert(0, {os.path.dirname(__file__)!r})
 from gguf_files import random_blocks
 import gguf
 g = torch.Generator().manual_seed(0)
-w = torch.randn(16 * 21, 192, generator=g)
-raw = random_blocks("Q4_K", 16 * 21, 512, np.random.default_rng(0))
+w = torch.randn(16 * 70, 192, generator=g)
+raw = random_blocks("Q4_K", 16 * 70, 512, np.random.default_rng(0))
 layers = [(Q4Linear(w), 192), (Q8Linear(w), 192), (gl.linear_from_raw(raw, gguf.GGMLQuantizationType.Q4_K, 512), 512)]
 for layer, k in layers:
     x = torch.randn(33, k, generator=g)
