@@ -234,8 +234,11 @@ import json, shutil, sys
 import torch
 from tallow.ops import cpu_build, cpu_native
 kernels = cpu_native.lib()
+torch.manual_seed(0)
 x = torch.randn(5, 64)
-err = (cpu_native.silu_and_mul(x) - torch.nn.functional.silu(x[:, :32]) * x[:, 32:]).abs().max().item()
+ref = torch.nn.functional.silu(x[:, :32]) * x[:, 32:]
+# beyond assert_close's rtol=1e-6 (the fast tier's bound): products of up to ~10 carry ~1e-6 of rounding
+err = ((cpu_native.silu_and_mul(x) - ref).abs() - 1e-6 * ref.abs()).max().item()
 maps = sorted({l.split()[-1] for l in open("/proc/self/maps") if "gomp" in l or "omp5" in l})
 print(json.dumps({"compiler": cpu_build.compiler(), "report": cpu_native.report(), "variant": cpu_native.variant(),
                   "in_use": cpu_native.kernels_in_use(),
@@ -279,6 +282,6 @@ def test_pip_wheel_carries_the_kernels_and_a_fresh_venv_without_a_compiler_uses_
         assert got["path"] == os.path.join(site, "tallow", "ops", "cpu", "prebuilt", cpu_build.file_name(variant))
         assert got["report"] == f"tallow CPU kernels: {got['path']} ({got['in_use']})"
         assert got["in_use"] == variant or got["in_use"].startswith("avx512, AMX ")
-        assert got["err"] < 1e-6
+        assert got["err"] <= 1e-6
         assert len(got["openmp"]) == 1, got["openmp"]  # torch's runtime, no second one
     assert not cache.exists()  # nothing was built at run time
