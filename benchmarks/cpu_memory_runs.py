@@ -95,14 +95,14 @@ def main() -> None:
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as folder:
         kernel = build(folder)
-        patterns = [("stream", 1 << 20, None)] + [(f"runs of {b}", b, rng) for b in args.run_bytes]
+        patterns = [("stream", 1 << 20, False)] + [(f"runs of {b}", b, True) for b in args.run_bytes]
         rows, results = [], []
-        for name, run, order in patterns:
+        for name, run, scattered in patterns:
             n = buf.size // run
             offs = np.arange(n, dtype=np.int64) * run
-            if order is not None:
-                order.shuffle(offs)
-            for pf in ([0] if order is None else args.prefetch):
+            if scattered:
+                rng.shuffle(offs)
+            for pf in (args.prefetch if scattered else [0]):
                 for threads in args.threads:
                     kernel.read_runs(buf.ctypes.data, offs.ctypes.data, n, run, pf, threads)  # warm
                     rates = []

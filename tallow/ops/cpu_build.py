@@ -45,6 +45,9 @@ def commands(variant: str, obj: str, out: str, cc: str = "cc", cpu_dir: str = CP
             [cc, *LINK_FLAGS, "-o", out, obj, *LIBS]]
 
 
+NAME = "tallow_cpu_{variant}_{digest}.so"  # a build's file name (file_name; digest "*": every build of a variant)
+
+
 def file_name(variant: str, cpu_dir: str = CPU_DIR) -> str:
     """The shared object's name: the variant and a digest of the sources and the commands, so a
     build of other sources or flags (a stale prebuilt or cached file) is never picked up."""
@@ -55,7 +58,7 @@ def file_name(variant: str, cpu_dir: str = CPU_DIR) -> str:
             digest.update(f.read())
     for command in commands(variant, "OBJ", "OUT", cc="CC", cpu_dir="DIR"):
         digest.update(" ".join(command).encode() + b"\n")
-    return f"tallow_cpu_{variant}_{digest.hexdigest()[:16]}.so"
+    return NAME.format(variant=variant, digest=digest.hexdigest()[:16])
 
 
 def compiler() -> str | None:

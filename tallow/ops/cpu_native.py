@@ -133,7 +133,7 @@ def library_path(variant: str) -> str:
 def prune_builds(variant: str, keep: str) -> None:
     """Delete the variant's cached builds beyond the KEEP_BUILDS used last (never `keep`). (A
     process that has one loaded keeps its mapping.)"""
-    builds = sorted(glob.glob(os.path.join(_cache_dir(), f"tallow_cpu_{variant}_*.so")),
+    builds = sorted(glob.glob(os.path.join(_cache_dir(), cpu_build.NAME.format(variant=variant, digest="*"))),
                     key=os.path.getmtime, reverse=True)
     for path in builds[KEEP_BUILDS:]:
         if path != keep:

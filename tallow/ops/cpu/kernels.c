@@ -145,13 +145,23 @@ static inline int work_claim(work_range *w, int nthreads, int me, int *lo, int *
 // with fewer, each thread takes a static share.
 #define STEAL_MIN_ROWS 9
 
-// Thread me's next tile after t, or -1 when there is none: from its static share ending at
-// *end where work is NULL, else from its last claim (tiles up to *end; 0 before the first)
-// and then a new one.
-static inline int next_tile(work_range *work, int nthreads, int me, int t, int *end) {
-    if (t + 1 < *end) return t + 1;
-    int lo;
-    return work && work_claim(work, nthreads, me, &lo, end) ? lo : -1;
+// A thread's walk over a region's weight tiles: its static share of them where work is NULL,
+// else work_claim's claims; tiles next .. end - 1 are its own.
+typedef struct {
+    work_range *work;
+    int nthreads, me, next, end;
+} tile_walk;
+
+static inline tile_walk tile_walk_start(work_range *work, int nthreads, int tiles) {
+    const int me = omp_get_thread_num(), team = omp_get_num_threads();
+    if (work) return (tile_walk){work, nthreads, me, 0, 0};
+    return (tile_walk){NULL, nthreads, me, (int)((long)tiles * me / team), (int)((long)tiles * (me + 1) / team)};
+}
+
+// The thread's next tile, or -1 when there is none.
+static inline int next_tile(tile_walk *w) {
+    if (w->next < w->end || (w->work && work_claim(w->work, w->nthreads, w->me, &w->next, &w->end))) return w->next++;
+    return -1;
 }
 
 // Activations quantized once per call, rows in parallel.

@@ -117,7 +117,7 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
         }
         amx_split_rows(&r, M, K, nthreads, q8, xs);
     }
-    // many rows: tiles handed out by work_claim, else a static schedule (next_tile)
+    // many rows: tiles handed out by work_claim, else a static schedule (tile_walk)
     work_range *work = NULL;
     if (M >= STEAL_MIN_ROWS && !(work = work_ranges(nthreads, tiles))) {
         free(xs);
@@ -134,11 +134,8 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
 #pragma omp atomic write
             failed = 1;
         }
-        // this thread's tiles: work_claim's, else its static share t_lo .. t_hi - 1
-        const int me = omp_get_thread_num(), team = omp_get_num_threads();
-        const int t_lo = (int)((long)tiles * me / team), t_hi = (int)((long)tiles * (me + 1) / team);
-        int t_end = work ? 0 : t_hi;
-        for (int t = work ? -1 : t_lo - 1; !broken && (t = next_tile(work, nthreads, me, t, &t_end)) >= 0;) {
+        tile_walk walk = tile_walk_start(work, nthreads, tiles);  // this thread's tiles
+        for (int t; !broken && (t = next_tile(&walk)) >= 0;) {
             const uint8_t *wt = wq + (size_t)t * tile_bytes;
             const uint16_t *dt = wd + (size_t)t * nb * NT, *mt = wm ? wm + (size_t)t * nb * NT : NULL;
             const int cols = N - t * NT < NT ? N - t * NT : NT;

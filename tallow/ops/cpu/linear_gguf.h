@@ -480,7 +480,7 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
 #ifdef TL_AMX
     const int on_tiles = amx_on && M >= GGUF_AMX_MIN_ROWS;  // the same floats (linear_gguf_amx.h)
 #endif
-    // many rows: tiles handed out by work_claim, else a static schedule (next_tile, kernels.c)
+    // many rows: tiles handed out by work_claim, else a static schedule (tile_walk, kernels.c)
     work_range *work = NULL;
     if (M >= STEAL_MIN_ROWS && !(work = work_ranges(nthreads, tiles))) {
         free_rows8(&r);
@@ -500,11 +500,8 @@ int tl_gguf_linear(const float *x, int M, int K, int N, int fmt, const uint8_t *
 #pragma omp atomic write
             failed = 1;
         }
-        // this thread's tiles: work_claim's, else its static share t_lo .. t_hi - 1
-        const int me = omp_get_thread_num(), team = omp_get_num_threads();
-        const int t_lo = (int)((long)tiles * me / team), t_hi = (int)((long)tiles * (me + 1) / team);
-        int t_end = work ? 0 : t_hi;
-        for (int t = work ? -1 : t_lo - 1; !broken && (t = next_tile(work, nthreads, me, t, &t_end)) >= 0;) {
+        tile_walk walk = tile_walk_start(work, nthreads, tiles);  // this thread's tiles
+        for (int t; !broken && (t = next_tile(&walk)) >= 0;) {
             const uint8_t *wt = wq + (size_t)t * tile_bytes;
             const uint16_t *dt = wd + (size_t)t * d_per_tile, *mt = wm ? wm + (size_t)t * d_per_tile : NULL;
             const uint8_t *sct = wsc ? wsc + (size_t)t * sc_per_tile : NULL;
