@@ -475,6 +475,44 @@ def test_strict_tools_and_include(server):
     assert isinstance(rejection, Rejection) and rejection.param == "include"
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+def test_responses_function_tools_are_strict_unless_sent_strict_false(server):
+    """OpenAI's /v1/responses holds a function tool sent without strict to its schema (strict
+    defaults to true there, unlike Chat's); one whose schema cannot be enforced runs lenient, not
+    as a 400, and the response echoes what ran."""
+    protocol = OpenAIResponses.with_store(ResponsesStore(60, 1 << 20))
+    unenforceable = {**WEATHER, "name": "when", "parameters": {
+        "type": "object", "properties": {"at": {"type": "string", "format": "no-such-format"}}}}
+
+    def grammar(*tools):
+        body = {"model": "m", "input": "weather in Oslo?", "tools": list(tools)}
+        plan = protocol.plan_request(json.dumps(body).encode(), server.engine, ServerConfig())
+        assert not isinstance(plan, Rejection), plan.message
+        return plan.params.grammar
+
+    assert grammar(WEATHER) is not None and "city" in grammar(WEATHER).text
+    assert grammar({**WEATHER, "strict": None}) is not None
+    assert grammar({**WEATHER, "strict": False}) is None
+    assert grammar(unenforceable) is None
+    # sent strict: true, the same schema is a 400 naming it
+    body = {"model": "m", "input": "hi", "tools": [{**unenforceable, "strict": True}]}
+    rejection = protocol.plan_request(json.dumps(body).encode(), server.engine, ServerConfig())
+    assert isinstance(rejection, Rejection) and rejection.param == "tools[0].parameters"
+    mixed = grammar(WEATHER, unenforceable)
+    assert mixed is not None and "city" in mixed.text
+    for tools, echoed in [([WEATHER], [True]), ([{**WEATHER, "strict": False}], [False]),
+                          ([WEATHER, unenforceable], [True, False])]:
+        r = httpx.post(server.base_url + "/v1/responses", json={"model": "m", "input": "hi", "tools": tools},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        validate("Response", r.json())
+        assert [t["strict"] for t in r.json()["tools"]] == echoed
+
+
 def test_sealed_reasoning():
     sealer = ReasoningSealer("key")
     blob = sealer.seal("secret thoughts ✓")

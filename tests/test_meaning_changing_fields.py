@@ -53,6 +53,17 @@ REFUSED = [
     (RESPONSES, {"input": "hi", "truncation": "middle"}, "truncation"),
     (RESPONSES, {"input": "hi", "top_logprobs": 3}, "top_logprobs"),
     (RESPONSES, {"input": "hi", "max_tool_calls": 0}, "max_tool_calls"),
+    (CHAT, {"messages": USER, "web_search_options": {}}, "web_search_options"),
+    (CHAT, {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
+    (CHAT, {"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    (CHAT, {"messages": USER, "verbosity": "loud"}, "verbosity"),
+    (CHAT, {"messages": USER, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    (RESPONSES, {"input": "hi", "conversation": "conv_123"}, "conversation"),
+    (RESPONSES, {"input": "hi", "conversation": {"id": "conv_123"}}, "conversation"),
+    (RESPONSES, {"input": "hi", "prompt": {"id": "pmpt_1", "variables": {"city": "Oslo"}}}, "prompt"),
+    (RESPONSES, {"input": "hi", "text": {"verbosity": "loud"}}, "text.verbosity"),
+    (RESPONSES, {"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                 "tool_choice": {"type": "function", "name": "g"}}, "tool_choice.name"),
 ]
 
 
@@ -70,6 +81,11 @@ ACCEPTED = [
     (RESPONSES, {"input": "hi", "background": False}),
     (RESPONSES, {"input": "hi", "truncation": "disabled"}),
     (RESPONSES, {"input": "hi", "top_logprobs": 0}),
+    (CHAT, {"messages": USER, "modalities": ["text"], "verbosity": "low"}),
+    (RESPONSES, {"input": "hi", "text": {"verbosity": "high"}}),
+    # every effort value of OpenAI's spec (Codex and Claude Code send xhigh / max when chosen)
+    *[(CHAT, {"messages": USER, "reasoning_effort": e}) for e in ("minimal", "medium", "xhigh", "max")],
+    *[(RESPONSES, {"input": "hi", "reasoning": {"effort": e}}) for e in ("none", "xhigh", "max")],
 ]
 
 
@@ -133,3 +149,24 @@ def test_continue_final_message_through_a_real_template_matches_transformers():
     expected = hf.apply_chat_template(messages, chat_template=source, tokenize=False, continue_final_message=True)
     assert prompt.text == expected and prompt.text.endswith("1, 2, <|im_end|>")
     assert prompt.literal_spans == ((len(expected) - len("<|im_end|>"), len(expected)),)
+
+
+def test_a_developer_message_reaches_the_template_as_the_system_prompt():
+    """OpenAI's developer role is its system role under a newer name; Qwen's templates know only
+    system and drop other roles without a word (as /v1/responses already maps it)."""
+    from pathlib import Path
+
+    from tallow.chat_template import ChatTemplate
+    from tallow.serve.chat_prompt import render_chat
+    from tallow.serve.protocols.openai_schemas import ChatMessage
+
+    source = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+    template = ChatTemplate(source, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                            special_tokens=["<|im_start|>", "<|im_end|>"])
+    wire = [{"role": "developer", "content": [{"type": "text", "text": "Answer only in French."}]},
+            {"role": "user", "content": "hi"}]
+    messages = [ChatMessage.model_validate(m).to_template() for m in wire]
+    as_system = render_chat(template, [{"role": "system", "content": "Answer only in French."},
+                                       {"role": "user", "content": "hi"}], ServerConfig())
+    assert render_chat(template, messages, ServerConfig()).text == as_system.text
+    assert "<|im_start|>system\nAnswer only in French.<|im_end|>" in as_system.text

@@ -52,7 +52,9 @@ def test_each_route_answers_in_its_protocols_shape():
     assert chat.status_code == 400 and set(chat.json()["error"]) == {"message", "type", "param", "code"}
     assert chat.json()["error"]["param"] == "n"
     responses = request(app, "POST", "/v1/responses", {"input": "hi", "previous_response_id": "resp_x"})
-    assert responses.status_code == 404 and responses.json()["error"]["param"] == "previous_response_id"
+    # OpenAI's answer to an unknown id: 400 with a code clients key their resend of the history on
+    assert responses.status_code == 400 and responses.json()["error"]["param"] == "previous_response_id"
+    assert responses.json()["error"]["code"] == "previous_response_not_found"
     for path, body in [("/v1/messages", {"max_tokens": 0, "messages": USER}),
                        ("/v1/messages/count_tokens", {"messages": 5})]:
         r = request(app, "POST", path, body)

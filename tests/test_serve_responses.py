@@ -78,10 +78,13 @@ def test_retrieve_delete_and_unknown_ids(real):
     deleted = real.responses.delete(created.id)
     assert deleted is None or getattr(deleted, "deleted", True)
     for call in (lambda: real.responses.retrieve(created.id), lambda: real.responses.delete(created.id),
-                 lambda: real.responses.retrieve("resp_unknown"),
-                 lambda: real.responses.create(model="m", input="Hi", previous_response_id="resp_unknown")):
+                 lambda: real.responses.retrieve("resp_unknown")):
         with pytest.raises(openai.NotFoundError):
             call()
+    # Creating on top of an unknown response: OpenAI's 400 with the code clients key their resend on.
+    with pytest.raises(openai.BadRequestError) as e:
+        real.responses.create(model="m", input="Hi", previous_response_id="resp_unknown")
+    assert e.value.code == "previous_response_not_found" and e.value.param == "previous_response_id"
     unstored = real.responses.create(model="m", input="Say hi.", max_output_tokens=3, temperature=0, store=False)
     with pytest.raises(openai.NotFoundError):
         real.responses.retrieve(unstored.id)

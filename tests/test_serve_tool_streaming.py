@@ -74,8 +74,11 @@ def ask(text: str) -> list[dict]:
 
 ANTHROPIC_TOOL = {"name": "write_file", "description": "Write a file.",
                   "input_schema": WRITE["function"]["parameters"]}
+# strict false, as Codex sends its tools: on /v1/responses a tool without it is held to its schema
+# by a grammar, and the scripted calls escape non-ASCII text (\u00e9), which llguidance's JSON
+# strings do not take (\u escapes only for control characters): the replay would be steered off it.
 RESPONSES_TOOL = {"type": "function", "name": "write_file", "description": "Write a file.",
-                  "parameters": WRITE["function"]["parameters"]}
+                  "parameters": WRITE["function"]["parameters"], "strict": False}
 
 
 def _many(pieces: list[str], arguments: str) -> None:

@@ -182,7 +182,7 @@ def tool_call_grammar(tokenizer, *, tools: list[dict[str, Any]] | None, tool_par
         return Rejection.invalid(f"{param}: the model's tool-call format is not known (no tool-call parser), "
                                  "so tool calls cannot be enforced", param)
     for k in strict:  # each strict tool's schema must be enforceable on its own
-        rejection = _check_strict_schema(tokenizer, tools, k, f"tools[{k}].{tool_field}{schema_field}")
+        rejection = strict_schema_rejection(tokenizer, tools, k, f"tools[{k}].{tool_field}{schema_field}")
         if rejection is not None:
             return rejection
     indices = list(range(len(tools)))
@@ -217,7 +217,8 @@ def tool_call_grammar(tokenizer, *, tools: list[dict[str, Any]] | None, tool_par
     return OutputFormat(GrammarSpec("lark", lark), param, bool(strict) or (output is not None and output.strict))
 
 
-def _check_strict_schema(tokenizer, tools: list[dict[str, Any]], k: int, param: str) -> Rejection | None:
+def strict_schema_rejection(tokenizer, tools: list[dict[str, Any]], k: int, param: str) -> Rejection | None:
+    """The 400 for tool k's schema when it cannot be enforced exactly (strict), else None."""
     params = tools[k].get("function", tools[k]).get("parameters") or {"type": "object"}
     fmt = json_schema_format(params, param, strict=True)
     return fmt if isinstance(fmt, Rejection) else check(fmt, tokenizer)

@@ -27,6 +27,13 @@ def unsupported_chat_fields(req: ChatCompletionRequest) -> Rejection | None:
     if req.function_call is not None:
         return Rejection.invalid("function_call is deprecated and not supported: send tool_choice instead",
                                  "function_call")
+    if req.web_search_options is not None:
+        return Rejection.invalid("web_search_options: this server has no web search (send the request "
+                                 "without it)", "web_search_options")
+    if req.modalities is not None and "audio" in req.modalities:
+        return Rejection.invalid('modalities: this server answers with text only (send ["text"])', "modalities")
+    if req.audio is not None:
+        return Rejection.invalid("audio: this server does not produce audio output", "audio")
     if req.continue_final_message and req.add_generation_prompt:
         return Rejection.invalid("continue_final_message and add_generation_prompt cannot both be true "
                                  "(set add_generation_prompt to false)", "continue_final_message")

@@ -21,6 +21,8 @@ Count = Annotated[int, Field(le=INT64_MAX)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+# OpenAI's reasoning effort values (Chat's reasoning_effort, Responses' reasoning.effort)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class WireModel(BaseModel):
@@ -136,8 +138,12 @@ class ChatMessage(WireModel):
     reasoning_content: str | None = None
 
     def to_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it: text parts joined, unset fields left out."""
+        """The message as the chat template sees it: text parts joined, unset fields left out,
+        a developer message as a system one (OpenAI's newer name for it; most templates know only
+        system and drop or refuse other roles), as on /v1/responses."""
         message = self.model_dump(exclude_none=True)
+        if message["role"] == "developer":
+            message["role"] = "system"
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
         return message
@@ -174,7 +180,7 @@ class ChatCompletionRequest(StructuredFields, SamplingFields):
     # false: generation ends after the first call (a forced call: the grammar allows one).
     parallel_tool_calls: bool | None = None
     # Only "none" has an effect: thinking off where the template supports it (see chat_prompt.py).
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     add_generation_prompt: bool = True
     # vLLM's: the prompt ends inside the last (assistant) message, which the reply continues.
     continue_final_message: bool = False
@@ -186,6 +192,12 @@ class ChatCompletionRequest(StructuredFields, SamplingFields):
     chat_template: str | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # OpenAI's hosted search and audio output: not done here (a 400 unless text only).
+    web_search_options: dict[str, Any] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    # A hint for the reply's length: accepted (the model is not steered by it), values checked.
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class CompletionRequest(StructuredFields, SamplingFields):

@@ -37,8 +37,8 @@ from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.serve.protocols.openai_schemas import SamplingFields
 from tallow.serve.protocols.responses_schemas import (INCLUDE_HONOURED, INCLUDE_HOSTED, ReasoningItem,
                                                       ReasoningText, ResponsesRequest)
-from tallow.serve.protocols.responses_tools import DROPPED_TOOLS_HEADER, ToolError, ToolSet, build_tool_set, \
-    custom_input
+from tallow.serve.protocols.responses_tools import DROPPED_TOOLS_HEADER, ToolError, ToolRef, ToolSet, \
+    build_tool_set, custom_input
 from tallow.serve.reasoning_blob import ReasoningSealer
 from tallow.serve.responses_store import ResponsesStore
 from tallow.output.events import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
@@ -99,11 +99,15 @@ def _assistant_turn(output: list[dict[str, Any]], tools: ToolSet) -> dict[str, A
     return turn
 
 
-def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    """A request's tool as the response echoes it: a function tool with its strict and parameters
-    (null when not given), as OpenAI's Response object has them; other tools as sent."""
+def _echo_tool(tool: dict[str, Any], tool_set: ToolSet) -> dict[str, Any]:
+    """A request's tool as the response echoes it: a function tool with its strict (as it ran: a
+    tool sent without it was strict unless its schema could not be enforced) and parameters (null
+    when not given), as OpenAI's Response object has them; other tools as sent."""
     if tool.get("type") == "function":
-        return {**tool, "strict": tool.get("strict"), "parameters": tool.get("parameters")}
+        strict = tool.get("strict")
+        if strict is None:
+            strict = tool.get("name") not in tool_set.lenient
+        return {**tool, "strict": strict, "parameters": tool.get("parameters")}
     return tool
 
 
@@ -119,6 +123,12 @@ def _unsupported_fields(req: ResponsesRequest) -> Rejection | None:
     if req.truncation == "auto":
         return Rejection.invalid('truncation "auto" is not supported: this server never drops input items '
                                  '(use "disabled"; an input that does not fit the context is a 400)', "truncation")
+    if req.conversation is not None:
+        return Rejection.invalid("conversation: this server keeps no conversation objects; chain turns with "
+                                 "previous_response_id or send the whole input", "conversation")
+    if req.prompt is not None:
+        return Rejection.invalid("prompt: this server keeps no stored prompt templates; send the "
+                                 "instructions and input themselves", "prompt")
     if req.top_logprobs:
         return Rejection.invalid("top_logprobs is not supported on /v1/responses (use /v1/chat/completions "
                                  "with logprobs)", "top_logprobs")
@@ -178,8 +188,9 @@ class OpenAIResponses(StreamProtocol):
         if req.previous_response_id is not None:
             previous = cls.store.get(req.previous_response_id)
             if previous is None:
+                # (OpenAI's answer: 400 with this code, on which clients resend the whole history)
                 return Rejection.invalid(f"Previous response with id '{req.previous_response_id}' not found.",
-                                         "previous_response_id", status=404)
+                                         "previous_response_id", code="previous_response_not_found")
             conversation = list(previous.conversation)
         conversation += req.input_messages(tool_set.flat_name)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
@@ -372,7 +383,7 @@ class OpenAIResponses(StreamProtocol):
                           "summary": req.reasoning.summary if req.reasoning else None},
             "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": _text_format(req)}, "tool_choice": req.tool_choice or "auto",
-            "tools": [_echo_tool(t) for t in req.tools or []],
+            "tools": [_echo_tool(t, self._tools) for t in req.tools or []],
             "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",
             "max_tool_calls": req.max_tool_calls, "background": False,
             "metadata": req.metadata or {},
@@ -404,6 +415,9 @@ def _tool_choice(choice: Any, tool_set: ToolSet) -> Any:
         if not flat:
             return Rejection.invalid(f"tool_choice.name: no custom tool is named {name!r}", "tool_choice.name")
         name = flat[0]
+    elif tool_set.refs.get(name, ToolRef("custom", name)).kind != "function":
+        return Rejection.invalid(f"tool_choice.name: no function tool is named {name!r} (the tools: "
+                                 f"{', '.join(tool_set.refs) or 'none'})", "tool_choice.name")
     return {"type": "function", "function": {"name": name}}
 
 
@@ -422,12 +436,27 @@ def responses_grammar(req: ResponsesRequest, prompt, tokenizer, tool_set: ToolSe
                   structured.json_schema_format(fmt.schema_, "text.format.schema", strict=bool(fmt.strict)))
         if isinstance(output, Rejection):
             return output
+    tools = prompt.tools
+    if tools and tool_set is not None and tool_set.strict_by_default:
+        tools = [_default_strict(tool, k, prompt, tokenizer, tool_set) for k, tool in enumerate(tools)]
     result = structured.tool_call_grammar(
-        tokenizer, tools=prompt.tools, tool_parser=prompt.tool_parser, tool_choice=choice, output=output,
+        tokenizer, tools=tools, tool_parser=prompt.tool_parser, tool_choice=choice, output=output,
         max_calls=1 if req.parallel_tool_calls is False else None, chat_template=prompt.template_source,
         tool_field="", input_grammars=tool_set.input_grammars if tool_set is not None else None)
     return structured.grammar_for(result, tokenizer, reasoning_parser=prompt.reasoning_parser,
                                   prompt_text=prompt.text)
+
+
+def _default_strict(tool: dict[str, Any], k: int, prompt, tokenizer, tool_set: ToolSet) -> dict[str, Any]:
+    """A rendered function tool sent without strict, as strict where its schema can be enforced
+    (OpenAI's default on /v1/responses); otherwise left lenient and noted in tool_set.lenient."""
+    name = tool["function"]["name"]
+    if name not in tool_set.strict_by_default:
+        return tool
+    if prompt.tool_parser is None or structured.strict_schema_rejection(tokenizer, [tool], 0, f"tools[{k}]"):
+        tool_set.lenient.add(name)
+        return tool
+    return {**tool, "function": {**tool["function"], "strict": True}}
 
 
 def _text_format(req: ResponsesRequest) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from tallow.serve.protocols.openai_schemas import Count, WireModel
+from tallow.serve.protocols.openai_schemas import Count, ReasoningEffort, WireModel
 
 
 class TextContent(WireModel):
@@ -105,11 +105,11 @@ class TextFormat(WireModel):
 
 class TextConfig(WireModel):
     format: TextFormat | None = None
-    verbosity: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ReasoningConfig(WireModel):
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    effort: ReasoningEffort | None = None
     summary: str | None = None
 
 
@@ -140,6 +140,10 @@ class ResponsesRequest(WireModel):
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: Count | None = Field(default=None, ge=0, le=20)
+    # OpenAI's stored conversations and prompt templates: not kept here (a 400: answering without
+    # the conversation's items or the prompt's text would answer another request).
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
     include: list[str] | None = None
     # Accepted: the prefix cache finds shared prefixes by itself; client_metadata is the client's own.
     prompt_cache_key: str | None = None

@@ -63,6 +63,12 @@ class ToolSet:
     refs: dict[str, ToolRef] = field(default_factory=dict)  # flat name -> tool
     dropped: list[str] = field(default_factory=list)  # hosted tool types left out
     input_grammars: dict[str, InputGrammar] = field(default_factory=dict)  # flat name -> custom tool's grammar
+    # Function tools sent without strict (or strict null): strict by default on /v1/responses, as
+    # OpenAI's (responses_grammar holds them to their schemas where it can), and of those, the
+    # ones whose schema could not be enforced (the model's call format unknown, or keywords the
+    # grammar cannot express), which run lenient instead of failing the request
+    strict_by_default: set[str] = field(default_factory=set)
+    lenient: set[str] = field(default_factory=set)
 
     def flat_name(self, name: str, namespace: str | None) -> str:
         return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
@@ -114,6 +120,8 @@ def build_tool_set(tools: list[dict[str, Any]], *, strict: bool) -> ToolSet:
             function["description"] = description
         if kind == "function" and tool.get("strict") is True:
             function["strict"] = True  # its arguments follow the schema under auto too (serve/structured.py)
+        elif kind == "function" and tool.get("strict") is None:
+            out.strict_by_default.add(flat)
         out.chat_tools.append({"type": "function", "function": function})
 
     for k, tool in enumerate(tools):
