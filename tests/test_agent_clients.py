@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -173,7 +174,11 @@ def test_claude_code_whole_body_is_a_context_length_error(server):
     assert r.status_code == 400
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert "maximum context length" in body["error"]["message"]
+    # Anthropic's wording, which Claude Code and LiteLLM recognise as a context overflow
+    n = int(re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", body["error"]["message"])[1])
+    assert body["error"]["message"].endswith(f"> {server.engine.max_model_len - 1} maximum")
+    counted = httpx.post(server.base_url + "/v1/messages/count_tokens", json=record["body"], timeout=60)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == n >= server.engine.max_model_len
 
 
 def _plan_messages(server, body: dict, config: ServerConfig | None = None):

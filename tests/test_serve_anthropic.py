@@ -4,6 +4,7 @@ engine (pings, a full queue)."""
 
 import asyncio
 import json
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -14,7 +15,10 @@ from serve_utils import FakeEngine, LiveServer, scripted_reply
 from tallow.chat_template import ChatTemplate
 from tallow.config import ServerConfig
 from tallow.engine.core import TokenOutput
+from tallow.serve.plan import Rejection
 from tallow.serve.protocols import anthropic as anthropic_protocol
+from tallow.serve.protocols.anthropic import AnthropicMessages
+from tallow.serve.protocols.anthropic_schemas import MessagesInput
 
 WEATHER_TOOL = {"name": "get_weather", "description": "The weather forecast for a city.",
                 "input_schema": {"type": "object", "properties": {
@@ -241,3 +245,203 @@ def test_a_dropped_stream_frees_the_engine(fake):
             pass
         assert fake.engine.stats()["running"] == 1
     wait_until(lambda: fake.engine.stats()["running"] == 0)
+
+
+# ---- prefill (a final assistant message is continued), tool_result.is_error, effort ------------------
+
+QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+PREFILL = [{"role": "user", "content": "Give the data as JSON"}, {"role": "assistant", "content": "{"}]
+
+
+def fake_engine(source: str | None = QWEN3_TEMPLATE, reply: str | None = None) -> FakeEngine:
+    """A fast fake engine that renders with a real template (Qwen3's: <think>, tools) and says `reply`."""
+    engine = FakeEngine(reply=reply)
+    engine.chat_template = ChatTemplate(source, bos_token=None, eos_token="<|im_end|>",
+                                        special_tokens=engine.tokenizer.special_tokens)
+    return engine
+
+
+def planned_prompt(engine, **body) -> str:
+    plan = AnthropicMessages.plan_request(json.dumps({"model": "m", "max_tokens": 50, **body}).encode(), engine,
+                                          ServerConfig())
+    assert not isinstance(plan, Rejection), plan
+    return engine.tokenizer.decode(plan.prompts[0], skip_special_tokens=False)
+
+
+def rejection(engine, **body) -> Rejection:
+    plan = AnthropicMessages.plan_request(json.dumps({"model": "m", "max_tokens": 50, **body}).encode(), engine,
+                                          ServerConfig())
+    assert isinstance(plan, Rejection)
+    return plan
+
+
+@pytest.mark.parametrize("source,opened", [(None, "<|im_start|>assistant\n"),
+                                           (QWEN3_TEMPLATE, "<|im_start|>assistant\n<think>\n\n</think>\n\n")])
+def test_a_final_assistant_message_is_continued(source, opened):
+    engine = fake_engine(source)
+    question = "<|im_start|>user\nGive the data as JSON<|im_end|>\n"
+    # The prompt ends with the prefill: no end of turn after it, no new assistant turn.
+    assert planned_prompt(engine, messages=PREFILL).endswith(question + opened + "{")
+    blocks = [PREFILL[0], {"role": "assistant", "content": [{"type": "text", "text": '{"a":'}]}]
+    assert planned_prompt(engine, messages=blocks).endswith(opened + '{"a":')
+    # Thinking on (Qwen3's template closes the turn's reasoning block before the prefill) and a
+    # thinking block of the prefilled turn: still continued.
+    assert planned_prompt(engine, messages=PREFILL, thinking={"type": "adaptive"}).endswith(opened + "{")
+    with_thought = [PREFILL[0], {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "t", "signature": ""}, {"type": "text", "text": "{"}]}]
+    prompt = planned_prompt(engine, messages=with_thought, thinking={"type": "adaptive"})
+    assert prompt.endswith("{") and prompt.count("<|im_start|>assistant") == 1
+    # count_tokens counts the same prompt.
+    body = json.dumps({"model": "m", "messages": PREFILL}).encode()
+    assert AnthropicMessages.count_tokens(body, engine, ServerConfig())["input_tokens"] == len(
+        engine.tokenizer.encode(planned_prompt(engine, messages=PREFILL)))
+
+
+def test_final_assistant_turns_that_are_not_continued():
+    engine = fake_engine()
+    fresh = planned_prompt(engine, messages=PREFILL[:1])
+    assert fresh.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # An empty final assistant message is no prefill: left out, the reply is a new turn.
+    for empty in ("", [], [{"type": "text", "text": ""}]):
+        assert planned_prompt(engine, messages=[PREFILL[0], {"role": "assistant", "content": empty}]) == fresh
+    # A final turn with tool_use is a finished turn (its call written out and closed): a new one follows.
+    call = {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                              {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                               "input": {"city": "Paris"}}]}
+    prompt = planned_prompt(engine, messages=[PREFILL[0], call], tools=[WEATHER_TOOL])
+    assert prompt.endswith("</tool_call><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("text", ["{ ", "{\n", [{"type": "text", "text": "Sure: "}]])
+def test_a_prefill_ending_in_whitespace_is_a_400(text):
+    engine = fake_engine()
+    messages = [PREFILL[0], {"role": "assistant", "content": text}]
+    refused = rejection(engine, messages=messages)
+    assert (refused.status, refused.param) == (400, "messages.1.content")
+    assert "final assistant content cannot end with trailing whitespace" in refused.message
+    refused = AnthropicMessages.count_tokens(json.dumps({"messages": messages}).encode(), engine, ServerConfig())
+    assert isinstance(refused, Rejection) and refused.param == "messages.1.content"
+
+
+def test_a_prefill_with_a_grammar_is_a_400():
+    engine = fake_engine()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert "output_config.format" in rejection(
+        engine, messages=PREFILL, output_config={"format": {"type": "json_schema", "schema": schema}}).message
+    assert "tool_choice 'any'" in rejection(engine, messages=PREFILL, tools=[WEATHER_TOOL],
+                                            tool_choice={"type": "any"}).message
+    # tool_choice auto: the continuation may still call a tool.
+    assert planned_prompt(engine, messages=PREFILL, tools=[WEATHER_TOOL]).endswith("\n\n{")
+
+
+@pytest.fixture
+def continuing():
+    """A live server over a fast fake engine with Qwen3's template, whose reply continues a "{"."""
+    engine = fake_engine(reply='"a": 1}')
+    with LiveServer(engine) as live:
+        yield live
+    asyncio.run(engine.shutdown())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_reply_continues_the_prefill(continuing, stream):
+    client = client_for(continuing)
+    if stream:
+        with client.messages.stream(model="m", max_tokens=50, messages=PREFILL) as s:
+            events = list(s)
+            reply = s.get_final_message()
+        assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["text"]
+    else:
+        reply = client.messages.create(model="m", max_tokens=50, messages=PREFILL)
+    # The content is the continuation alone (not the prefill), and the turn ends normally.
+    assert [(b.type, b.text) for b in reply.content] == [("text", '"a": 1}')]
+    assert reply.stop_reason == "end_turn"
+    [(prompt_ids, _)] = continuing.engine.submitted
+    prompt = continuing.engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    assert prompt.endswith("Give the data as JSON<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{")
+    # Usage: the prompt (prefill included) is input; the continuation (and its eos) is output.
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(prompt_ids)
+    assert reply.usage.output_tokens == len('"a": 1}'.encode()) + 1
+
+
+def test_a_prefill_is_text_unless_thinking_is_on():
+    """A prefill that opens <think>: without thinking its continuation is text, whole; with it,
+    the continuation's reasoning is a thinking block."""
+    engine = fake_engine(reply="weighing it</think>\n\nDone.")
+    messages = [PREFILL[0], {"role": "assistant", "content": "<think>\nLet me see:"}]
+    with LiveServer(engine) as live:
+        client = client_for(live)
+        plain = client.messages.create(model="m", max_tokens=50, messages=messages)
+        thinking = client.messages.create(model="m", max_tokens=50, messages=messages,
+                                          thinking={"type": "enabled", "budget_tokens": 40})
+        with client.messages.stream(model="m", max_tokens=50, messages=messages) as s:
+            streamed = s.get_final_message()
+    asyncio.run(engine.shutdown())
+    for prompt_ids, _ in engine.submitted:
+        assert engine.tokenizer.decode(prompt_ids, skip_special_tokens=False).endswith("\n<think>\nLet me see:")
+    def blocks(reply):
+        return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in reply.content]
+
+    for reply in (plain, streamed):
+        assert blocks(reply) == [("text", "weighing it</think>\n\nDone.")]
+    assert blocks(thinking) == [("thinking", "weighing it"), ("text", "Done.")]
+
+
+def test_prefill_and_continue_final_message_agree(real_server):
+    """The real model: Anthropic's prefill and Chat's continue_final_message continue the same
+    prompt, greedily to the same text."""
+    import openai
+
+    messages = [{"role": "user", "content": "List three colours."}, {"role": "assistant", "content": "1. Red"}]
+    oai = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="none", max_retries=0)
+    chat = oai.chat.completions.create(model="m", temperature=0, max_tokens=8, messages=messages,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    message = client_for(real_server).messages.create(model="m", max_tokens=8, **GREEDY, messages=messages)
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+
+
+def test_a_failed_tool_result_says_error():
+    def tool_message(content, is_error):
+        req = MessagesInput.model_validate({"messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                               "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": content,
+                                          **({"is_error": is_error} if is_error is not None else {})}]}]})
+        [tool] = [m for m in req.template_messages() if m["role"] == "tool"]
+        return tool["content"]
+
+    assert tool_message("22 °C", None) == tool_message("22 °C", False) == "22 °C"
+    assert tool_message("city not found", True) == "Error: city not found"
+    assert tool_message([{"type": "text", "text": "timed out"}], True) == "Error: timed out"
+    assert tool_message("", True) == "Error"
+    prompt = planned_prompt(fake_engine(), tools=[WEATHER_TOOL], messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+                                      "content": "city not found"}]}])
+    assert "<tool_response>\nError: city not found\n</tool_response>" in prompt
+
+
+@pytest.mark.parametrize("effort", ["low", "medium", "high", "xhigh", "max"])
+def test_every_effort_turns_thinking_on(effort):
+    # Qwen3's template leaves the reasoning open to the model (no empty closed block) when thinking is on.
+    prompt = planned_prompt(fake_engine(), messages=PREFILL[:1], output_config={"effort": effort})
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_refusals_name_the_anthropic_field():
+    """A 400 names the field as the client sent it (stop_sequences, tool_choice.name), not the
+    OpenAI field the request maps onto."""
+    engine = fake_engine()
+    user = PREFILL[:1]
+    for stops in ([""], ["ok", ""], [f"s{k}" for k in range(ServerConfig().max_stop_strings + 1)]):
+        refused = rejection(engine, messages=user, stop_sequences=stops)
+        assert (refused.status, refused.param) == (400, "stop_sequences")
+        assert refused.message.startswith("stop_sequences")
+    refused = rejection(engine, messages=user, tools=[WEATHER_TOOL], tool_choice={"type": "tool", "name": "nope"})
+    assert (refused.status, refused.param) == (400, "tool_choice.name") and "'nope'" in refused.message
+    assert rejection(engine, messages=user, tool_choice={"type": "tool", "name": "nope"}).param == "tool_choice.name"

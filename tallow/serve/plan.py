@@ -206,10 +206,12 @@ def tokenize(tokenizer, text: str, **kwargs: Any) -> list[int]:
 def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size: int,
                     max_model_len: int, config: ServerConfig, max_tokens: int | None,
                     logprobs: int | None, prompt_param: str, grammar: GrammarSpec | None = None,
-                    echo_logprobs: int | None = None, **plan_fields: Any) -> RequestPlan | Rejection:
+                    echo_logprobs: int | None = None, stop_param: str = "stop",
+                    **plan_fields: Any) -> RequestPlan | Rejection:
     """Shared checks and SamplingParams for a parsed request whose prompts are tokenized; grammar:
     the checked constraint of the reply (tallow/serve/structured.py). echo_logprobs: the top k of
-    the prompt's logprobs that /v1/completions' echo shows."""
+    the prompt's logprobs that /v1/completions' echo shows. stop_param: the request's name for its
+    stop strings (Anthropic's stop_sequences)."""
     if req.n > config.max_n:
         return Rejection.invalid(f"n must be at most {config.max_n}, got {req.n}", "n")
     if req.best_of is not None and req.best_of != req.n:
@@ -233,9 +235,10 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
         return Rejection.invalid(f"{what} needs n = 1 (the prompt is scored once), got n = {req.n}", "n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > config.max_stop_strings:
-        return Rejection.invalid(f"stop holds at most {config.max_stop_strings} strings, got {len(stop)}", "stop")
+        return Rejection.invalid(f"{stop_param} holds at most {config.max_stop_strings} strings, got {len(stop)}",
+                                 stop_param)
     if any(not s for s in stop):
-        return Rejection.invalid("stop strings must not be empty", "stop")
+        return Rejection.invalid(f"{stop_param}: the strings must not be empty", stop_param)
     logit_bias = _logit_bias(req.logit_bias, vocab_size, config.max_logit_bias)
     if isinstance(logit_bias, Rejection):
         return logit_bias

@@ -17,6 +17,12 @@ renders them there, else joined to the system prompt in order; thinking {"type":
 engine/forced_tokens.py), {"type": "adaptive"} turns reasoning on; context_management's
 clear_thinking edits drop earlier thinking from the prompt; cache_control, metadata and the
 anthropic-beta header / ?beta=true query are accepted (the prefix cache needs no markers).
+
+Prefill: a final assistant message with text (and no tool_use) is continued, as Anthropic does:
+the prompt ends where its text ends (render_chat's continue_final_message) and the reply's
+content holds the continuation alone, as text (no thinking split unless thinking is on). Its
+text may not end with whitespace (a 400, as Anthropic's), nor be combined with a grammar
+(output_config.format, tool_choice any / tool); its tokens count as input.
 """
 
 from __future__ import annotations
@@ -140,12 +146,19 @@ def _render(req: MessagesInput, engine, config: ServerConfig) -> ChatPrompt | Re
         if not edit.type.startswith("clear_thinking"):
             return Rejection.invalid(f"context_management.edits[{k}].type: the edit {edit.type!r} is not supported; "
                                      "clear_thinking edits are", f"context_management.edits[{k}].type")
+    prefill = req.prefill()
+    if prefill is not None and prefill != prefill.rstrip():
+        # As Anthropic's API refuses it (the model would continue after a space it never wrote).
+        field = f"messages.{len(req.messages) - 1}.content"
+        return Rejection.invalid(f"{field}: final assistant content cannot end with trailing whitespace", field)
     tools = [tool.to_openai() for tool in req.tools] if req.tools else None
     choice = _tool_choice(req)
 
     def render(merge_system: bool) -> ChatPrompt:
+        # A prefill is continued: the prompt ends where its text ends (Chat's continue_final_message).
         return render_chat(engine.chat_template, req.template_messages(merge_system), config, tools=tools,
-                           tool_choice=choice, template_kwargs={"enable_thinking": req.thinking_enabled})
+                           tool_choice=choice, template_kwargs={"enable_thinking": req.thinking_enabled},
+                           continue_final_message=prefill is not None)
 
     try:
         if req.has_mid_system():
@@ -187,6 +200,14 @@ def _grammar(req: MessagesRequest, prompt: ChatPrompt, tokenizer):
     if isinstance(output, Rejection):
         return output
     choice = _tool_choice(req)
+    if req.prefill() is not None and (output is not None or choice not in ("auto", "none")):
+        # The grammar would start the reply from scratch (and after a reasoning block that the
+        # continued prompt has already closed), not from the middle of the prefilled text.
+        field = f"messages.{len(req.messages) - 1}"
+        what = (param.removesuffix(".schema") if output is not None
+                else f"tool_choice {req.tool_choice.type!r}")
+        return Rejection.invalid(f"{field}: a prefilled final assistant message cannot be combined with {what}",
+                                 field)
     max_calls = 1 if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use else None
     result = structured.tool_call_grammar(
         tokenizer, tools=prompt.tools, tool_parser=prompt.tool_parser, tool_choice=choice, output=output,
@@ -215,6 +236,11 @@ class AnthropicMessages(StreamProtocol):
         if req.tool_choice is not None and req.tool_choice.type == "tool" and not req.tool_choice.name:
             return Rejection.invalid("tool_choice.name: Field required for tool_choice of type 'tool'",
                                      "tool_choice.name")
+        if (req.tool_choice is not None and req.tool_choice.type == "tool"
+                and req.tool_choice.name not in [tool.name for tool in req.tools or []]):
+            return Rejection.invalid(f"tool_choice.name: no tool is named {req.tool_choice.name!r} (the tools: "
+                                     f"{', '.join(tool.name for tool in req.tools or []) or 'none'})",
+                                     "tool_choice.name")
         budget = req.thinking.budget_tokens if req.thinking is not None and req.thinking_enabled else None
         if budget is not None and budget >= req.max_tokens:
             return Rejection.invalid("thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens")
@@ -226,14 +252,20 @@ class AnthropicMessages(StreamProtocol):
             return grammar
         sampling = SamplingFields(model=req.model, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, stop=req.stop_sequences, speculative=req.speculative)
+        ids = tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)
         plan = plan_completion(
-            sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
-            vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
-            config=config, max_tokens=req.max_tokens, logprobs=None,
-            prompt_param="messages", prompt_text=prompt.text, split_reasoning=True,
+            sampling, [ids], vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
+            config=config, max_tokens=req.max_tokens, logprobs=None, stop_param="stop_sequences",
+            prompt_param="messages", prompt_text=prompt.text,
+            # A prefill's continuation is text, whatever tags the prefill holds, unless thinking is on.
+            split_reasoning=req.thinking_enabled or req.prefill() is None,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
             max_tool_calls=1 if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use else None,
             grammar=grammar)
+        if isinstance(plan, Rejection) and plan.code == "context_length_exceeded":
+            # Anthropic's words for it, which its clients (Claude Code, LiteLLM) recognise
+            return Rejection.invalid(f"prompt is too long: {len(ids)} tokens > {engine.max_model_len - 1} maximum",
+                                     "messages")
         fmt = REASONING_PARSERS.get(prompt.reasoning_parser or "none")
         if budget is not None and fmt is not None and not isinstance(plan, Rejection):
             # thinking.budget_tokens enforced: the engine forces the end tag at the budget.

@@ -49,6 +49,14 @@ class ToolResultBlock(WireModel):
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else _join(self.content)
 
+    def template_content(self) -> str:
+        """The tool message's content: a failed run (is_error) says so, or the model takes its
+        output for a result."""
+        text = self.text()
+        if not self.is_error:
+            return text
+        return f"Error: {text}" if text else "Error"
+
 
 ContentBlock = Annotated[TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
                          Field(discriminator="type")]
@@ -63,6 +71,15 @@ class MessageParam(WireModel):
         return self.content if isinstance(self.content, str) else _join(
             b for b in self.content if isinstance(b, TextBlock))
 
+    def has_tool_use(self) -> bool:
+        return not isinstance(self.content, str) and any(isinstance(b, ToolUseBlock) for b in self.content)
+
+    def is_empty(self) -> bool:
+        """No text, thinking or tool block with anything in it."""
+        if isinstance(self.content, str):
+            return not self.content
+        return all(isinstance(b, TextBlock) and not b.text for b in self.content)
+
     def to_template(self) -> list[dict[str, Any]]:
         """This turn as chat-template messages (a user turn with tool results gives several)."""
         if isinstance(self.content, str):
@@ -72,7 +89,7 @@ class MessageParam(WireModel):
         if self.role == "system":
             return [{"role": "system", "content": text}]
         if self.role == "user":
-            results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+            results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.template_content()}
                        for b in blocks if isinstance(b, ToolResultBlock)]
             return results + ([{"role": "user", "content": text}] if text or not results else [])
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -137,11 +154,11 @@ class JsonOutputFormat(WireModel):
 
 
 class OutputConfig(WireModel):
-    """output_config: a JSON schema the reply's text must follow; effort (low / medium / high / max)
-    turns reasoning on where the request does not set thinking."""
+    """output_config: a JSON schema the reply's text must follow; effort (low / medium / high /
+    xhigh / max: any of them) turns reasoning on where the request does not set thinking."""
 
     format: JsonOutputFormat | None = None
-    effort: Literal["low", "medium", "high", "max"] | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class MessagesInput(WireModel):
@@ -163,6 +180,15 @@ class MessagesInput(WireModel):
             return self.output_config is not None and self.output_config.effort is not None
         return self.thinking.type != "disabled"
 
+    def prefill(self) -> str | None:
+        """The text the reply continues (Anthropic's prefill): the final message's, when it is an
+        assistant turn with text and no tool_use; else None (a final turn with tool_use stays a
+        finished turn, and the reply is a new one)."""
+        last = self.messages[-1]
+        if last.role != "assistant" or last.has_tool_use():
+            return None
+        return last.text() or None
+
     def template_messages(self, merge_system: bool = False) -> list[dict[str, Any]]:
         """The chat template's messages. System messages inside `messages` are system turns in
         place, or with merge_system joined to the system prompt in order (for templates that
@@ -170,7 +196,9 @@ class MessagesInput(WireModel):
         system = self.system if isinstance(self.system, str) or self.system is None else _join(self.system)
         systems = [system] if system else []
         out: list[dict[str, Any]] = []
-        for message in self.messages:
+        for k, message in enumerate(self.messages):
+            if k == len(self.messages) - 1 and message.role == "assistant" and message.is_empty():
+                continue  # an empty final assistant turn: no prefill, the reply is a new turn
             if merge_system and message.role == "system":
                 systems.append(message.text())
             else:
