@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from serve_utils import FakeEngine
+from serve_utils import ByteTokenizer, FakeEngine
 from tallow.config import ServerConfig
 from tallow.serve.app import build_app
 
@@ -64,6 +64,13 @@ REFUSED = [
     (RESPONSES, {"input": "hi", "text": {"verbosity": "loud"}}, "text.verbosity"),
     (RESPONSES, {"input": "hi", "tools": [{"type": "function", "name": "f"}],
                  "tool_choice": {"type": "function", "name": "g"}}, "tool_choice.name"),
+    # vLLM's extras that change the reply and are not implemented here
+    (TEXT, {"prompt": "Once", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+    (CHAT, {"messages": USER, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    (TEXT, {"prompt": "Once", "bad_words": ["upon"]}, "bad_words"),
+    (TEXT, {"prompt": "Once", "use_beam_search": True}, "use_beam_search"),
+    (CHAT, {"messages": USER, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    (CHAT, {"messages": USER, "echo": True}, "echo"),
 ]
 
 
@@ -86,6 +93,12 @@ ACCEPTED = [
     # every effort value of OpenAI's spec (Codex and Claude Code send xhigh / max when chosen)
     *[(CHAT, {"messages": USER, "reasoning_effort": e}) for e in ("minimal", "medium", "xhigh", "max")],
     *[(RESPONSES, {"input": "hi", "reasoning": {"effort": e}}) for e in ("none", "xhigh", "max")],
+    (TEXT, {"prompt": "Once", "use_beam_search": False, "bad_words": None, "truncate_prompt_tokens": None}),
+    # null where OpenAI's and vLLM's APIs take it (clients that write every field send it): the default
+    (CHAT, {"messages": USER, "n": None, "stream": None, "logprobs": None, "presence_penalty": None,
+            "frequency_penalty": None, "stream_options": {"include_usage": None}, "echo": None}),
+    (TEXT, {"prompt": "Once", "n": None, "echo": None, "stream": None, "presence_penalty": None}),
+    (RESPONSES, {"input": "hi", "stream": None, "store": None}),
 ]
 
 
@@ -170,3 +183,52 @@ def test_a_developer_message_reaches_the_template_as_the_system_prompt():
                                        {"role": "user", "content": "hi"}], ServerConfig())
     assert render_chat(template, messages, ServerConfig()).text == as_system.text
     assert "<|im_start|>system\nAnswer only in French.<|im_end|>" in as_system.text
+
+
+class BosTokenizer(ByteTokenizer):
+    """The fake engine's bytes, with BOS (<|im_start|>, 256) in front of a text where asked."""
+
+    add_bos = True
+
+    def encode(self, text: str, add_special_tokens: bool = False, literal_spans=()) -> list[int]:
+        return ([self.bos_token_id] if add_special_tokens else []) + super().encode(text, literal_spans=literal_spans)
+
+
+def test_completions_text_prompts_bos_and_echo():
+    engine = FakeEngine(max_model_len=256)
+    engine.tokenizer = BosTokenizer()
+    app = build_app(engine, ServerConfig())
+    post(app, TEXT, {"prompt": "Hi", "max_tokens": 2})
+    assert engine.submitted[-1][0] == [256, *b"Hi"]
+    # vLLM's add_special_tokens false: a prompt that holds its BOS already gets no second one
+    post(app, TEXT, {"prompt": "<|im_start|>Hi", "max_tokens": 2, "add_special_tokens": False})
+    assert engine.submitted[-1][0] == [256, *b"Hi"]
+    assert post(app, TEXT, {"prompt": ["<|im_start|>Hi", "Ho"], "max_tokens": 2,
+                            "add_special_tokens": False}).status_code == 200
+    assert engine.submitted[-2][0] == [256, *b"Hi"] and engine.submitted[-1][0] == [*b"Ho"]
+    # echo gives a text prompt back as sent (not its tokens' text, BOS and all); token ids decoded
+    r = post(app, TEXT, {"prompt": ["Hi", "Ho"], "echo": True, "max_tokens": 2}).json()
+    texts = [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])]
+    assert [t[:2] for t in texts] == ["Hi", "Ho"] and engine.submitted[-1][0] == [256, *b"Ho"]
+    r = post(app, TEXT, {"prompt": [256, 72, 105], "echo": True, "max_tokens": 2}).json()
+    assert r["choices"][0]["text"].startswith("<|im_start|>Hi")
+    # chat: the template writes its own special tokens; vLLM's add_special_tokens true adds BOS too
+    post(app, CHAT, {"messages": USER, "max_tokens": 2})
+    plain = engine.submitted[-1][0]
+    post(app, CHAT, {"messages": USER, "max_tokens": 2, "add_special_tokens": True})
+    assert engine.submitted[-1][0] == [256, *plain]
+
+
+def test_text_parts_reach_the_template_as_the_python_api_renders_them():
+    """Chat's text parts joined on the server as ChatTemplate joins them for LLM.chat (and as vLLM
+    does): the same conversation, the same prompt, whichever way it arrives."""
+    from pathlib import Path
+
+    from tallow.chat_template import ChatTemplate
+    from tallow.serve.protocols.openai_schemas import ChatMessage
+
+    source = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+    template = ChatTemplate(source, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    wire = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    served = template.render([ChatMessage.model_validate(m).to_template() for m in wire])
+    assert served == template.render(wire) and "Hello\nthere" in served

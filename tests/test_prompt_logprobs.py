@@ -173,9 +173,15 @@ def test_echo_with_logprobs_scores_the_prompt(server, tiny):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:len(ids)] == pytest.approx(own_logprobs(ref, ids), abs=TOL)
     assert lp.text_offset[:len(ids)] == list(range(len(ids)))
+    own = own_logprobs(ref, ids)
     for i in range(1, len(ids)):
-        (top_lp,) = lp.top_logprobs[i].values()
-        assert top_lp == pytest.approx(ref[i - 1].max().item(), abs=TOL)
+        # the prompt token itself, then the top 1 (OpenAI's "up to logprobs + 1" entries)
+        top = lp.top_logprobs[i]
+        assert list(top)[0] == lp.tokens[i] and top[lp.tokens[i]] == pytest.approx(own[i - 1], abs=TOL)
+        assert max(top.values()) == pytest.approx(ref[i - 1].max().item(), abs=TOL)
+        assert len(top) == (1 if ids[i] == ref[i - 1].argmax().item() else 2)
+        # lm-eval's greedy check: the token's logprob is the largest of them exactly when it is the argmax
+        assert (lp.token_logprobs[i] == max(top.values())) == (ids[i] == ref[i - 1].argmax().item())
     # the generated token follows, with its own logprob
     assert lp.token_logprobs[-1] == pytest.approx(ref[-1].max().item(), abs=TOL)
     assert res.usage.prompt_tokens == len(ids) and res.usage.completion_tokens == 1
@@ -192,9 +198,12 @@ def test_echo_max_tokens_zero_scores_only(server, tiny):
         ref = reference(hf, prompt)
         assert choice["text"] == bytes(prompt).decode()
         assert choice["finish_reason"] == "length"
-        assert choice["logprobs"]["top_logprobs"] is None
-        assert choice["logprobs"]["token_logprobs"][0] is None
-        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(own_logprobs(ref, prompt), abs=TOL)
+        logprobs = choice["logprobs"]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:] == pytest.approx(own_logprobs(ref, prompt), abs=TOL)
+        # logprobs 0: each position's own token alone (OpenAI and vLLM always give the chosen one)
+        assert logprobs["top_logprobs"][1:] == [{t: lp} for t, lp in zip(logprobs["tokens"][1:],
+                                                                         logprobs["token_logprobs"][1:])]
     # without logprobs: the prompt's text alone
     body = post(server, "/v1/completions", {"prompt": "abc", "echo": True, "max_tokens": 0}).json()
     assert body["choices"][0]["text"] == "abc" and body["choices"][0]["logprobs"] is None
@@ -212,7 +221,18 @@ def test_streamed_echo_with_logprobs(server, tiny):
     assert first.text == text
     assert first.logprobs.token_logprobs[0] is None
     assert first.logprobs.token_logprobs[1:] == pytest.approx(own_logprobs(ref, ids), abs=TOL)
-    assert all(len(top) <= 2 for top in first.logprobs.top_logprobs[1:])
+    # each position's own token, then the top 2, keyed by their text (bytes that are no UTF-8 alone
+    # share the key "\ufffd": the legacy shape keys by text)
+    from transformers import AutoTokenizer
+
+    reference_tokenizer = AutoTokenizer.from_pretrained(tiny[0])
+
+    def token_text(t: int) -> str:
+        return reference_tokenizer.decode([t])
+
+    for i, top in enumerate(first.logprobs.top_logprobs[1:], start=1):
+        keys = [token_text(ids[i])] + [token_text(t) for t in ref[i - 1].topk(2).indices.tolist()]
+        assert list(top) == list(dict.fromkeys(keys))
     whole = client.completions.create(model="m", prompt=text, echo=True, logprobs=2, max_tokens=3, temperature=0)
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs) == len(ids) + 3

@@ -175,7 +175,7 @@ def test_every_sampling_field_reaches_the_engine(app, engine):
     assert len(r.json()["choices"]) == 2
     prompt_ids, p = engine.submitted[0]
     assert prompt_ids == ByteTokenizer().encode(ChatMLTemplate().render(
-        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]))
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]))  # parts joined as vLLM
     assert (p.max_tokens, p.temperature, p.top_p, p.n, p.seed, p.stop) == (7, 0.7, 0.9, 2, 11, ["zz"])
     assert (p.presence_penalty, p.frequency_penalty, p.logit_bias, p.logprobs) == (0.5, -0.5, {65: -100.0}, 3)
     assert (p.top_k, p.min_p, p.repetition_penalty, p.min_tokens, p.ignore_eos) == (5, 0.1, 1.2, 2, True)

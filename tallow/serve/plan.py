@@ -88,6 +88,8 @@ class RequestPlan:
     prompt_logprobs: int | None = None
     # /v1/completions max_tokens 0 with echo: the engine computes one token, which is dropped.
     score_only: bool = False
+    # /v1/completions echo: each prompt as sent, when it was text (None: token ids, echoed decoded)
+    prompt_strings: list[str | None] | None = None
 
     def params_for(self, prompt_index: int) -> SamplingParams:
         return replace(self.params, max_tokens=self.max_tokens[prompt_index])
@@ -212,6 +214,10 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
     the checked constraint of the reply (tallow/serve/structured.py). echo_logprobs: the top k of
     the prompt's logprobs that /v1/completions' echo shows. stop_param: the request's name for its
     stop strings (Anthropic's stop_sequences)."""
+    for name in ("truncate_prompt_tokens", "allowed_token_ids", "bad_words", "use_beam_search",
+                 "return_tokens_as_token_ids"):
+        if getattr(req, name, None) not in (None, False):
+            return Rejection.invalid(f"{name} is not supported by this server (send the request without it)", name)
     if req.n > config.max_n:
         return Rejection.invalid(f"n must be at most {config.max_n}, got {req.n}", "n")
     if req.best_of is not None and req.best_of != req.n:

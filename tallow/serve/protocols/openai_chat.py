@@ -34,6 +34,8 @@ def unsupported_chat_fields(req: ChatCompletionRequest) -> Rejection | None:
         return Rejection.invalid('modalities: this server answers with text only (send ["text"])', "modalities")
     if req.audio is not None:
         return Rejection.invalid("audio: this server does not produce audio output", "audio")
+    if req.echo:
+        return Rejection.invalid("echo is not supported on /v1/chat/completions", "echo")
     if req.continue_final_message and req.add_generation_prompt:
         return Rejection.invalid("continue_final_message and add_generation_prompt cannot both be true "
                                  "(set add_generation_prompt to false)", "continue_final_message")
@@ -69,7 +71,8 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
         if isinstance(grammar, Rejection):
             return grammar
         return plan_completion(
-            req, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
+            req, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans,
+                           add_special_tokens=req.add_special_tokens)],
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
             config=config,
             max_tokens=req.max_completion_tokens or req.max_tokens,

@@ -19,8 +19,11 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.prompt_texts = [self.tokenizer.decode(ids, skip_special_tokens=False) if self.plan.echo else ""
-                             for ids in self.plan.prompts]
+        # the prompt as sent (a text prompt) or its tokens' text (token ids), as vLLM echoes it
+        strings = self.plan.prompt_strings or [None] * len(self.plan.prompts)
+        self.prompt_texts = [("" if not self.plan.echo else text if text is not None
+                              else self.tokenizer.decode(ids, skip_special_tokens=False))
+                             for ids, text in zip(self.plan.prompts, strings)]
         # Legacy logprobs give each token's character offset into the choice's text.
         self.text_offsets = [len(self.prompt_texts[i // self.plan.params.n]) for i in range(self.num_choices)]
         # Streaming echo with logprobs: the prompt's chunk waits for the choice's first update,
@@ -44,7 +47,7 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
         if count > config.max_prompts:
             return Rejection.invalid(f"prompt holds at most {config.max_prompts} prompts (--max-prompts), got {count}",
                                      "prompt")
-        prompts = _prompt_ids(req.prompt, engine.tokenizer)
+        prompts = _prompt_ids(req.prompt, engine.tokenizer, req.add_special_tokens)
         vocab_size = engine.model_config.vocab_size
         if not prompts or any(not ids for ids in prompts):
             return Rejection.invalid("prompt must not be empty", "prompt")
@@ -59,7 +62,7 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
             req, prompts, vocab_size=vocab_size, max_model_len=engine.max_model_len, config=config,
             max_tokens=1 if score_only else max_tokens, logprobs=req.logprobs, prompt_param="prompt",
             echo_logprobs=req.logprobs if req.echo else None, echo=req.echo, score_only=score_only,
-            grammar=grammar)
+            prompt_strings=_prompt_strings(req.prompt) if req.echo else None, grammar=grammar)
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -116,18 +119,19 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
         ids = self.plan.prompts[index // self.plan.params.n]
         entries = entries or []
         k = self.plan.params.logprobs
+
+        def text(token_id: int) -> str:
+            return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
         tokens, offsets, offset = [], [], 0
         for token_id in ids:
-            tokens.append(self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace"))
+            tokens.append(text(token_id))
             offsets.append(offset)
             offset += len(tokens[-1])
         # (entries is shorter than the prompt only when the choice failed before its first token)
         missing = [None] * (len(ids) - 1 - len(entries))
         token_logprobs = [None] + [finite(e.logprob) for e in entries] + missing
-        top = None
-        if k > 0:
-            top = [None] + [{self.tokenizer.token_bytes(t).decode("utf-8", errors="replace"): finite(lp)
-                             for t, lp in e.top[:k]} for e in entries] + missing
+        top = [None] + [_top(text, e.token_id, e.logprob, e.top[:k]) for e in entries] + missing
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def _logprobs(self, index: int, entries: list[TokenLogprob]) -> dict | None:
@@ -138,10 +142,19 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
             tokens.append(self.token_text(entry.token_id))
             offsets.append(self.text_offsets[index])
             self.text_offsets[index] += len(tokens[-1])
-        top = ([{self.token_text(t): finite(lp) for t, lp in e.top} for e in entries]
-               if self.plan.params.logprobs > 0 else None)
+        top = [_top(self.token_text, e.token_id, e.logprob, e.top) for e in entries]
         return {"tokens": tokens, "token_logprobs": [finite(e.logprob) for e in entries],
                 "top_logprobs": top, "text_offset": offsets}
+
+
+def _top(text, token_id: int, logprob: float, top) -> dict:
+    """A position's legacy top_logprobs: the chosen token first, then the top k, by their text (up
+    to k + 1 entries: "the API will always return the logprob of the sampled token", as OpenAI's
+    and vLLM's; logprobs 0 gives the chosen token alone)."""
+    entries = {text(token_id): finite(logprob)}
+    for t, lp in top:
+        entries.setdefault(text(t), finite(lp))
+    return entries
 
 
 def _joined(first: dict, then: dict | None) -> dict:
@@ -159,10 +172,22 @@ def _prompt_count(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
     return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
 
 
-def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer) -> list[list[int]]:
-    """Every accepted prompt shape -> one token list per prompt."""
+def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer,
+                add_special_tokens: bool = True) -> list[list[int]]:
+    """Every accepted prompt shape -> one token list per prompt (a text's with BOS in front where
+    the model wants one, unless add_special_tokens is false)."""
     if isinstance(prompt, str):
-        return [tokenize(tokenizer, prompt, add_special_tokens=True)]
+        return [tokenize(tokenizer, prompt, add_special_tokens=add_special_tokens)]
     if prompt and isinstance(prompt[0], int):
         return [list(prompt)]
-    return [tokenize(tokenizer, p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
+    return [tokenize(tokenizer, p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p)
+            for p in prompt]
+
+
+def _prompt_strings(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | None]:
+    """Each prompt as sent when it is text, else None (token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [None]
+    return [p if isinstance(p, str) else None for p in prompt]

@@ -8,9 +8,11 @@ Types and static ranges live here; limits that depend on the server or the model
 
 from __future__ import annotations
 
+import functools
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Integers the engine holds in int64 tensors or hands to torch (a seed: torch's generators take a
 # signed 64-bit seed, and vLLM's API bounds it the same way).
@@ -30,6 +32,32 @@ class WireModel(BaseModel):
     # field takes finite numbers only (1e400 parses to inf); NaN and Infinity literals anywhere in
     # a body are refused before this (plan.parse_request).
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """null in a field with a default that takes no null is that default, as OpenAI's and
+        vLLM's APIs read it (their SDK types mark n, stream, logprobs, presence_penalty, ...
+        nullable, and clients that write every field send null)."""
+        if isinstance(data, dict):
+            keys = _defaulted_non_null_keys(cls)
+            if any(data.get(key, 0) is None for key in keys):
+                data = {k: v for k, v in data.items() if not (v is None and k in keys)}
+        return data
+
+
+@functools.cache
+def _defaulted_non_null_keys(cls: type[BaseModel]) -> frozenset[str]:
+    """The wire names of cls's fields that have a default other than None and do not take None."""
+    keys = set()
+    for name, info in cls.model_fields.items():
+        if info.is_required() or info.default is None or info.default_factory is not None:
+            continue
+        annotation = info.annotation
+        if annotation is Any or type(None) in typing.get_args(annotation):
+            continue
+        keys.add(info.alias or name)
+    return frozenset(keys)
 
 
 class StreamOptions(WireModel):
@@ -67,6 +95,12 @@ class SamplingFields(WireModel):
     # Not implemented: null or equal to n (the same as no best_of); more candidates than n is a 400
     # (plan_completion), never silently fewer.
     best_of: Count | None = Field(default=None, ge=1)
+    # vLLM extras not implemented: set (not null, not false), a 400 naming them (plan_completion).
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
+    use_beam_search: bool = False
+    return_tokens_as_token_ids: bool = False
     # tallow extra: false keeps this request from speculating (when the server speculates)
     speculative: bool = True
 
@@ -138,14 +172,15 @@ class ChatMessage(WireModel):
     reasoning_content: str | None = None
 
     def to_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it: text parts joined, unset fields left out,
+        """The message as the chat template sees it: text parts joined by newlines (as vLLM's and
+        ChatTemplate's own join for templates that take strings), unset fields left out,
         a developer message as a system one (OpenAI's newer name for it; most templates know only
         system and drop or refuse other roles), as on /v1/responses."""
         message = self.model_dump(exclude_none=True)
         if message["role"] == "developer":
             message["role"] = "system"
         if isinstance(self.content, list):
-            message["content"] = "".join(part.text for part in self.content)
+            message["content"] = "\n".join(part.text for part in self.content)
         return message
 
 
@@ -185,6 +220,11 @@ class ChatCompletionRequest(StructuredFields, SamplingFields):
     # vLLM's: the prompt ends inside the last (assistant) message, which the reply continues.
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: true puts the tokenizer's special tokens (BOS) in front of the rendered prompt as well
+    # (templates write their own, hence false by default)
+    add_special_tokens: bool = False
+    # vLLM's echo of the last message in the reply: not implemented (true is a 400)
+    echo: bool = False
     # Fields that would change the reply's meaning and are not implemented: set, they are a 400
     # (openai_chat.py), never ignored. A request's own chat_template: vLLM refuses it too unless
     # started with --trust-request-chat-template. functions / function_call: the deprecated
@@ -207,3 +247,6 @@ class CompletionRequest(StructuredFields, SamplingFields):
     echo: bool = False
     suffix: str | None = None
     logprobs: Count | None = Field(default=None, ge=0)
+    # vLLM's: false leaves out the special tokens (BOS) the tokenizer would put in front of a text
+    # prompt (a prompt that already holds its template's BOS text)
+    add_special_tokens: bool = True
