@@ -7,11 +7,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # lazy: importing tallow must stay cheap
-    if name == "LLM":
-        from tallow.llm import LLM
+    if name in ("LLM", "Logprob"):
+        import tallow.llm
 
-        return LLM
+        return getattr(tallow.llm, name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "GrammarSpec", "SamplingParams", "__version__"]
+__all__ = ["LLM", "GrammarSpec", "Logprob", "SamplingParams", "__version__"]

@@ -4,10 +4,16 @@
     llm = LLM("default")
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
     print(outs[0].outputs[0].text)
+
+Prompts are vLLM's: a string, a list of token ids, a TextPrompt {"prompt": "..."} or a
+TokensPrompt {"prompt_token_ids": [...]}, alone or in a list. Logprobs are vLLM's shape: per
+position a {token_id: Logprob} dict, the chosen token first.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from tallow.config import EngineConfig
@@ -17,6 +23,26 @@ from tallow.engine.sampling import SamplingParams
 from tallow.output.offline import OfflineRun
 from tallow.output.pipeline import OutputPipeline, make_sink
 
+# The keys of vLLM's TextPrompt / TokensPrompt that tallow honours ("prompt" beside
+# "prompt_token_ids" is the text the ids came from: it is reported as RequestOutput.prompt).
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token's log-probability at a position (vLLM's vllm.sequence.Logprob).
+
+    rank: 1-based, in the whole distribution (1: the most likely). The top-k alternatives rank
+    1..k by their place in the top list, as vLLM's, and so does a chosen token among them.
+    Outside the top list, a prompt token has the engine's rank (1 + the tokens strictly more
+    likely) and a sampled token None: tallow's sampler does not compute a sampled token's rank.
+    decoded_token: the token decoded alone (skip_special_tokens=False).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
 
 @dataclass
 class CompletionOutput:
@@ -25,8 +51,10 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    # Per generated token: {token_id: logprob} for the chosen token and its top alternatives.
-    logprobs: list[dict[int, float]] | None = None
+    # Per generated token: {token_id: Logprob} for the chosen token (first) and its top alternatives.
+    logprobs: list[dict[int, Logprob]] | None = None
+    # The sum of the chosen tokens' logprobs when logprobs were asked (SamplingParams.logprobs), else None.
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -36,9 +64,33 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
-    # With SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: logprob}
-    # for each prompt token and the top alternatives there (vLLM's shape, logprobs as floats).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob}
+    # for each prompt token (first) and the top alternatives there (vLLM's shape).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finished: bool = True  # generate() returns finished requests only
+
+
+class _Decoder:
+    """decoded_token of Logprobs: each token id decoded alone (as vLLM does), once per call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def position(self, token_id: int, logprob: float, rank: int | None,
+                 top: list[tuple[int, float]] | None) -> dict[int, Logprob]:
+        """One position's {token_id: Logprob}: the chosen token first, then the top list, whose
+        entries rank by their place in it (vLLM's: a chosen token in the top list takes that rank)."""
+        d = {token_id: Logprob(logprob, rank, self(token_id))}
+        for place, (t, lp) in enumerate(top or (), 1):
+            d[t] = Logprob(lp, place, self(t))
+        return d
 
 
 @dataclass
@@ -49,23 +101,68 @@ class _Choice:
     index: int
     seq: Sequence
     pipeline: OutputPipeline
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
 
-    def add_logprobs(self, out) -> None:
-        """The logprobs of the output's tokens the pipeline took."""
+    def add_logprobs(self, out, decoder: _Decoder) -> None:
+        """The logprobs of the output's tokens the pipeline took. The engine gives no rank for a
+        sampled token (tallow/engine/sampler.py), so the chosen token's is None unless the top
+        list holds it."""
         if self.logprobs is None or out.logprobs is None:
             return
         for j in range(self.pipeline.taken):
-            d = {out.token_ids[j]: out.logprobs[j]}
-            if out.top_logprobs:
-                d.update({t: lp for t, lp in out.top_logprobs[j] if t not in d})
-            self.logprobs.append(d)
+            lp = out.logprobs[j]
+            self.logprobs.append(decoder.position(out.token_ids[j], lp, None,
+                                                  out.top_logprobs[j] if out.top_logprobs else None))
+            self.cumulative_logprob += lp
 
     def result(self) -> CompletionOutput:
         result, finish_reason = self.pipeline.finish()
         stop_reason = result.stop_string if result.stopped else self.seq.stop_token_id
         return CompletionOutput(self.index, result.content, list(self.seq.output_ids), finish_reason,
-                                stop_reason, self.logprobs)
+                                stop_reason, self.logprobs, self.cumulative_logprob)
+
+
+def _token_ids(ids, where: str) -> list[int]:
+    try:
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise TypeError(f"{where}: token ids must be integers") from None
+
+
+def _parse_prompt(prompt) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one prompt; exactly one is None unless a TokensPrompt has both."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        unknown = [k for k in prompt if k not in _PROMPT_KEYS]
+        if unknown:
+            raise ValueError(f"prompt key(s) {', '.join(map(repr, unknown))} not supported: tallow's LLM takes "
+                             '{"prompt": str} (TextPrompt) or {"prompt_token_ids": [int, ...]} (TokensPrompt)')
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f'a prompt dict\'s "prompt" must be a string, not {type(text).__name__}')
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise TypeError('"prompt_token_ids" must be a list of token ids')
+            return text, _token_ids(ids, '"prompt_token_ids"')
+        if text is None:
+            raise ValueError('a prompt dict needs "prompt" (TextPrompt) or "prompt_token_ids" (TokensPrompt)')
+        return text, None
+    return None, _token_ids(prompt, "prompt")
+
+
+def _parse_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    return [_parse_prompt(p) for p in prompts]
+
+
+def _check_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ValueError("LoRA is not supported by tallow: lora_request must be None")
 
 
 class LLM:
@@ -78,56 +175,91 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool | Callable = True, lora_request=None) -> list[RequestOutput]:
+        """Run every prompt to the end: a RequestOutput per prompt, in order.
+
+        prompts: one prompt or a list of them, each a string, a list of token ids, a TextPrompt
+        {"prompt": str} or a TokensPrompt {"prompt_token_ids": [int, ...]} (vLLM's; any other key,
+        such as multi_modal_data, is a ValueError). A string is tokenized with the model's special
+        tokens (BOS where it wants one); token ids are used as given.
+        sampling_params: one for every prompt, or a list with one per prompt.
+        use_tqdm: accepted for vLLM's signature and ignored (tallow draws no progress bar).
+        lora_request: None only (tallow has no LoRA).
+        """
+        _check_lora(lora_request)
+        parsed = _parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params_list) != len(prompts):
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params] * len(parsed))
+        if len(params_list) != len(parsed):
             raise ValueError("sampling_params list must match prompts in length")
         results: list[RequestOutput] = []
+        requests = []
+        # Every prompt is checked (make_sequences) before any reaches the engine.
+        for i, ((text, ids), params) in enumerate(zip(parsed, params_list)):
+            if ids is None:
+                # BOS in front where the model wants one (Gemma, Llama 2), as /v1/completions does
+                ids = self.tokenizer.encode(text, add_special_tokens=True)
+            requests.append((params, self.engine.make_sequences(ids, params, request_id=str(i))))
+            results.append(RequestOutput(str(i), text, ids))
         run = OfflineRun(self.engine)
         choices: dict[int, _Choice] = {}  # by seq_id, in submission order
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            # BOS in front where the model wants one (Gemma, Llama 2), as /v1/completions does
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-            seqs = self.engine.make_sequences(ids, params, request_id=str(i))
-            results.append(RequestOutput(str(i), prompt if isinstance(prompt, str) else None, ids))
-            for k, seq in enumerate(seqs):
-                pipeline = run.add(seq, make_sink(self.tokenizer, seq.params))
-                choices[seq.seq_id] = _Choice(results[-1], k, seq, pipeline,
-                                              [] if params.logprobs is not None else None)
+        try:
+            for result, (params, seqs) in zip(results, requests):
+                asked = params.logprobs is not None
+                for k, seq in enumerate(seqs):
+                    pipeline = run.add(seq, make_sink(self.tokenizer, seq.params))
+                    choices[seq.seq_id] = _Choice(result, k, seq, pipeline, [] if asked else None,
+                                                  0.0 if asked else None)
+        except BaseException:
+            for choice in choices.values():  # a prompt the engine refused: none of the call runs
+                self.engine.abort(choice.seq)
+            raise
+        decoder = _Decoder(self.tokenizer)
         for seq, out, _ in run.outputs():
-            choices[seq.seq_id].add_logprobs(out)
+            choice = choices[seq.seq_id]
+            choice.add_logprobs(out, decoder)
             if out.prompt_logprobs is not None:
-                choices[seq.seq_id].request.prompt_logprobs = [None] + [
-                    {e.token_id: e.logprob, **{t: lp for t, lp in e.top if t != e.token_id}}
-                    for e in out.prompt_logprobs]
+                choice.request.prompt_logprobs = [None] + [
+                    decoder.position(e.token_id, e.logprob, e.rank, e.top) for e in out.prompt_logprobs]
         for choice in choices.values():
             choice.request.outputs.append(choice.result())
             choice.request.num_cached_tokens = max(choice.request.num_cached_tokens, choice.seq.num_cached_tokens)
         return results
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, *, tools=None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools=None,
+             chat_template_kwargs: dict | None = None,
              allow_special_tokens_in_content: bool = False) -> list[RequestOutput]:
         """messages: one conversation (a list of {role, content}) or a list of conversations.
+
+        chat_template: a jinja template's text or a file's path, used instead of the model's (and
+        of EngineConfig.chat_template) for this call. continue_final_message: the prompt ends where
+        the last message's text ends, for the model to continue it (an assistant prefill); it needs
+        add_generation_prompt=False (both true is a ValueError, as vLLM's). use_tqdm is ignored
+        (no progress bar); lora_request must be None.
 
         Special-token strings in the messages, tools and kwargs are plain text (a message cannot
         forge a turn with "<|im_end|>"), unless allow_special_tokens_in_content.
         """
         from tallow.chat_template import ChatTemplate
 
+        _check_lora(lora_request)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(set add_generation_prompt=False)")
         tok = self.tokenizer
-        template = ChatTemplate.for_tokenizer(tok, override=self.config.chat_template)
+        override = chat_template if chat_template is not None else self.config.chat_template
+        template = ChatTemplate.for_tokenizer(tok, override=override)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
             prompt = template.render_prompt(conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message,
                                             literal_special_tokens=not allow_special_tokens_in_content,
                                             **(chat_template_kwargs or {}))
             prompts.append(tok.encode(prompt.text, literal_spans=prompt.literal_spans))
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
