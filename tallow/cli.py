@@ -11,35 +11,85 @@ from tallow.config import EngineConfig, ServerConfig
 from tallow.output.events import ContentEvent
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+# Flags of vLLM's and llama-server's command lines that tallow takes as they are (it always does
+# what they turn on, or they concern nothing tallow has): accepted, noted in the log.
+ACCEPTED_NO_OPS = {
+    "--trust-remote-code": "tallow runs no code from model folders",
+    "--disable-log-requests": "tallow logs no request bodies",
+    "--enable-log-requests": "per-request logs: --trace",
+    "--disable-log-stats": "tallow logs no periodic stats",
+    "--enable-chunked-prefill": "chunked prefill is always on",
+    "--enable-prefix-caching": "prefix caching is on by default (--no-prefix-caching turns it off)",
+    "--enable-auto-tool-choice": "tool calls are parsed whenever the chat template has tools (--tool-call-parser)",
+    "--jinja": "chat templates are always jinja",
+}
+
+# Flags of theirs that would change what runs and that tallow does not have: an error naming what
+# to do instead.
+FOREIGN_FLAGS = {
+    "-ngl": "tallow puts every layer on the GPU with --device cuda (the default where CUDA is present)",
+    "--n-gpu-layers": "tallow puts every layer on the GPU with --device cuda (the default where CUDA is present)",
+    "-t": "tallow's CPU kernels use every core; set OMP_NUM_THREADS to use fewer",
+    "--threads": "tallow's CPU kernels use every core; set OMP_NUM_THREADS to use fewer",
+    "--tokenizer": "the tokenizer comes with the model (the GGUF file's metadata or the HF folder)",
+    "--load-format": "the format follows --model (a .gguf file or an HF folder with safetensors)",
+    "--ssl-keyfile": "tallow serves plain HTTP; put a TLS proxy in front of it",
+    "--ssl-certfile": "tallow serves plain HTTP; put a TLS proxy in front of it",
+    "--root-path": "tallow serves at the root; a reverse proxy can strip a prefix",
+    "--allowed-origins": "tallow sends no CORS headers (its chat page is served from the same origin)",
+    "--generation-config": "sampling defaults come from the request (and the GGUF's or folder's generation config)",
+    "--download-dir": "tallow downloads nothing: pass a local .gguf file or HF folder as the model",
+    "--revision": "tallow downloads nothing: pass a local .gguf file or HF folder as the model",
+    "--lora-modules": "LoRA adapters are not supported",
+    "--enable-lora": "LoRA adapters are not supported",
+    "--pipeline-parallel-size": "pipeline parallelism is not supported (--tensor-parallel-size is)",
+    "-pp": "pipeline parallelism is not supported (--tensor-parallel-size is)",
+}
+
+
+def _engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
     d = EngineConfig()
-    p.add_argument("--model", default=d.model, help="default | path/to/model.gguf | HF folder | dummy:<preset>")
+    if positional_model:  # vLLM's `vllm serve MODEL`
+        p.add_argument("model_arg", nargs="?", metavar="MODEL", default=None, help="the model, as --model")
+    p.add_argument("-m", "--model", default=d.model,
+                   help="default (the embedded SmolLM2-135M-Instruct) | path/to/model.gguf | HF folder (config.json "
+                        "and *.safetensors) | dummy:<preset> (random weights); nothing is downloaded")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default=d.quantization, help="CPU weight format: auto (int4) | int4 | int8 (tallow's kernels where they build) | int4-torch | int8-torch | bf16 | none; on CUDA (sm_89+): fp8 (e4m3 weights, per-channel scales); on CUDA a GGUF file keeps its quantized blocks unless none (dequantized to --dtype)")
+    p.add_argument("-q", "--quantization", default=d.quantization, help="CPU weight format: auto (int4) | int4 | int8 (tallow's kernels where they build) | int4-torch | int8-torch | bf16 | none; on CUDA (sm_89+): fp8 (e4m3 weights, per-channel scales); on CUDA a GGUF file keeps its quantized blocks unless none (dequantized to --dtype)")
     p.add_argument("--fp8-large-batch", default=d.fp8_large_batch, choices=("weight_only", "w8a8", "scaled_mm"),
                    help="fp8 weights: batches of 64+ rows keep bf16 activations (weight_only: batch-invariant greedy "
                         "output) or quantize them per token for fp8 tensor cores (w8a8, scaled_mm)")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--max-num-seqs", "-np", "--parallel", type=int, default=d.max_num_seqs,
+                   help="most sequences decoded together (llama-server's -np)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="most tokens one engine step runs (prompt chunks and decode tokens)")
+    p.add_argument("--max-model-len", "-c", "--ctx-size", type=int, default=None,
+                   help="context length in tokens (default: the model's own, max_position_embeddings; "
+                        "llama-server's -c)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    help="auto (float16 on the CPU with int4/int8 weights, else the model's dtype) | float16 | float32 | bfloat16 | int8 (alias q8_0; CPU: a scale per 32 values, 0.56x float16's memory) | fp8 (CUDA: e4m3 with per-layer scales)")
     p.add_argument("--kv-cache-scale", default=d.kv_cache_scale,
                    help="an fp8 KV cache's K/V scale: a number (1.0 as vLLM) | calibrate (from the first prefill)")
-    p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (CPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV cache size in GiB (default: sized from the context and --max-num-seqs on the CPU, "
+                        "from --gpu-memory-utilization on CUDA; given, it wins on either)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="CUDA: the share of the GPU's memory the weights and KV cache may take (ignored on the CPU)")
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                   help="do not reuse the KV cache of earlier prompts' common prefixes")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="schedule and launch step N+1 while step N runs (auto: on CUDA without tensor parallelism)")
-    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="shard the model over N processes (one per GPU on CUDA, NCCL; gloo on the CPU)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--chat-template", default=None,
+    p.add_argument("--seed", type=int, default=d.seed, help="the engine's random seed (unseeded requests)")
+    p.add_argument("--chat-template", "--chat-template-file", default=None,
                    help="chat template for chat requests instead of the model's own: a jinja file, or its text "
                         "(a base model without one answers chat requests with a 400)")
+    for flag, why in ACCEPTED_NO_OPS.items():
+        p.add_argument(flag, action="append_const", const=flag, dest="no_ops", help=f"accepted, no effect: {why}")
     p.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
                    help="speculative decoding in the batch: ngram (prompt lookup) or draft (--speculative-model); "
                         "off by default")
@@ -163,11 +213,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(engine_config_from(args), scfg)  # 1 when the engine failed
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tallow", description="A local-first LLM inference server")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help that ends an option's text with its default, where it has one worth showing."""
 
-    g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    # (no abbreviations: a typo or another server's flag must not land on a flag of ours)
+    parser = argparse.ArgumentParser(prog="tallow", description="A local-first LLM inference server",
+                                     allow_abbrev=False)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    shown = {"allow_abbrev": False, "formatter_class": _DefaultsShown}
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal", **shown)
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None)
@@ -180,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="chat in the terminal, with the model loaded here or a server (--url)")
+    c = sub.add_parser("chat", help="chat in the terminal, with the model loaded here or a server (--url)", **shown)
     c.add_argument("--url", default=None, help="a running server (http://host:port); default: load --model here")
     c.add_argument("--api-key", default=None, help="the server's API key (with --url)")
     c.add_argument("--system", default=None, help="system prompt")
@@ -191,17 +254,21 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(c)
     c.set_defaults(func=cmd_chat, log_level="warning")
 
-    s = sub.add_parser("serve", help="start the OpenAI/Anthropic-compatible HTTP server")
+    s = sub.add_parser("serve", help="start the OpenAI/Anthropic-compatible HTTP server", **shown)
     sd = ServerConfig()
-    s.add_argument("--host", default=sd.host)
-    s.add_argument("--port", type=int, default=sd.port)
-    s.add_argument("--served-model-name", default=None)
-    s.add_argument("--max-queue", type=int, default=sd.max_queue)
+    s.add_argument("--host", default=sd.host, help="the address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=sd.port, help="the port to listen on")
+    s.add_argument("--served-model-name", "-a", "--alias", nargs="+", default=None,
+                   help="the names the model answers to in /v1/models and replies (the first in replies); "
+                        "default: the model's file or folder name")
+    s.add_argument("--max-queue", type=int, default=sd.max_queue,
+                   help="requests waiting beyond the running ones, past which requests get 429 (Anthropic: 529)")
     s.add_argument("--api-key", default=None,
                    help="every route but /health needs it (Authorization: Bearer or x-api-key): /v1, "
                         "/stats, /metrics, /docs, /openapi.json, /tokenize")
     s.add_argument("--metrics-key", default=None, help="a key /metrics takes besides --api-key (for a scraper)")
-    s.add_argument("--log-level", default=sd.log_level)
+    s.add_argument("--log-level", "--uvicorn-log-level", type=str.lower, default=sd.log_level,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"), help="the server's log level")
     s.add_argument("--no-ui", action="store_true", help="no chat page at GET /")
     s.add_argument("--trace", action="store_true",
                    help="log one JSON line per request with its phases (or per request: x-tallow-trace: 1)")
@@ -238,14 +305,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="tool-call markup to parse (default: the one the chat template implies)")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="reasoning markup to split out (default: the one the chat template implies)")
-    _engine_args(s)
+    _engine_args(s, positional_model=True)
     s.set_defaults(func=cmd_serve)
 
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    subparser = {"generate": g, "chat": c, "serve": s}[args.cmd]
+    if unknown:
+        hints = [f"{flag}: {FOREIGN_FLAGS[flag.split('=')[0]]}" for flag in unknown
+                 if flag.split("=")[0] in FOREIGN_FLAGS]
+        subparser.error(f"unrecognized arguments: {' '.join(unknown)}" + ("".join(f"\n  {h}" for h in hints)))
+    if getattr(args, "model_arg", None) is not None:
+        if args.model not in (EngineConfig().model, args.model_arg):
+            subparser.error(f"the model is given twice: {args.model_arg!r} and --model {args.model!r}")
+        args.model = args.model_arg
     logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "warning")).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tallow.errors import TallowError
 
+    for flag in getattr(args, "no_ops", None) or ():
+        logging.getLogger("tallow").info("%s: accepted, no effect (%s)", flag, ACCEPTED_NO_OPS[flag])
     try:
         return args.func(args)
     except TallowError as e:  # a bad model, option or set-up: one line, not a traceback

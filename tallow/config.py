@@ -138,7 +138,8 @@ class EngineConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
-    served_model_name: str | None = None
+    # the names the model answers to (the first in responses); None: the model's own name
+    served_model_name: str | list[str] | None = None
     max_queue: int = 256
     api_key: str | None = field(default_factory=lambda: os.environ.get("TALLOW_API_KEY"))
     # A second key that /metrics also takes (a Prometheus scraper need not hold the API key).

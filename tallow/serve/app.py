@@ -88,7 +88,10 @@ def attach_engine(app: FastAPI, engine) -> None:
     state.admission = AdmissionQueue(engine_slots(engine), state.config.max_queue)
     # The body bound the model's context implies (the gate refuses longer bodies before parsing).
     state.gate.context_bound = ContextBound.for_model(engine.tokenizer, engine.max_model_len)
-    state.model_name = state.config.served_model_name or engine.model_name
+    served = state.config.served_model_name
+    # every name the server answers to (vLLM's --served-model-name a b): the first in responses
+    state.model_names = ([served] if isinstance(served, str) else list(served or ())) or [engine.model_name]
+    state.model_name = state.model_names[0]
     state.metrics.bind(engine, state.model_name)
 
 
@@ -134,15 +137,16 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(serving_engine())]}
+        engine = serving_engine()
+        return {"object": "list", "data": [model_card(engine, name) for name in app.state.model_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
-        card = model_card(serving_engine())
-        if model_id != card["id"]:
+        engine = serving_engine()
+        if model_id not in app.state.model_names:
             raise TallowError(f"the model {model_id!r} does not exist", status=404, param="model",
                               code="model_not_found")
-        return card
+        return model_card(engine, model_id)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -217,8 +221,8 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
             raise TallowError(f"Response with id '{response_id}' not found.", status=404, param="response_id")
         return {"id": response_id, "object": "response", "deleted": True}
 
-    def model_card(engine) -> dict:
-        return {"id": app.state.model_name, "object": "model", "created": 0, "owned_by": "tallow",
+    def model_card(engine, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tallow",
                 "max_model_len": engine.max_model_len}
 
     async def complete(request: Request, protocol_cls: type[StreamProtocol]) -> Response:
@@ -231,10 +235,11 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         if isinstance(plan, Rejection):
             counters["rejected"] += 1
             return plan.response(protocol_cls.error_protocol)
-        if server_config.strict_model_names and plan.model not in (None, state.model_name):
+        if server_config.strict_model_names and plan.model is not None and plan.model not in state.model_names:
             counters["rejected"] += 1
+            served = "', '".join(state.model_names)
             return error_response(protocol_cls.error_protocol, 404,
-                                  f"The model '{plan.model}' does not exist; this server serves '{state.model_name}'",
+                                  f"The model '{plan.model}' does not exist; this server serves '{served}'",
                                   "invalid_request_error", "model", "model_not_found")
         weight = len(plan.prompts) * plan.params.n
         if weight > state.admission.capacity:  # would never be admitted, even on an idle server
