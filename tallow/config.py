@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
+
+from tallow.errors import TallowError
 
 
 def _default_cache_dir() -> str:
@@ -23,6 +26,67 @@ def cpu_amx_allowed() -> bool:
     them run there where the CPU lists them and a probe in a child process survives a tile
     product (tallow/ops/cpu_native.py). They compute the same floats either way."""
     return os.environ.get("TALLOW_AMX", "").strip() != "0"
+
+
+def hf_hub_cache_dir() -> str:
+    """Where huggingface_hub keeps downloaded repositories (models--ORG--NAME/snapshots/REV), as it
+    finds it: $HF_HUB_CACHE (or the older $HUGGINGFACE_HUB_CACHE), else $HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub. tallow only looks there: it
+    downloads nothing."""
+    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if hub:
+        return os.path.expanduser(hub)
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+# The names EngineConfig takes (checked when it is made, before anything loads; the torch dtypes
+# they stand for are in tallow/models/engine_model.py, the CPU weight formats in models/quant.py).
+DTYPES = ("auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half")
+QUANTIZATIONS = ("auto", "int4", "int8", "int4-torch", "int8-torch", "bf16", "none", "fp8")
+KV_CACHE_DTYPES = ("auto", "float16", "fp16", "half", "bfloat16", "bf16", "float32", "fp32", "float",
+                   "int8", "q8_0", "fp8", "fp8_e4m3", "float8_e4m3fn")
+_DEVICE = re.compile(r"(auto|cpu|cuda)(:\d+)?")
+
+
+def dtype_error(name: object) -> TallowError:
+    return TallowError(f"unknown dtype {name!r}: use auto (float32 on the CPU, bfloat16 on CUDA), float32 "
+                       "(aliases fp32, float), bfloat16 (bf16) or float16 (fp16, half)", param="dtype")
+
+
+def quantization_error(name: object) -> TallowError:
+    return TallowError(
+        f"unknown quantization {name!r}: use auto (int4 on the CPU), int4, int8, int4-torch, int8-torch, bf16 or "
+        "none (CPU weight formats), or fp8 (CUDA sm_89+: float weights quantized to e4m3 at load). AWQ and GPTQ "
+        "checkpoints are not supported; a GGUF file keeps its own quantized blocks and an fp8 checkpoint "
+        "(compressed-tensors, fbgemm_fp8) its fp8 weights without this option", param="quantization")
+
+
+def kv_cache_dtype_error(name: object) -> TallowError:
+    e5m2 = " (fp8_e5m2 is not supported: tallow's fp8 cache is e4m3)" if "e5m2" in str(name).lower() else ""
+    return TallowError(
+        f"unknown kv_cache_dtype {name!r}{e5m2}: use auto, the model's dtype (float32, bfloat16, float16), "
+        "float16 (CPU), int8 (alias q8_0; CPU) or fp8 (alias fp8_e4m3; CUDA)", param="kv_cache_dtype")
+
+
+def device_error(name: object) -> TallowError:
+    return TallowError(f"unknown device {name!r}: use auto (cuda when available, else cpu), cpu, cuda or cuda:N",
+                       param="device")
+
+
+def check_cuda_device(name: str) -> None:
+    """A TallowError unless torch sees the CUDA device `name` ("cuda" or "cuda:N") here."""
+    import torch
+
+    if not torch.cuda.is_available():
+        why = ("this torch is built without CUDA" if torch.version.cuda is None
+               else "no CUDA GPU is visible (torch.cuda.is_available() is False)")
+        raise TallowError(f"device {name!r}: {why}; use --device cpu (or auto)", param="device")
+    index = int(name.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise TallowError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible",
+                          param="device")
 
 
 @dataclass
@@ -125,6 +189,22 @@ class EngineConfig:
     # bounds each collective of a step, and how long rank 0 waits for the workers to load.
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        """The names of the load-time choices, checked before anything loads (a TallowError naming
+        the accepted values; the CLI prints it as one line), and a CUDA device's presence. Whether
+        the rest suits this machine and model (fp8 on this GPU, an int8 KV cache for this model's
+        head_dim) is checked at load."""
+        if self.dtype not in DTYPES:
+            raise dtype_error(self.dtype)
+        if self.quantization not in QUANTIZATIONS:
+            raise quantization_error(self.quantization)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise kv_cache_dtype_error(self.kv_cache_dtype)
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device) or self.device.startswith("auto:"):
+            raise device_error(self.device)
+        if self.device.startswith("cuda"):
+            check_cuda_device(self.device)
 
     def speculative_tokens(self, device_type: str) -> int:
         """The longest draft a speculating step verifies: num_speculative_tokens, or where None

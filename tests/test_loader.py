@@ -29,7 +29,9 @@ def test_resolve_each_kind(tmp_path):
     hf = resolve_source(str(tmp_path / "folder"))
     assert (hf.kind, hf.name) == ("hf", "folder")
     assert resolve_source("dummy:llama-3-8b").kind == "dummy"
-    for bad in ["dummy:no-such-preset", str(tmp_path / "missing.gguf"), str(tmp_path)]:
+    assert resolve_source(str(tmp_path)).location == str(tmp_path / "m.gguf")  # a folder's one .gguf file
+    (tmp_path / "empty").mkdir()
+    for bad in ["dummy:no-such-preset", str(tmp_path / "missing.gguf"), str(tmp_path / "empty")]:
         with pytest.raises(ModelLoadError):
             resolve_source(bad)
 

@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class MissingConfigKey(ValueError):
+    """config.json lacks a key the architecture needs (named in the message, which the HF loader
+    prefixes with the file's path)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"lacks {key!r}, a required key")
+        self.key = key
+
+
 @dataclass
 class ModelConfig:
     architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3"
@@ -71,6 +80,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """A config.json's dict; a required key it lacks raises MissingConfigKey (a ValueError)."""
+        try:
+            return cls._from_hf_dict(d)
+        except KeyError as e:
+            raise MissingConfigKey(e.args[0]) from None
+
+    @classmethod
+    def _from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
         mt = (d.get("model_type") or "").lower()
         if mt == "gemma3" or (mt != "gemma3_text" and any("ForConditionalGeneration" in a for a in archs)):

@@ -9,12 +9,14 @@ rank 0's alone (load_tokenizer).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from tallow.config import EngineConfig
+from tallow.config import (QUANTIZATIONS, EngineConfig, check_cuda_device, device_error, dtype_error,
+                           kv_cache_dtype_error, quantization_error)
 from tallow.errors import ModelLoadError, TallowError
 from tallow.models.loader import LoadedModel, TokenizerSource, load_model
 
@@ -43,6 +45,8 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
     """Load config.model on `device` (with parallel: this rank's shard; `loaded`: a model
     loaded already, used as it is), quantize it on the CPU as config.quantization says, and
     resolve the KV cache's dtype."""
+    if config.quantization not in QUANTIZATIONS:  # EngineConfig checks it too: before anything loads
+        raise quantization_error(config.quantization)
     dtype = resolve_dtype(config.dtype, device)
     kv_scale = resolve_kv_cache_scale(config.kv_cache_scale)
     if config.fp8_large_batch not in FP8_LARGE_BATCH_PATHS:
@@ -113,19 +117,29 @@ def _has_fp8_layers(model: torch.nn.Module) -> bool:
 
 
 def resolve_device(name: str) -> torch.device:
+    """"auto" (cuda when available, else cpu), "cpu" or "cuda[:N]" (refused where torch sees no
+    such CUDA device)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(name, str) or not _DEVICE.fullmatch(name):
+        raise device_error(name)
+    if name.startswith("cuda"):
+        check_cuda_device(name)
     return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if name not in table:
-        raise TallowError(f"unknown dtype {name!r}; use one of {sorted(table)}", param="dtype")
-    return table[name]
+    if name not in _DTYPES:
+        raise dtype_error(name)
+    return _DTYPES[name]
+
+
+# EngineConfig's dtype names (tallow.config.DTYPES); "float" is float32, as vLLM's --dtype float.
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device, quantization: str,
@@ -154,6 +168,8 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     if name == "auto":
         quantized = quantization in ("auto", "int4", "int8")
         return torch.float16 if native and quantized else model_dtype
+    if name not in _DTYPES:  # fp8_e5m2, ...: the cache's own choices, not --dtype's
+        raise kv_cache_dtype_error(name)
     dtype = resolve_dtype(name, device)
     if dtype != model_dtype and not (native and dtype == torch.float16):
         raise TallowError(f"kv_cache_dtype {name!r}: the cache holds the model's dtype "

@@ -26,6 +26,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import struct
 from collections.abc import Iterator
 from typing import Any
@@ -93,6 +94,38 @@ class GgufTensor:
     data: np.ndarray
 
 
+class _CorruptHeader(Exception):
+    pass
+
+
+class SplitGguf(Exception):
+    """GgufFile of one shard of a split GGUF (split.count > 1): see split_message."""
+
+    def __init__(self, count: int, index: int | None):
+        super().__init__(count, index)
+        self.count, self.index = count, index
+
+
+SPLIT_NAME = re.compile(r"(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf", re.IGNORECASE)
+
+
+def split_message(path: str, count: int, index: int | None = None) -> str:
+    """What to do with a shard of a split GGUF (llama.cpp's llama-gguf-split output, *-00001-of-0000N.gguf).
+    tallow reads one file: the memory-mapped GGUF readers, the CUDA block loader and the repacked-weight
+    cache all key a tensor by one file's path and offset, so the shards are merged first."""
+    folder, base = os.path.split(path)
+    m = SPLIT_NAME.fullmatch(base)
+    if m:
+        first = os.path.join(folder, f"{m['stem']}-{1:05d}-of-{m['count']}{base[-5:]}")
+        merged = os.path.join(folder, f"{m['stem']}.gguf")
+        part = int(m["part"])
+    else:
+        first, merged, part = path, os.path.join(folder, "merged.gguf"), None if index is None else index + 1
+    which = f"part {part} of {count}" if part else f"one of {count} parts"
+    return (f"{path} is {which} of a split GGUF, and split GGUF files are not supported (tallow loads one file): "
+            f"merge the parts with llama.cpp's `llama-gguf-split --merge {first} {merged}` and pass {merged}")
+
+
 class GgufFile:
     """A GGUF file's metadata and tensor entries, parsed with struct on a memory map, nothing
     else read: gguf.GGUFReader's fields and tensors for the loader. GGUFReader builds numpy
@@ -108,27 +141,47 @@ class GgufFile:
         from tallow.tokenizer import _gguf_string, _gguf_value
 
         with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise ValueError("empty file")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         buf = self._map
         if buf[:4] != b"GGUF":
             raise ValueError("not a GGUF file")
+        if len(buf) < 24:
+            raise ValueError("truncated or corrupt header")
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
         if version < 2:
             raise ValueError(f"GGUF v{version} is not supported")
-        pos, self.fields = 24, {}
-        for _ in range(n_kv):
-            key, pos = _gguf_string(buf, pos)
-            (value_type,) = struct.unpack_from("<I", buf, pos)
-            value, pos = _gguf_value(buf, pos + 4, value_type, keep=True)
-            self.fields[key] = _Field(value)
-        entries = []
-        for _ in range(n_tensors):
-            name, pos = _gguf_string(buf, pos)
-            (n_dims,) = struct.unpack_from("<I", buf, pos)
-            dims = np.frombuffer(buf, np.uint64, n_dims, pos + 4).copy()
-            kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 12
-            entries.append((name, dims, GGMLQuantizationType(kind), offset))
+        try:
+            pos, self.fields = 24, {}
+            for _ in range(n_kv):
+                key, pos = _gguf_string(buf, pos)
+                (value_type,) = struct.unpack_from("<I", buf, pos)
+                value, pos = _gguf_value(buf, pos + 4, value_type, keep=True)
+                self.fields[key] = _Field(value)
+                if pos > len(buf):  # a length past the end of the file
+                    raise _CorruptHeader
+            entries = []
+            for _ in range(n_tensors):
+                name, pos = _gguf_string(buf, pos)
+                (n_dims,) = struct.unpack_from("<I", buf, pos)
+                if n_dims > 8 or pos > len(buf):
+                    raise _CorruptHeader
+                dims = np.frombuffer(buf, np.uint64, n_dims, pos + 4).copy()
+                kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+                pos += 4 + 8 * n_dims + 12
+                entries.append((name, dims, kind, offset))
+        except (_CorruptHeader, struct.error, ValueError, IndexError, OverflowError, MemoryError, ModelLoadError) as e:
+            # a length or count past the end of the file: not struct's "requires a buffer of 10^19 bytes"
+            raise ValueError("truncated or corrupt header") from e
+        known = {int(t) for t in GGMLQuantizationType}
+        for name, _, kind, _ in entries:
+            if kind not in known:
+                raise ValueError(f"tensor {name}: GGML type {kind} is unknown to the installed gguf package")
+        entries = [(name, dims, GGMLQuantizationType(kind), offset) for name, dims, kind, offset in entries]
+        if "split.count" in self.fields and int(self.fields["split.count"].value) > 1:
+            raise SplitGguf(int(self.fields["split.count"].value),
+                            int(self.fields["split.no"].value) if "split.no" in self.fields else None)
         alignment = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
         start = -(-pos // alignment) * alignment
         file_bytes = np.frombuffer(buf, np.uint8)
@@ -153,6 +206,8 @@ def open_gguf(path: str) -> GgufFile:
     """The file's metadata and tensor entries (GgufFile: tensors memory-mapped, nothing read)."""
     try:
         return GgufFile(path)
+    except SplitGguf as e:
+        raise ModelLoadError(split_message(path, e.count, e.index)) from None
     except (OSError, ValueError, KeyError, struct.error) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
 

