@@ -40,18 +40,45 @@ _QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
 _GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp's TEKKEN pattern (Mistral Nemo): its rewrite of tokenizer.json's case-split letter runs
+# (\p{Lu}... classes), where a letter outside ASCII counts as both upper and lower case.
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+           r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEEPSEEK3 = [r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+_FALCON = [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]
+# What llama.cpp splits with for pre = "default", or no pre at all (not GPT-2's: "don't" -> "don", "'", "t").
+_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+_CHAMELEON = [r"<sentinel:[0-9]+>", r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", r"([\t\n]|    |  )", r"\p{N}",
+              r"[\p{P}!-/:-@\[-`{-~]", _GPT2]
+# Names llama.cpp reads as its LLAMA3 pre-tokenizer (which also ignores merges and adds BOS).
+_LLAMA3_NAMES = ["llama3", "llama-bpe", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                 "jina-v5-nano"]
 _PRE_SPLITS: dict[str, list[str]] = {
-    **dict.fromkeys(["default", "gpt2", "gpt-2", "mpt", "olmo", "jais"], [_GPT2]),
-    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"],
+    "default": _DEFAULT,
+    **dict.fromkeys(["gpt2", "gpt-2", "phi-2", "gigachat", "a.x-4.0", "mellum", "exaone4", "mpt", "olmo", "jais",
+                     "trillion", "granite-docling"], [_GPT2]),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
                     [r"\p{N}", _GPT2]),
-    **dict.fromkeys(["llama3", "llama-bpe", "llama-v3", "falcon3", "pixtral", "smaug-bpe", "dbrx"], [_LLAMA3]),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], [_QWEN2]),
+    **dict.fromkeys([*_LLAMA3_NAMES, "smaug-bpe", "dbrx"], [_LLAMA3]),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
+                     "solar-open"], [_QWEN2]),
     "qwen35": [_QWEN35],
-    **dict.fromkeys(["gpt-4o", "llama4"], [_GPT4O]),
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], [_GPT4O]),
+    "tekken": [_TEKKEN],
+    **dict.fromkeys(["deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"], _DEEPSEEK3),
+    "falcon": _FALCON,
+    "chameleon": _CHAMELEON,
 }
 # llama.cpp's BPE ignores the merges for a word that is a whole vocabulary entry, for these.
-_IGNORE_MERGES = {"llama3", "llama-bpe", "llama-v3", "falcon3", "pixtral", "smaug-bpe", "dbrx"}
-# Control tokens that end a turn, though the file names another eos (llama.cpp's end-of-generation list).
+_IGNORE_MERGES = {*_LLAMA3_NAMES, "tekken"}
+# Byte-level vocabularies llama.cpp puts BOS in front of unless the file's add_bos_token says otherwise
+# (a SentencePiece vocabulary always).
+_ADD_BOS = {*_LLAMA3_NAMES, "tekken", "chameleon"}
+# Tokens that end a turn, though the file names another eos (llama.cpp's end-of-generation list):
+# whatever their type, and they are special (llama.cpp makes them CONTROL).
 _END_OF_TURN = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
                 "<EOT>", "_<EOT>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>"}
 
@@ -84,7 +111,8 @@ class Tokenizer:
 
     def __init__(self, backend: Backend, *, byte_level: bool, bos_token_id: int | None,
                  eos_token_id: int | None, pad_token_id: int | None, extra_eos_ids: Iterable[int] = (),
-                 add_bos: bool = False, chat_template: str | None = None):
+                 add_bos: bool = False, chat_template: str | None = None, bos_token: str | None = None,
+                 eos_token: str | None = None):
         self.backend = backend
         self.byte_level = byte_level
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -100,8 +128,13 @@ class Tokenizer:
         self.special_tokens = tuple(added[i].content for i in sorted(self.special_token_ids))
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template
-        self.bos_token = self.id_to_token(bos_token_id) if bos_token_id is not None else None
-        self.eos_token = self.id_to_token(eos_token_id) if eos_token_id is not None else None
+        # The text a chat template writes for them ({{ bos_token }}): the vocabulary entry unless the
+        # caller knows better (a GGUF's plain-text token, where the entry may be re-spelled).
+        if bos_token is None and bos_token_id is not None:
+            bos_token = self.id_to_token(bos_token_id)
+        if eos_token is None and eos_token_id is not None:
+            eos_token = self.id_to_token(eos_token_id)
+        self.bos_token, self.eos_token = bos_token, eos_token
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -121,26 +154,44 @@ class Tokenizer:
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
         if kind not in ("gpt2", "llama"):
             raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+        # llama.cpp makes the end-of-turn tokens CONTROL whatever the file says (llama-vocab.cpp).
+        special_types = [CONTROL if t in _END_OF_TURN else ty for t, ty in zip(tokens, types)]
+        pre = meta.get("tokenizer.ggml.pre")
         if kind == "gpt2":
-            backend = _byte_level_bpe(tokens, meta["tokenizer.ggml.merges"], meta.get("tokenizer.ggml.pre", "default"))
+            if pre is None:
+                logger.warning("the GGUF file names no pre-tokenizer (tokenizer.ggml.pre): splitting as llama.cpp's "
+                               "'default', which may not be how the model was trained (llama.cpp warns the same)")
+            backend = _byte_level_bpe(tokens, special_types, meta["tokenizer.ggml.merges"], pre or "default")
         else:
             backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), types,
                                          meta.get("tokenizer.ggml.add_space_prefix", True), cache_path)
-        _add_special_tokens(backend, tokens, types, byte_level=kind == "gpt2")
+        _add_special_tokens(backend, tokens, special_types, rstrip=_phi3_rstrip(meta, tokens, special_types))
 
         eos = meta.get("tokenizer.ggml.eos_token_id")
         extra_eos = [meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id")]
-        extra_eos += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in _END_OF_TURN]
+        end_of_turn = {t: i for i, t in enumerate(tokens) if t in _END_OF_TURN}
+        if {"<|return|>", "<|call|>", "<|end|>"} <= end_of_turn.keys():
+            # gpt-oss (harmony): <|end|> closes a message, not the turn; llama.cpp does not stop on it.
+            del end_of_turn["<|end|>"]
+        extra_eos += end_of_turn.values()
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+
+        def text(i: int | None) -> str | None:  # the token as the file writes it, not re-spelled
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
         return cls(
             backend,
             byte_level=kind == "gpt2",
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            bos_token_id=bos,
             eos_token_id=eos,
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
             extra_eos_ids=extra_eos,
-            # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
-            add_bos=meta.get("tokenizer.ggml.add_bos_token", kind == "llama"),
+            # llama.cpp adds BOS to a SentencePiece vocabulary, and to a byte-level one of some
+            # pre-tokenizers (llama3, tekken, ...), unless the file says otherwise.
+            add_bos=meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in _ADD_BOS),
             chat_template=meta.get("tokenizer.chat_template"),
+            bos_token=text(bos),
+            eos_token=text(eos),
         )
 
     @classmethod
@@ -345,7 +396,8 @@ def builder_digest() -> str:
 
 
 def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
-    """The `tokenizer.*` keys and `general.architecture` of a GGUF file, as plain Python values.
+    """The `tokenizer.*` keys, `general.architecture` and `general.name` of a GGUF file, as plain
+    Python values.
 
     Reads only the metadata section, with struct on a memory map: ~0.1 s for SmolLM2, where
     gguf.GGUFReader takes ~3 s building a numpy view for every string of the vocabulary.
@@ -360,7 +412,7 @@ def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
         for _ in range(kv_count):
             key, pos = _gguf_string(buf, pos)
             (value_type,) = struct.unpack_from("<I", buf, pos)
-            wanted = key.startswith("tokenizer.") or key == "general.architecture"
+            wanted = key.startswith("tokenizer.") or key in ("general.architecture", "general.name")
             value, pos = _gguf_value(buf, pos + 4, value_type, keep=wanted)
             if wanted:
                 meta[key] = value
@@ -398,11 +450,24 @@ def _gguf_value(buf, pos: int, value_type: int, keep: bool) -> tuple[Any, int]:
     return (items if keep else None), pos
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> Backend:
-    """GPT-2-style byte-level BPE, split the way llama.cpp splits for this `tokenizer.ggml.pre`."""
-    # A few converters store tokens (added ones, mostly) as plain text: spell them in the byte alphabet.
-    vocab = {(t if all(c in _CHAR_TO_BYTE for c in t) else "".join(_BYTE_TO_CHAR[b] for b in t.encode())): i
-             for i, t in enumerate(tokens)}
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str) -> Backend:
+    """GPT-2-style byte-level BPE, split the way llama.cpp splits for this `tokenizer.ggml.pre`.
+
+    A CONTROL or USER_DEFINED token keeps its text as written, which llama.cpp matches in the raw
+    text: converters write added tokens as plain text ("<｜User｜>", MPT's "  "), and the added token
+    _add_special_tokens makes of it resolves to this entry. A NORMAL token not spelled in the byte
+    alphabet (plain text from a few converters) is re-spelled in it, so merges can reach it, unless
+    another entry already has that spelling (Command-R's "\u200d" and "âĢį": llama.cpp finds the
+    latter); between entries of the same text the last wins, as in llama.cpp."""
+    vocab: dict[str, int] = {}
+    respelled: list[tuple[str, int]] = []
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty in (CONTROL, USER_DEFINED) or all(c in _CHAR_TO_BYTE for c in t):
+            vocab[t] = i
+        else:
+            respelled.append(("".join(_BYTE_TO_CHAR[b] for b in t.encode()), i))
+    for t, i in respelled:
+        vocab.setdefault(t, i)
     backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
                                  ignore_merges=pre in _IGNORE_MERGES))
     splits = _PRE_SPLITS.get(pre)
@@ -451,17 +516,33 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, types: lis
     return backend
 
 
-def _add_special_tokens(backend: Backend, tokens: list[str], types: list[int], byte_level: bool) -> None:
+def _add_special_tokens(backend: Backend, tokens: list[str], types: list[int], rstrip: frozenset[str] = frozenset()
+                        ) -> None:
     """CONTROL tokens become special added tokens and USER_DEFINED ones plain added tokens, so the text
-    "<|im_start|>" encodes to its one id. In a byte-level vocabulary, one that is not spelled in the
-    byte alphabet cannot be matched to its id, and is left out (as transformers does)."""
-    def spellable(t: str) -> bool:
-        return not byte_level or all(c in _CHAR_TO_BYTE for c in t)
+    "<|im_start|>" (or "<｜User｜>") encodes to its one id, as llama.cpp matches them in the raw text.
+    Their text is their vocabulary key in both kinds of vocabulary (_byte_level_bpe), so each resolves
+    to its own id. rstrip: tokens that swallow the whitespace after them (_phi3_rstrip)."""
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False, rstrip=t in rstrip)
+                                for t, ty in zip(tokens, types) if ty == CONTROL and t])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False, rstrip=t in rstrip)
+                        for t, ty in zip(tokens, types) if ty == USER_DEFINED and t])
 
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == CONTROL and t and spellable(t)])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, ty in zip(tokens, types) if ty == USER_DEFINED and t and spellable(t)])
+
+def _phi3_rstrip(meta: dict[str, Any], tokens: list[str], types: list[int]) -> frozenset[str]:
+    """Phi-3's added tokens whose tokenizer.json says rstrip: every special token ("<|user|>",
+    "<|end|>", "<|assistant|>", ...) and "</s>", but not "<unk>", "<s>" or "<|endoftext|>", so the
+    newline its chat template writes after "<|user|>" or "<|end|>" is swallowed. llama.cpp sets the
+    same, for a file whose general.name says phi3 or phi-3; here also for any Phi-3-architecture file
+    with Phi-3's SentencePiece vocabulary (Phi-3, Phi-3.5), whatever its name: tokenizer.json has
+    rstrip on them regardless, and a fine-tune is often named otherwise. (Phi-4-mini, also "phi3" but
+    with a byte-level vocabulary, is left to the name rule, as in llama.cpp.)"""
+    name = str(meta.get("general.name") or "").lower()
+    phi3_vocab = (meta.get("general.architecture") == "phi3" and meta.get("tokenizer.ggml.model") == "llama"
+                  and "<|end|>" in tokens)
+    if not (phi3_vocab or "phi3" in name or "phi-3" in name):
+        return frozenset()
+    special = {t for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)}
+    return frozenset((special | ({"</s>"} & set(tokens))) - {"<unk>", "<s>", "<|endoftext|>"})
 
 
 # ---- HF folder --------------------------------------------------------------------------------

@@ -291,3 +291,189 @@ def test_cached_merges_give_the_same_tokenizer(kind, sentencepiece_model, tmp_pa
                                                                          for i in range(built.vocab_size)]
     assert (cached.special_tokens, cached.eos_token_ids, cached.bos_token_id) == (
         built.special_tokens, built.eos_token_ids, built.bos_token_id)
+
+
+# ---- Synthetic GGUF vocabularies: what llama.cpp does with their metadata ---------------------
+# Expectations follow llama.cpp's rules (llama-vocab.cpp): added tokens matched in the raw text,
+# its split pattern for each `tokenizer.ggml.pre`, its add_bos defaults and Phi-3's rstrip.
+
+N, C, U, B = 1, 3, 4, 6  # token types: NORMAL, CONTROL, USER_DEFINED, BYTE
+
+
+def write_vocab_gguf(path, tokens, types, *, model="gpt2", arch="llama", name=None, pre=None, merges=(),
+                     scores=None, bos=None, eos=None, add_bos=None) -> str:
+    """A GGUF file holding only a tokenizer, written by gguf's own writer."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), arch)
+    if name is not None:
+        w.add_name(name)
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if model == "gpt2":  # llama.cpp requires merges: byte_level_vocab's last entry is there for this one
+        w.add_token_merges(list(merges) or ["! !"])
+    if scores is not None:
+        w.add_token_scores(scores)
+    if bos is not None:
+        w.add_bos_token_id(bos)
+    if eos is not None:
+        w.add_eos_token_id(eos)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def byte_level_vocab(extra: list[tuple[str, int]]) -> tuple[list[str], list[int]]:
+    """GPT-2's 256 byte tokens (id = the byte's value), then `extra` (text, type), then "!!"."""
+    from tallow.tokenizer import _BYTE_TO_CHAR
+
+    tokens = [_BYTE_TO_CHAR[b] for b in range(256)] + [t for t, _ in extra] + ["!!"]
+    return tokens, [N] * 256 + [ty for _, ty in extra] + [N]
+
+
+R1 = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+
+
+def test_plain_text_special_tokens_in_a_byte_level_vocabulary(tmp_path):
+    """DeepSeek-R1-Distill's added tokens, as convert_hf_to_gguf writes them (plain text, not the
+    byte alphabet, CONTROL), match as whole tokens, and bos_token is their text; MPT's whitespace
+    token "  " (USER_DEFINED) matches as a whole too and leaves the NORMAL "ĠĠ" its own id."""
+    tokens, types = byte_level_vocab([("Hi", N), ("ĠĠ", N)] + [(t, C) for t in R1] + [("  ", U)])
+    hi, spaces, bos, eos, user, assistant, two_spaces = range(256, 263)
+    path = write_vocab_gguf(tmp_path / "r1.gguf", tokens, types, pre="llama-bpe", merges=["H i", "Ġ Ġ"],
+                            bos=bos, eos=eos, add_bos=True)
+    tok = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+    text = "<｜begin▁of▁sentence｜>Hi!<｜User｜>Hi<｜Assistant｜>"
+    assert tok.encode(text) == [bos, hi, ord("!"), user, hi, assistant]
+    assert (tok.bos_token, tok.eos_token) == (R1[0], R1[1])
+    assert tok.encode(tok.bos_token) == [bos]  # what a chat template's {{ bos_token }} becomes
+    assert set(R1) <= set(tok.special_tokens)
+    assert tok.token_bytes(user) == R1[2].encode() and tok.decode([user], skip_special_tokens=False) == R1[2]
+    assert tok.decode([bos, hi, user, hi, eos]) == "HiHi"
+    assert eos in tok.eos_token_ids  # "<｜end▁of▁sentence｜>" ends generation
+    # MPT: "  " is its own added token, "ĠĠ" stays the NORMAL entry.
+    assert tok.token_to_id("ĠĠ") == spaces and tok.id_to_token(spaces) == "ĠĠ"
+    assert tok.encode("a  b") == [ord("a"), two_spaces, ord("b")]
+    assert tok.token_bytes(two_spaces) == b"  "
+    assert tok.encode("a  b", literal_spans=((0, 4),)) == [ord("a"), two_spaces, ord("b")]  # not special
+
+
+def test_tekken_splits_like_llama_cpp(tmp_path):
+    """Mistral Nemo's `tekken`: digits one by one, letter runs split at a lower-to-upper case change,
+    punctuation taking the letters after it ("/b"), whole vocabulary entries taken without merges,
+    and BOS by default."""
+    extra = ["12", "123", "/b", "/c", "Hello", "World", "HelloWorld", "<s>"]
+    tokens, types = byte_level_vocab([(t, N) for t in extra[:-1]] + [("<s>", C)])
+    ids = dict(zip(extra, range(256, 256 + len(extra))))
+    path = write_vocab_gguf(tmp_path / "tekken.gguf", tokens, types, pre="tekken", merges=["1 2", "12 3"],
+                            bos=ids["<s>"], eos=ids["<s>"])
+    tok = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+    assert tok.encode("12345678") == [ord(c) for c in "12345678"]
+    assert tok.encode("x = a/b/c") == [ord("x"), ord(" "), ord("="), ord(" "), ord("a"), ids["/b"], ids["/c"]]
+    assert tok.encode("HelloWorld") == [ids["Hello"], ids["World"]]
+    assert tok.add_bos and tok.encode("12", add_special_tokens=True) == [ids["<s>"], ord("1"), ord("2")]
+
+
+@pytest.mark.parametrize("pre, add_bos, expected", [
+    ("llama-bpe", None, True), ("llama3", None, True), ("tekken", None, True),
+    ("llama-bpe", False, False), ("gpt-2", None, False), ("qwen2", None, False), ("gpt-2", True, True)])
+def test_add_bos_default_follows_llama_cpp(tmp_path, pre, add_bos, expected):
+    """llama.cpp puts BOS in front for llama3-style vocabularies (Llama 3 files often lack
+    tokenizer.ggml.add_bos_token); the key, where present, decides."""
+    tokens, types = byte_level_vocab([("<|begin_of_text|>", C)])
+    path = write_vocab_gguf(tmp_path / "v.gguf", tokens, types, pre=pre, bos=256, eos=256, add_bos=add_bos)
+    tok = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+    assert tok.add_bos is expected
+    assert tok.encode("hi", add_special_tokens=True) == [256] * expected + [ord("h"), ord("i")]
+
+
+def test_missing_or_unknown_pre_tokenizer_warns(tmp_path, caplog):
+    tokens, types = byte_level_vocab([])
+    for pre in (None, "made-up"):
+        path = write_vocab_gguf(tmp_path / f"{pre}.gguf", tokens, types, pre=pre)
+        caplog.clear()
+        Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+        assert any("pre-tokenizer" in r.getMessage() for r in caplog.records), pre
+    path = write_vocab_gguf(tmp_path / "minerva.gguf", tokens, types, pre="minerva-7b")
+    caplog.clear()
+    tok = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+    assert not caplog.records
+    assert tok.encode("a12") == [ord("a"), ord("1"), ord("2")]  # no merges: one byte token each either way
+
+
+@pytest.mark.parametrize("pre, text, pieces", [
+    # llama.cpp's own patterns: deepseek-v3 takes up to 3 digits, then CJK runs, then the rest;
+    # stablelm2 splits like qwen2 (single digits); falcon isolates punctuation and 3-digit groups.
+    ("deepseek-v3", "12345 x.b", ["123", "45", "Ġx", ".b"]),
+    ("stablelm2", "123 ab", ["1", "2", "3", "Ġab"]),
+    ("falcon", "don't 1234", ["don", "'", "t", "Ġ", "123", "4"]),
+    ("default", "don't", ["don", "'", "t"]),
+])
+def test_pre_tokenizer_patterns(tmp_path, pre, text, pieces):
+    """The vocabulary holds every piece a split could leave, and across pieces too (with the merges
+    that build each from the left), so the tokens show where the split cut."""
+    from tallow.tokenizer import _BYTE_TO_CHAR
+
+    whole = ["123", "45", "Ġx", "Ġab", "don", "1234", "Ġ1234", "12345", "Ġ123", "don't", "'t", "234", "34", ".b",
+             "x.b", "Ġx.b"]
+    prefixes = list(dict.fromkeys(t[:k] for t in whole for k in range(2, len(t) + 1)))
+    tokens, types = byte_level_vocab([(t, N) for t in prefixes])
+    merges = [f"{t[:-1]} {t[-1]}" for t in prefixes]
+    path = write_vocab_gguf(tmp_path / "p.gguf", tokens, types, pre=pre, merges=merges)
+    tok = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+    assert [tok.id_to_token(i) for i in tok.encode(text)] == pieces
+    assert "".join(pieces) == "".join(_BYTE_TO_CHAR[b] for b in text.encode())
+
+
+def phi3_vocab() -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece vocabulary shaped like Phi-3's: <unk>, <s>, </s>, byte tokens, a few pieces,
+    then its chat tokens (CONTROL)."""
+    pieces = ["▁", "H", "e", "l", "o", "▁H", "▁He", "▁Hel", "▁Hell", "▁Hello"]
+    chat = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + chat
+    types = [2, C, C] + [B] * 256 + [N] * len(pieces) + [C] * len(chat)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0] * len(chat)
+    return tokens, types, scores
+
+
+@pytest.mark.parametrize("arch, name, rstrip", [("phi3", None, True), ("llama", "Phi-3-mini-4k-instruct", True),
+                                                ("llama", "Some Llama", False)])
+def test_phi3_chat_tokens_swallow_the_newline_after_them(tmp_path, arch, name, rstrip):
+    """Phi-3's tokenizer.json (and llama.cpp, by model name) rstrip its chat tokens: the "\\n" the
+    chat template writes after <|user|>, <|end|> and <|assistant|> is not tokenized."""
+    tokens, types, scores = phi3_vocab()
+    path = write_vocab_gguf(tmp_path / "phi3.gguf", tokens, types, model="llama", arch=arch, name=name,
+                            scores=scores, bos=1, eos=tokens.index("<|endoftext|>"))
+    tok = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+    user, end, assistant, hello = (tokens.index(t) for t in ("<|user|>", "<|end|>", "<|assistant|>", "▁Hello"))
+    text = "<|user|>\nHello<|end|>\n<|assistant|>\n"
+    if rstrip:
+        assert tok.encode(text) == [user, hello, end, assistant]
+        assert tok.encode("Hello</s> x") == [hello, 2, tokens.index("▁"), tokens.index("<0x78>")]
+    else:  # "\nHello" -> "▁\nHello": "▁", "\n", and "Hello" without its "▁"
+        newline = [tokens.index("▁"), tokens.index("<0x0A>")]
+        plain_hello = [tokens.index(c) for c in "Hello"]
+        assert tok.encode(text) == [user, *newline, *plain_hello, end, *newline, assistant, *newline]
+    # <|endoftext|> never strips: " x" stays, "▁" prefix and all.
+    assert tok.encode("<|endoftext|> x") == [tokens.index(t) for t in ("<|endoftext|>", "▁", "▁", "<0x78>")]
+
+
+def test_end_of_turn_tokens_whatever_their_type(tmp_path):
+    """llama.cpp stops on "<|im_end|>", "<|eot_id|>", ... whatever type the file gives them, and makes
+    them CONTROL; with gpt-oss's "<|return|>" and "<|call|>" present, "<|end|>" does not end the turn."""
+    names = ["<|im_end|>", "<|eot_id|>", "<|end|>"]
+    tokens, types = byte_level_vocab([("<|im_end|>", U), ("<|eot_id|>", N), ("<|end|>", N)])
+    path = write_vocab_gguf(tmp_path / "eot.gguf", tokens, types, pre="gpt-2", eos=0)
+    tok = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+    assert tok.eos_token_ids == {0, 256, 257, 258}
+    assert {256, 257, 258} <= tok.special_token_ids
+    assert tok.encode("a" + "".join(names)) == [ord("a"), 256, 257, 258]
+    tokens, types = byte_level_vocab([(t, C) for t in ("<|return|>", "<|call|>", "<|end|>")])
+    path = write_vocab_gguf(tmp_path / "harmony.gguf", tokens, types, pre="gpt-4o", eos=256)
+    assert Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path)).eos_token_ids == {256, 257}
