@@ -48,6 +48,26 @@ _TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
 _DEEPSEEK3 = [r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
               r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
               r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+# DeepSeek LLM / Coder (llama.cpp's DEEPSEEK_LLM and DEEPSEEK_CODER): newlines alone, then letter
+# runs (DEEPSEEK_LLM: Latin, Greek, Cyrillic and other cased scripts only), punctuation runs, CJK runs
+# and digits, each taking one whitespace character in front.
+_DEEPSEEK_LLM = [r"[\r\n]",
+                 r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+                 r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}+"]
+_DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"]
+# BLOOM, Poro and GPT-3 Finnish: runs of anything but whitespace and a few punctuation marks
+# (the parentheses and "|" in the class are literal characters, as in llama.cpp); viking then
+# splits digits apart.
+_BLOOM = [r" ?[^(\s|.,!?…。，、।۔،)]+"]
+_VIKING = [*_BLOOM, r"\p{N}"]
+# Seed-Coder: qwen2-like single digits, but punctuation runs never take the newlines after them.
+_SEED_CODER = [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"]
+# Kimi K2 as llama.cpp splits it (its hand-written unicode_regex_split_custom_kimi_k2): Han runs apart
+# from other letters, which run whatever their case (tokenization_kimi.py's pattern would split
+# " iPhone" at the case change; llama.cpp does not), then up to 3 digits.
+_KIMI_K2 = [r"\p{Han}+|[^\r\n\p{L}\p{N}]?[\p{L}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
 _FALCON = [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]
 # What llama.cpp splits with for pre = "default", or no pre at all (not GPT-2's: "don't" -> "don", "'", "t").
 _DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
@@ -71,9 +91,17 @@ _PRE_SPLITS: dict[str, list[str]] = {
     **dict.fromkeys(["deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"], _DEEPSEEK3),
     "falcon": _FALCON,
     "chameleon": _CHAMELEON,
+    "deepseek-llm": _DEEPSEEK_LLM,
+    "deepseek-coder": _DEEPSEEK_CODER,
+    **dict.fromkeys(["chatglm-bpe", "glm4", "glm5"], [_LLAMA3]),  # CHATGLM4: llama3's pattern
+    "viking": _VIKING,
+    **dict.fromkeys(["bloom", "poro-chat", "gpt3-finnish"], _BLOOM),
+    "seed-coder": _SEED_CODER,
+    "kimi-k2": _KIMI_K2,
+    "grok-2": [_QWEN2],
 }
 # llama.cpp's BPE ignores the merges for a word that is a whole vocabulary entry, for these.
-_IGNORE_MERGES = {*_LLAMA3_NAMES, "tekken"}
+_IGNORE_MERGES = {*_LLAMA3_NAMES, "tekken", "glm4", "glm5"}
 # Byte-level vocabularies llama.cpp puts BOS in front of unless the file's add_bos_token says otherwise
 # (a SentencePiece vocabulary always).
 _ADD_BOS = {*_LLAMA3_NAMES, "tekken", "chameleon"}

@@ -431,6 +431,47 @@ def test_pre_tokenizer_patterns(tmp_path, pre, text, pieces):
     assert "".join(pieces) == "".join(_BYTE_TO_CHAR[b] for b in text.encode())
 
 
+@pytest.mark.parametrize("pre, text, words, unmerged, tokens", [
+    # Expected tokens are llama.cpp's (llama_tokenize on this very vocabulary); GPT-2's split, which
+    # tallow used to fall back to for these names, gives other tokens for each text.
+    ("deepseek-llm", "Hello 12345\n\nx", ["Hello", "Ġ12345", "12345"], [],
+     ["Hello", "Ġ", "12345", "Ċ", "Ċ", "x"]),
+    ("deepseek-coder", "x = 12; y\n\n", ["Ġ=", "Ġ12", "Ġy", "ĊĊ", "Ġ=Ġ"], [],
+     ["x", "Ġ=Ġ", "1", "2", ";", "Ġy", "Ċ", "Ċ"]),
+    # ChatGLM / GLM-4 / GLM-5 split like llama3; glm4 and glm5 also take a whole entry without merges.
+    ("chatglm-bpe", "don'T 12345 Hello", ["don", "Ġ12345", "'T", "123", "45"], ["ĠHello"],
+     ["don", "'T", "Ġ", "123", "45", "Ġ", "H", "e", "l", "l", "o"]),
+    ("glm4", "don'T 12345 Hello", ["don", "Ġ12345", "'T", "123", "45"], ["ĠHello"],
+     ["don", "'T", "Ġ", "123", "45", "ĠHello"]),
+    ("glm5", "don'T 12345 Hello", ["don", "Ġ12345", "'T", "123", "45"], ["ĠHello"],
+     ["don", "'T", "Ġ", "123", "45", "ĠHello"]),
+    ("viking", "don't 42", ["don", "'t", "Ġ42", "don't"], [],
+     ["don", "'t", "Ġ", "4", "2"]),
+    *[(pre, "don't x+1==y", ["don", "'t", "Ġx", "==", "don't", "Ġx+1==y"], [],
+       ["don", "'t", "Ġx+1", "==", "y"]) for pre in ("bloom", "poro-chat", "gpt3-finnish")],
+    ("seed-coder", ";\n\nx 12", ["Ġ12", "ĊĊ"], [],
+     [";", "ĊĊ", "x", "Ġ", "1", "2"]),
+    # Kimi K2: Han apart from other letters, letter runs not cut at a case change, up to 3 digits.
+    ("kimi-k2", "中文abc iPhone 12345", ["ä¸Ńæĸĩabc", "ĠiPhone", "Ġ12345", "ä¸Ńæĸĩ", "abc", "123", "45"], [],
+     ["ä¸Ńæĸĩ", "abc", "ĠiPhone", "Ġ", "123", "45"]),
+    ("grok-2", "I'M 123", ["Ġ123", "'M"], [],
+     ["I", "'M", "Ġ", "1", "2", "3"]),
+])
+def test_more_llama_cpp_pre_tokenizers(tmp_path, caplog, pre, text, words, unmerged, tokens):
+    """More of llama.cpp's `tokenizer.ggml.pre` values: each word is in the vocabulary with the merges
+    that build it from the left (in this order), `unmerged` entries without any, so the tokens show
+    where the split cut."""
+    prefixes = list(dict.fromkeys(w[:k] for w in words for k in range(2, len(w) + 1)))
+    vocab, types = byte_level_vocab([(t, N) for t in prefixes + unmerged])
+    path = write_vocab_gguf(tmp_path / "p.gguf", vocab, types, pre=pre,
+                            merges=[f"{t[:-1]} {t[-1]}" for t in prefixes])
+    caplog.clear()
+    tok = Tokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+    assert not any("pre-tokenizer" in r.getMessage() for r in caplog.records)
+    assert [tok.id_to_token(i) for i in tok.encode(text)] == tokens
+    assert not tok.add_bos  # none of these puts BOS in front by default
+
+
 def phi3_vocab() -> tuple[list[str], list[int], list[float]]:
     """A SentencePiece vocabulary shaped like Phi-3's: <unk>, <s>, </s>, byte tokens, a few pieces,
     then its chat tokens (CONTROL)."""
