@@ -26,25 +26,21 @@ ACCEPTED_NO_OPS = {
 
 # Flags of theirs that would change what runs and that tallow does not have: an error naming what
 # to do instead.
-FOREIGN_FLAGS = {
-    "-ngl": "tallow puts every layer on the GPU with --device cuda (the default where CUDA is present)",
-    "--n-gpu-layers": "tallow puts every layer on the GPU with --device cuda (the default where CUDA is present)",
-    "-t": "tallow's CPU kernels use every core; set OMP_NUM_THREADS to use fewer",
-    "--threads": "tallow's CPU kernels use every core; set OMP_NUM_THREADS to use fewer",
-    "--tokenizer": "the tokenizer comes with the model (the GGUF file's metadata or the HF folder)",
-    "--load-format": "the format follows --model (a .gguf file or an HF folder with safetensors)",
-    "--ssl-keyfile": "tallow serves plain HTTP; put a TLS proxy in front of it",
-    "--ssl-certfile": "tallow serves plain HTTP; put a TLS proxy in front of it",
-    "--root-path": "tallow serves at the root; a reverse proxy can strip a prefix",
-    "--allowed-origins": "tallow sends no CORS headers (its chat page is served from the same origin)",
-    "--generation-config": "sampling defaults come from the request (and the GGUF's or folder's generation config)",
-    "--download-dir": "tallow downloads nothing: pass a local .gguf file or HF folder as the model",
-    "--revision": "tallow downloads nothing: pass a local .gguf file or HF folder as the model",
-    "--lora-modules": "LoRA adapters are not supported",
-    "--enable-lora": "LoRA adapters are not supported",
-    "--pipeline-parallel-size": "pipeline parallelism is not supported (--tensor-parallel-size is)",
-    "-pp": "pipeline parallelism is not supported (--tensor-parallel-size is)",
-}
+FOREIGN_FLAGS = {flag: why for flags, why in [
+    (("-ngl", "--n-gpu-layers"), "tallow puts every layer on the GPU with --device cuda (the default where CUDA is "
+                                 "present)"),
+    (("-t", "--threads"), "tallow's CPU kernels use every core; set OMP_NUM_THREADS to use fewer"),
+    (("--tokenizer",), "the tokenizer comes with the model (the GGUF file's metadata or the HF folder)"),
+    (("--load-format",), "the format follows --model (a .gguf file or an HF folder with safetensors)"),
+    (("--ssl-keyfile", "--ssl-certfile"), "tallow serves plain HTTP; put a TLS proxy in front of it"),
+    (("--root-path",), "tallow serves at the root; a reverse proxy can strip a prefix"),
+    (("--allowed-origins",), "tallow sends no CORS headers (its chat page is served from the same origin)"),
+    (("--generation-config",), "sampling defaults come from the request (and the GGUF's or folder's generation "
+                               "config)"),
+    (("--download-dir", "--revision"), "tallow downloads nothing: pass a local .gguf file or HF folder as the model"),
+    (("--lora-modules", "--enable-lora"), "LoRA adapters are not supported"),
+    (("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not supported (--tensor-parallel-size is)"),
+] for flag in flags}
 
 
 def _engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -311,11 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     subparser = {"generate": g, "chat": c, "serve": s}[args.cmd]
     if unknown:
-        hints = [f"{flag}: {FOREIGN_FLAGS[flag.split('=')[0]]}" for flag in unknown
-                 if flag.split("=")[0] in FOREIGN_FLAGS]
+        names = [flag.split("=")[0] for flag in unknown]
+        hints = [f"{name}: {FOREIGN_FLAGS[name]}" for name in names if name in FOREIGN_FLAGS]
         subparser.error(f"unrecognized arguments: {' '.join(unknown)}" + ("".join(f"\n  {h}" for h in hints)))
     if getattr(args, "model_arg", None) is not None:
-        if args.model not in (EngineConfig().model, args.model_arg):
+        if args.model not in (subparser.get_default("model"), args.model_arg):
             subparser.error(f"the model is given twice: {args.model_arg!r} and --model {args.model!r}")
         args.model = args.model_arg
     logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "warning")).upper(), logging.INFO),

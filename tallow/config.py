@@ -41,13 +41,17 @@ def hf_hub_cache_dir() -> str:
     return os.path.join(os.path.expanduser(home), "hub")
 
 
-# The names EngineConfig takes (checked when it is made, before anything loads; the torch dtypes
-# they stand for are in tallow/models/engine_model.py, the CPU weight formats in models/quant.py).
-DTYPES = ("auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half")
+# The names EngineConfig takes (checked when it is made, before anything loads; the CPU weight
+# formats are models/quant.py's). A dtype name -> the torch dtype's name ("float" is float32, as
+# vLLM's --dtype float); the KV cache takes those, int8 (llama.cpp's q8_0) and fp8 (e4m3) names.
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+DTYPES = ("auto", *DTYPE_NAMES)
 QUANTIZATIONS = ("auto", "int4", "int8", "int4-torch", "int8-torch", "bf16", "none", "fp8")
-KV_CACHE_DTYPES = ("auto", "float16", "fp16", "half", "bfloat16", "bf16", "float32", "fp32", "float",
-                   "int8", "q8_0", "fp8", "fp8_e4m3", "float8_e4m3fn")
-_DEVICE = re.compile(r"(auto|cpu|cuda)(:\d+)?")
+INT8_KV_NAMES = ("int8", "q8_0")
+FP8_KV_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
+KV_CACHE_DTYPES = (*DTYPES, *INT8_KV_NAMES, *FP8_KV_NAMES)
+_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 
 
 def dtype_error(name: object) -> TallowError:
@@ -70,13 +74,14 @@ def kv_cache_dtype_error(name: object) -> TallowError:
         "float16 (CPU), int8 (alias q8_0; CPU) or fp8 (alias fp8_e4m3; CUDA)", param="kv_cache_dtype")
 
 
-def device_error(name: object) -> TallowError:
-    return TallowError(f"unknown device {name!r}: use auto (cuda when available, else cpu), cpu, cuda or cuda:N",
-                       param="device")
-
-
-def check_cuda_device(name: str) -> None:
-    """A TallowError unless torch sees the CUDA device `name` ("cuda" or "cuda:N") here."""
+def check_device(name: object) -> None:
+    """A TallowError unless `name` is "cpu" or "cuda[:N]" and, for CUDA, torch sees that device
+    here ("auto" is resolved by the engine)."""
+    if not isinstance(name, str) or not _DEVICE.fullmatch(name):
+        raise TallowError(f"unknown device {name!r}: use auto (cuda when available, else cpu), cpu, cuda or "
+                          "cuda:N", param="device")
+    if name == "cpu" or name.startswith("cpu:"):
+        return
     import torch
 
     if not torch.cuda.is_available():
@@ -201,10 +206,8 @@ class EngineConfig:
             raise quantization_error(self.quantization)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise kv_cache_dtype_error(self.kv_cache_dtype)
-        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device) or self.device.startswith("auto:"):
-            raise device_error(self.device)
-        if self.device.startswith("cuda"):
-            check_cuda_device(self.device)
+        if self.device != "auto":
+            check_device(self.device)
 
     def speculative_tokens(self, device_type: str) -> int:
         """The longest draft a speculating step verifies: num_speculative_tokens, or where None

@@ -9,14 +9,13 @@ rank 0's alone (load_tokenizer).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from tallow.config import (QUANTIZATIONS, EngineConfig, check_cuda_device, device_error, dtype_error,
-                           kv_cache_dtype_error, quantization_error)
+from tallow.config import (DTYPE_NAMES, FP8_KV_NAMES, INT8_KV_NAMES, EngineConfig, check_device, dtype_error,
+                           kv_cache_dtype_error)
 from tallow.errors import ModelLoadError, TallowError
 from tallow.models.loader import LoadedModel, TokenizerSource, load_model
 
@@ -45,8 +44,6 @@ def load_engine_model(config: EngineConfig, device: torch.device, *, parallel: P
     """Load config.model on `device` (with parallel: this rank's shard; `loaded`: a model
     loaded already, used as it is), quantize it on the CPU as config.quantization says, and
     resolve the KV cache's dtype."""
-    if config.quantization not in QUANTIZATIONS:  # EngineConfig checks it too: before anything loads
-        raise quantization_error(config.quantization)
     dtype = resolve_dtype(config.dtype, device)
     kv_scale = resolve_kv_cache_scale(config.kv_cache_scale)
     if config.fp8_large_batch not in FP8_LARGE_BATCH_PATHS:
@@ -107,8 +104,6 @@ def resolve_kv_cache_scale(value: str | float) -> float | None:
     return scale
 
 
-FP8_KV_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
-INT8_KV_NAMES = ("int8", "q8_0")
 FP8_LARGE_BATCH_PATHS = ("weight_only", "w8a8", "scaled_mm")
 
 
@@ -121,25 +116,16 @@ def resolve_device(name: str) -> torch.device:
     such CUDA device)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not isinstance(name, str) or not _DEVICE.fullmatch(name):
-        raise device_error(name)
-    if name.startswith("cuda"):
-        check_cuda_device(name)
+    check_device(name)
     return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
+    if name not in DTYPE_NAMES:
         raise dtype_error(name)
-    return _DTYPES[name]
-
-
-# EngineConfig's dtype names (tallow.config.DTYPES); "float" is float32, as vLLM's --dtype float.
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device, quantization: str,
@@ -168,7 +154,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     if name == "auto":
         quantized = quantization in ("auto", "int4", "int8")
         return torch.float16 if native and quantized else model_dtype
-    if name not in _DTYPES:  # fp8_e5m2, ...: the cache's own choices, not --dtype's
+    if name not in DTYPE_NAMES:  # fp8_e5m2, ...: the cache's own choices, not --dtype's
         raise kv_cache_dtype_error(name)
     dtype = resolve_dtype(name, device)
     if dtype != model_dtype and not (native and dtype == torch.float16):

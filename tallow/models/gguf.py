@@ -94,18 +94,6 @@ class GgufTensor:
     data: np.ndarray
 
 
-class _CorruptHeader(Exception):
-    pass
-
-
-class SplitGguf(Exception):
-    """GgufFile of one shard of a split GGUF (split.count > 1): see split_message."""
-
-    def __init__(self, count: int, index: int | None):
-        super().__init__(count, index)
-        self.count, self.index = count, index
-
-
 SPLIT_NAME = re.compile(r"(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf", re.IGNORECASE)
 
 
@@ -160,18 +148,18 @@ class GgufFile:
                 value, pos = _gguf_value(buf, pos + 4, value_type, keep=True)
                 self.fields[key] = _Field(value)
                 if pos > len(buf):  # a length past the end of the file
-                    raise _CorruptHeader
+                    raise ValueError("past the end")
             entries = []
             for _ in range(n_tensors):
                 name, pos = _gguf_string(buf, pos)
                 (n_dims,) = struct.unpack_from("<I", buf, pos)
                 if n_dims > 8 or pos > len(buf):
-                    raise _CorruptHeader
+                    raise ValueError("past the end")
                 dims = np.frombuffer(buf, np.uint64, n_dims, pos + 4).copy()
                 kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
                 pos += 4 + 8 * n_dims + 12
                 entries.append((name, dims, kind, offset))
-        except (_CorruptHeader, struct.error, ValueError, IndexError, OverflowError, MemoryError, ModelLoadError) as e:
+        except (struct.error, ValueError, IndexError, OverflowError, MemoryError, ModelLoadError) as e:
             # a length or count past the end of the file: not struct's "requires a buffer of 10^19 bytes"
             raise ValueError("truncated or corrupt header") from e
         known = {int(t) for t in GGMLQuantizationType}
@@ -180,8 +168,8 @@ class GgufFile:
                 raise ValueError(f"tensor {name}: GGML type {kind} is unknown to the installed gguf package")
         entries = [(name, dims, GGMLQuantizationType(kind), offset) for name, dims, kind, offset in entries]
         if "split.count" in self.fields and int(self.fields["split.count"].value) > 1:
-            raise SplitGguf(int(self.fields["split.count"].value),
-                            int(self.fields["split.no"].value) if "split.no" in self.fields else None)
+            index = int(self.fields["split.no"].value) if "split.no" in self.fields else None
+            raise ModelLoadError(split_message(path, int(self.fields["split.count"].value), index))
         alignment = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
         start = -(-pos // alignment) * alignment
         file_bytes = np.frombuffer(buf, np.uint8)
@@ -206,8 +194,6 @@ def open_gguf(path: str) -> GgufFile:
     """The file's metadata and tensor entries (GgufFile: tensors memory-mapped, nothing read)."""
     try:
         return GgufFile(path)
-    except SplitGguf as e:
-        raise ModelLoadError(split_message(path, e.count, e.index)) from None
     except (OSError, ValueError, KeyError, struct.error) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
 

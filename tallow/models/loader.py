@@ -197,8 +197,9 @@ def _resolve_folder(path: str, name: str | None = None) -> ResolvedSource:
         return _resolve_file(os.path.join(path, models[0]), name)
     if models:
         splits = [SPLIT_NAME.fullmatch(n) for n in models]
-        if all(splits) and len({(m["stem"], m["count"]) for m in splits}) == 1:
-            return _resolve_file(os.path.join(path, models[0]))  # raises: split GGUF files
+        if all(splits) and len({(m["stem"], m["count"]) for m in splits}) == 1 and int(splits[0]["count"]) > 1:
+            # the parts of one split model
+            raise ModelLoadError(split_message(os.path.join(path, models[0]), int(splits[0]["count"])))
         shown = [os.path.join(path, n) for n in models[:12]]
         more = f" (and {len(models) - 12} more)" if len(models) > 12 else ""
         raise ModelLoadError(f"{path} holds {len(models)} GGUF files and no config.json: pass one of them as the "

@@ -469,8 +469,6 @@ def quantize_model_(model: nn.Module, scheme: str = "auto") -> str:
     if scheme == "auto":
         scheme = "int4"
     if scheme not in SCHEMES:
-        if scheme == "fp8":  # CUDA: tallow.models.fp8.quantize_model_fp8_ (load_engine_model)
-            raise ValueError("quantize_model_ makes CPU weight formats; fp8 is quantize_model_fp8_'s")
         from tallow.config import quantization_error
 
         raise ValueError(quantization_error(scheme).message)  # EngineConfig refuses it before anything loads

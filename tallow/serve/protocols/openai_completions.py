@@ -43,11 +43,14 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
         if score_only and not req.echo:
             return Rejection.invalid("max_tokens must be at least 1 (0 only with echo: the prompt is scored, "
                                      "nothing generated)", "max_tokens")
-        count = _prompt_count(req.prompt)
+        given = _prompts(req.prompt)
+        count = len(given)
         if count > config.max_prompts:
             return Rejection.invalid(f"prompt holds at most {config.max_prompts} prompts (--max-prompts), got {count}",
                                      "prompt")
-        prompts = _prompt_ids(req.prompt, engine.tokenizer, req.add_special_tokens)
+        # a text with BOS in front where the model wants one, unless add_special_tokens is false
+        prompts = [tokenize(engine.tokenizer, p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
+                   else list(p) for p in given]
         vocab_size = engine.model_config.vocab_size
         if not prompts or any(not ids for ids in prompts):
             return Rejection.invalid("prompt must not be empty", "prompt")
@@ -62,7 +65,8 @@ class OpenAICompletions(OpenAIChunks, StreamProtocol):
             req, prompts, vocab_size=vocab_size, max_model_len=engine.max_model_len, config=config,
             max_tokens=1 if score_only else max_tokens, logprobs=req.logprobs, prompt_param="prompt",
             echo_logprobs=req.logprobs if req.echo else None, echo=req.echo, score_only=score_only,
-            prompt_strings=_prompt_strings(req.prompt) if req.echo else None, grammar=grammar)
+            prompt_strings=[p if isinstance(p, str) else None for p in given] if req.echo else None,
+            grammar=grammar)
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -161,33 +165,10 @@ def _joined(first: dict, then: dict | None) -> dict:
     """Two legacy logprobs objects of consecutive tokens as one."""
     if then is None:
         return first
-    top = None if first["top_logprobs"] is None else first["top_logprobs"] + then["top_logprobs"]
-    return {"tokens": first["tokens"] + then["tokens"],
-            "token_logprobs": first["token_logprobs"] + then["token_logprobs"], "top_logprobs": top,
-            "text_offset": first["text_offset"] + then["text_offset"]}
+    return {key: first[key] + then[key] for key in first}
 
 
-def _prompt_count(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
-    """How many prompts `prompt` holds (a list of token ids is one)."""
-    return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
-
-
-def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer,
-                add_special_tokens: bool = True) -> list[list[int]]:
-    """Every accepted prompt shape -> one token list per prompt (a text's with BOS in front where
-    the model wants one, unless add_special_tokens is false)."""
-    if isinstance(prompt, str):
-        return [tokenize(tokenizer, prompt, add_special_tokens=add_special_tokens)]
-    if prompt and isinstance(prompt[0], int):
-        return [list(prompt)]
-    return [tokenize(tokenizer, p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p)
-            for p in prompt]
-
-
-def _prompt_strings(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | None]:
-    """Each prompt as sent when it is text, else None (token ids)."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and isinstance(prompt[0], int):
-        return [None]
-    return [p if isinstance(p, str) else None for p in prompt]
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """Every accepted prompt shape as a list of prompts, each a text or token ids (a list of token
+    ids is one prompt)."""
+    return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)

@@ -41,8 +41,9 @@ class WireModel(BaseModel):
         nullable, and clients that write every field send null)."""
         if isinstance(data, dict):
             keys = _defaulted_non_null_keys(cls)
-            if any(data.get(key, 0) is None for key in keys):
-                data = {k: v for k, v in data.items() if not (v is None and k in keys)}
+            nulls = [k for k, v in data.items() if v is None and k in keys]
+            if nulls:
+                data = {k: v for k, v in data.items() if k not in nulls}
         return data
 
 
