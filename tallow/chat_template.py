@@ -274,6 +274,8 @@ class ChatTemplate:
             raise TallowError("each message must be an object", param="messages")
         message = dict(message)
         content = message.get("content")
+        if content is None:  # an assistant turn of tool calls alone (content null or left out): vLLM's ""
+            message["content"] = content = ""
         if isinstance(content, list):
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):

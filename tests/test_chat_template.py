@@ -173,9 +173,16 @@ def test_syntax_error_names_the_template():
     assert e.value.status == 400 and e.value.param == "chat_template"
 
 
-def test_none_content_in_a_template_that_concatenates_is_an_error_not_a_crash():
-    with pytest.raises(TallowError):
-        template(SMOLLM2).render([{"role": "assistant", "content": None}])
+def test_null_or_missing_content_renders_as_empty_text_as_vllm_reads_it():
+    # OpenAI clients send a tool-call turn as content: null (or without content); templates that
+    # concatenate message.content (SmolLM2's) or read it as an attribute failed on it
+    call = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    reference = hf_render(SMOLLM2, [{"role": "user", "content": "Time?"},
+                                    {"role": "assistant", "content": "", "tool_calls": [call]}],
+                          add_generation_prompt=True)
+    for turn in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "assistant", "tool_calls": [call]}):
+        assert template(SMOLLM2).render([{"role": "user", "content": "Time?"}, turn]) == reference
 
 
 def test_hostile_loop_is_stopped():
@@ -194,3 +201,19 @@ def test_huge_repetition_is_refused():
         template("{{ 'x' * 10**9 }}").render([])
     assert "too large" in e.value.message
     assert template("{{ 'ab' * 3 }}{{ 2 ** 10 }}").render([]) == "ababab1024"
+
+
+def test_reasoning_sent_back_under_vllms_newer_name_reaches_the_template():
+    # tallow's replies carry reasoning as both reasoning_content and reasoning; a client that sends
+    # back `reasoning` must not lose it (Qwen3 renders the thinking of turns after the last query)
+    from tallow.serve.protocols.openai_schemas import ChatMessage
+
+    def sent(name):
+        turns = copy.deepcopy(TOOL_ROUND_TRIP)
+        turns[2][name] = turns[2].pop("reasoning_content")
+        return [ChatMessage.model_validate(m).to_template() for m in turns]
+
+    reference = hf_render(QWEN3, with_object_arguments(TOOL_ROUND_TRIP), tools=TOOLS, add_generation_prompt=True)
+    assert "I need two tools." in reference
+    for name in ("reasoning_content", "reasoning"):
+        assert template(QWEN3).render(sent(name), tools=TOOLS) == reference

@@ -14,7 +14,7 @@ import pytest
 
 from tallow.output.detokenizer import Detokenizer
 from tallow.output.events import ContentEvent, ReasoningEvent, ToolCall, ToolCallDeltaEvent, ToolCallsEvent
-from tallow.output.reasoning import (make_thinking_splitter, prompt_opens_reasoning,
+from tallow.output.reasoning import (make_thinking_splitter, prompt_closes_reasoning, prompt_opens_reasoning,
                                     reasoning_parser_for_template, REASONING_PARSERS)
 from tallow.output.sink import CompletionSink, PlainRouter
 from tallow.output.stop import StopMatcher
@@ -222,8 +222,9 @@ def reference_split(text: str, start_in_reasoning: bool = False, enabled: bool =
     """One-shot rule: content, then one <think> block, then content without leading newlines."""
     if not enabled:
         return text, ""
-    if start_in_reasoning:
-        before, rest = "", text
+    if start_in_reasoning:  # (the model writing the open tag again: dropped, as vLLM's R1 parser does)
+        lead = text.lstrip()
+        before, rest = "", lead[len("<think>"):] if lead.startswith("<think>") else text
     else:
         before, tag, rest = text.partition("<think>")
         if not tag:
@@ -244,6 +245,11 @@ THINK_CASES = [
     ("no tags at all < think >", {}),
     ("abc</think>\n\nxyz", {"start_in_reasoning": True}),
     ("</think>\n", {"start_in_reasoning": True}),
+    ("\n<think>\nHmm.\n</think>\n\nHi", {"start_in_reasoning": True}),  # R1 distills repeat the tag
+    ("<think>x", {"start_in_reasoning": True}),
+    ("  <thin", {"start_in_reasoning": True}),
+    ("\n\n", {"start_in_reasoning": True}),
+    ("<thinking>x</think>y", {"start_in_reasoning": True}),
     ("<think>unterminated reasoning", {}),
     ("<think>abc</thi", {}),
     ("text ending in <thi", {}),
@@ -295,6 +301,12 @@ def test_prompt_opens_reasoning():
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", fmt)
     assert not prompt_opens_reasoning("<|im_start|>assistant\n", fmt)
     assert prompt_opens_reasoning("<think>old</think> later <think>", fmt)
+    # a tag in the client's own text opens nothing: only the template's generation prompt counts
+    assert not prompt_opens_reasoning("<|im_start|>user\nWhat is <think>?<|im_end|>\n<|im_start|>assistant\n", fmt)
+    assert prompt_closes_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", fmt)
+    assert prompt_closes_reasoning("<｜Assistant｜><think></think>", fmt)
+    assert not prompt_closes_reasoning("<｜Assistant｜><think>\n", fmt)
+    assert not prompt_closes_reasoning("<|im_start|>user\n<think>a</think> b<|im_end|>\n<|im_start|>assistant\n", fmt)
 
 
 def test_make_thinking_splitter():
@@ -305,6 +317,13 @@ def test_make_thinking_splitter():
     for name, enabled in [(None, True), ("none", True), ("qwen3", False)]:
         passthrough = make_thinking_splitter(name, "<think>\n", enabled=enabled)
         assert passthrough.push("<think>a</think>b") == ("<think>a</think>b", "")
+    # thinking off (the template closed an empty block): a tag in the answer is content
+    off = make_thinking_splitter("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", enabled=True)
+    assert off.push("Use the <think> tag like <think>x</think>.") == ("Use the <think> tag like <think>x</think>.", "")
+    # a user's tag does not start the reply inside reasoning
+    asked = make_thinking_splitter("qwen3", "<|im_start|>user\nWhat is <think>?<|im_end|>\n<|im_start|>assistant\n",
+                                   enabled=True)
+    assert asked.push("It marks reasoning.") == ("It marks reasoning.", "")
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         make_thinking_splitter("nope", "", enabled=True)
 

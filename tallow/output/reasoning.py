@@ -28,14 +28,21 @@ def reasoning_parser_for_template(chat_template: str | None) -> str:
 
 
 def prompt_opens_reasoning(prompt_text: str, fmt: ReasoningFormat) -> bool:
-    """Whether the rendered prompt ends inside an open reasoning block.
+    """Whether the rendered prompt ends inside an open reasoning block: the template's generation
+    prompt ends with the open tag (DeepSeek-R1's "<think>\\n", Qwen3.5's, GLM-4.7's), so the reply
+    starts in the middle of the reasoning.
 
-    Templates such as DeepSeek-R1's end the prompt with "<think>\\n", so the reply starts
-    in the middle of the reasoning; Qwen3's with enable_thinking=False close an empty
-    block in the prompt, so the reply is content.
+    Only the prompt's end counts: a tag in a client's message ("what does <think> do?") is
+    followed by the template's end of turn and the assistant's header, and opens nothing.
     """
-    opened = prompt_text.rfind(fmt.open_tag)
-    return opened != -1 and prompt_text.find(fmt.close_tag, opened) == -1
+    return prompt_text.rstrip().endswith(fmt.open_tag)
+
+
+def prompt_closes_reasoning(prompt_text: str, fmt: ReasoningFormat) -> bool:
+    """Whether the template closed the reasoning block itself (thinking off: Qwen3's
+    "<think>\\n\\n</think>\\n\\n", DeepSeek-V3.1's "<think></think>"): the reply is all
+    content, a tag in it included."""
+    return prompt_text.rstrip().endswith(fmt.close_tag)
 
 
 def make_thinking_splitter(name: str | None, prompt_text: str, enabled: bool) -> ThinkingSplitter:
@@ -47,7 +54,7 @@ def make_thinking_splitter(name: str | None, prompt_text: str, enabled: bool) ->
     if name is not None and name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(REASONING_PARSERS)}")
     fmt = REASONING_PARSERS.get(name or "none")
-    if fmt is None or not enabled:
+    if fmt is None or not enabled or prompt_closes_reasoning(prompt_text, fmt):
         return ThinkingSplitter(enabled=False)
     return ThinkingSplitter(fmt.open_tag, fmt.close_tag,
                             start_in_reasoning=prompt_opens_reasoning(prompt_text, fmt))

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tallow.engine.grammar import GrammarError, GrammarSpec, check_grammar, closed_objects
-from tallow.output.reasoning import REASONING_PARSERS, prompt_opens_reasoning
+from tallow.output.reasoning import REASONING_PARSERS, prompt_closes_reasoning
 from tallow.output.tool_parsers import TOOL_PARSERS
 from tallow.output.tool_parsers.grammar import JSON_STYLE, UnenforceableSchema, grammar_tools
 from tallow.output.tool_parsers.input_grammar import InputGrammar, UnenforceableInput
@@ -234,7 +234,7 @@ def start_after(tokenizer, reasoning_parser: str | None, prompt_text: str) -> tu
     fmt = REASONING_PARSERS.get(reasoning_parser or "none")
     if fmt is None:
         return None
-    if not prompt_opens_reasoning(prompt_text, fmt) and prompt_text.rstrip().endswith(fmt.close_tag):
+    if prompt_closes_reasoning(prompt_text, fmt):
         return None
     return tuple(tokenizer.encode(fmt.close_tag))
 

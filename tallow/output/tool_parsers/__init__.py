@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from tallow.output.detokenizer import Detokenizer
-from tallow.output.reasoning import ReasoningFormat, prompt_opens_reasoning
+from tallow.output.reasoning import ReasoningFormat, prompt_closes_reasoning, prompt_opens_reasoning
 from tallow.output.tool_parsers.base import ToolParser, tool_schemas
 from tallow.output.tool_parsers.hermes import HermesParser
 from tallow.output.tool_parsers.llama3_json import Llama3JsonParser
@@ -61,5 +61,7 @@ def make_tool_router(tokenizer, parser_name: str, *, tools: list[dict[str, Any]]
     markers = {tokenizer.token_to_id(tag) for tag in parser.markers}
     detokenizer = Detokenizer(tokenizer.token_bytes, tokenizer.special_token_ids - markers,
                               skip_special_tokens)
+    if reasoning is not None and prompt_closes_reasoning(prompt_text, reasoning):
+        reasoning = None  # thinking off: the reply is content and calls (the sink splits nothing either)
     start_in_reasoning = reasoning is not None and prompt_opens_reasoning(prompt_text, reasoning)
     return ToolCallRouter(detokenizer, parser, reasoning, start_in_reasoning, max_calls)

@@ -171,6 +171,7 @@ class ChatMessage(WireModel):
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content (the templates see both)
 
     def to_template(self) -> dict[str, Any]:
         """The message as the chat template sees it: text parts joined by newlines (as vLLM's and
