@@ -176,6 +176,27 @@ def test_the_last_tool_call_allowed_ends_generation_with_tool_calls():
     assert isinstance(result.events[-1], ToolCallsEvent) and result.tool_calls[0].arguments == '{"x":1}'
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_second_call_cut_by_the_token_limit_is_length_and_leaves_no_markup(stream):
+    # forced tools with parallel calls: one call made, the next cut after its name (the audit's
+    # case); the reply says the limit was reached and no markup reaches the content
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+    for cut in ('<tool_call>\n{"name": "f", "arguments":', '<tool_call>\n{"na', "<tool_"):
+        pipeline = OutputPipeline(make_sink(ByteTokenizer(), SamplingParams(), tool_parser="hermes"), Aborts())
+        pieces = list(call + cut) if stream else [call + cut]
+        events = [e for i, piece in enumerate(pieces)
+                  for e in pipeline.feed(output(piece, "length" if i == len(pieces) - 1 else None))]
+        result, reason = pipeline.finish()
+        assert reason == "length", cut
+        assert content(events) + content(result.events) == "" == result.content, cut
+        assert [(c.name, c.arguments) for c in result.tool_calls] == [("f", '{"x":1}')], cut
+    # the same markup cut short by a stop of the model (not the limit) is content, as before
+    pipeline = OutputPipeline(make_sink(ByteTokenizer(), SamplingParams(), tool_parser="hermes"), Aborts())
+    pipeline.feed(output("Hi <tool_call>\n{\"na", "stop"))
+    result, reason = pipeline.finish()
+    assert result.content == "Hi <tool_call>\n{\"na" and reason == "stop"
+
+
 def test_the_offline_front_ends_import_no_serving_code():
     code = ("import sys, tallow.llm, tallow.cli, tallow.output.offline, tallow.output.pipeline; "
             "print(sorted(m for m in sys.modules if m.startswith('tallow.serve')))")

@@ -413,7 +413,7 @@ class MarkerToolRouter:
             return ""
         return self._route(self._detokenizer.push(token_id))
 
-    def flush(self) -> str:
+    def flush(self, cut: bool = False) -> str:
         return self._route(self._detokenizer.flush())
 
     def _route(self, text: str) -> str:
@@ -473,7 +473,7 @@ class ChannelRouter:
             return ""
         return self._route(self._detokenizer.push(token_id))
 
-    def flush(self) -> str:
+    def flush(self, cut: bool = False) -> str:
         return self._route(self._detokenizer.flush())
 
     def _route(self, text: str) -> str:

@@ -98,11 +98,13 @@ class OutputPipeline:
 
     def finish(self) -> tuple[SinkResult, str]:
         """The sink's final events and totals, and the choice's finish_reason: "length" when the
-        engine cut a call that had been announced, "tool_calls" when it made calls, "stop" when a stop string ended it, else the engine's reason ("abort" if
-        the engine gave none)."""
-        result = self.sink.finish()
-        if result.tool_call_repaired and self.engine_finish == "length":
-            return result, "length"  # the cut call was announced while it streamed: a call, cut
+        engine's token limit ended it (calls made before the cut are kept; markup it cut short is
+        dropped), "tool_calls" when it made calls, "stop" when a stop string ended it, else the
+        engine's reason ("abort" if the engine gave none)."""
+        cut = self.engine_finish == "length"
+        result = self.sink.finish(cut)
+        if cut and not result.stopped:
+            return result, "length"  # OpenAI's: the limit was reached, calls or not
         reason = ("tool_calls" if result.tool_calls else "stop" if result.stopped
                   else self.engine_finish or "abort")
         return result, reason

@@ -32,8 +32,8 @@ class TokenRouter(Protocol):
     def push(self, token_id: int) -> str:
         """Content text released by this token."""
 
-    def flush(self) -> str:
-        """Content text still held, at the end of generation."""
+    def flush(self, cut: bool = False) -> str:
+        """Content text still held, at the end of generation (cut: the token limit ended it)."""
 
     def take_reasoning(self) -> str:
         """Reasoning text the router found since the last call (and forgets it)."""
@@ -59,7 +59,7 @@ class PlainRouter:
     def push(self, token_id: int) -> str:
         return self._detokenizer.push(token_id)
 
-    def flush(self) -> str:
+    def flush(self, cut: bool = False) -> str:
         return self._detokenizer.flush()
 
     def take_reasoning(self) -> str:
@@ -124,10 +124,12 @@ class CompletionSink:
         self._emit_in_order(events, text, final=False)
         return events
 
-    def finish(self) -> SinkResult:
+    def finish(self, cut: bool = False) -> SinkResult:
+        """The last events and the totals; cut: the token limit ended generation (a tool call's
+        markup it cut short is dropped, not returned as content)."""
         events: list[Event] = []
         if not self._stopper.stopped:
-            text = self._router.flush()
+            text = self._router.flush(cut)
             self._emit_reasoning(events, self._router.take_reasoning())
             self._emit_in_order(events, text, final=True)
         self._emit(events, self._thinking.flush())

@@ -14,7 +14,8 @@ call ends with its exact final arguments (compact JSON, which the streamed text 
 markup that breaks after a call was announced (bad JSON in the arguments, a missing closing tag,
 generation cut) keeps the announced calls, their arguments the JSON certain so far completed
 (close_json), and drops the rest of that markup. Markup that breaks before any call was announced
-comes back as content, as before. Both decisions depend only on the markup, so the streamed
+comes back as content, unless the token limit cut it (flush(cut=True)): then it is dropped, a
+call begun and never finished. Both decisions depend only on the markup, so the streamed
 deltas add up to the same calls however the text was cut.
 
 Whitespace that separates markup from the content is dropped: "Let me look.\\n\\n<tool_call>..."
@@ -61,11 +62,13 @@ class ToolCallRouter:
         self._out: list[str] = []  # the text released by the current push
         self._streaming: list[list[str]] = []  # the current markup's announced calls: [id, name, arguments sent]
         self.repaired = False  # an announced call's arguments were completed by close_json (cut or broken)
+        self._cut = False  # flush(cut=True): the token limit ended generation
 
     def push(self, token_id: int) -> str:
         return self._advance(self._detokenizer.push(token_id), final=False)
 
-    def flush(self) -> str:
+    def flush(self, cut: bool = False) -> str:
+        self._cut = cut
         return self._advance(self._detokenizer.flush(), final=True)
 
     def take_reasoning(self) -> str:
@@ -133,7 +136,8 @@ class ToolCallRouter:
             announced = [PartialCall(name, sent, False) for _, name, sent in self._streaming]
         calls = self._final_calls(announced, parsed.calls)
         if calls is None:
-            self._release(out, ws + markup)
+            if not self._cut:  # markup the token limit cut short was a call begun: never content
+                self._release(out, ws + markup)
         else:
             self._stream(announced)
             for k, (name, arguments) in enumerate(calls):
@@ -191,7 +195,8 @@ class ToolCallRouter:
         text = self._buffer
         at, tag = self._next_tag(text)
         if tag is None:
-            hold = 0 if final else partial_suffix_len(text, self._tags())
+            # (cut by the token limit: a tail that may begin a tag is dropped with the markup)
+            hold = partial_suffix_len(text, self._tags()) if not final or self._cut else 0
             body = text[:len(text) - hold]
             # Trailing whitespace waits to see whether markup follows; at the end it is
             # content, unless it follows a call.
@@ -199,7 +204,7 @@ class ToolCallRouter:
             self._release(out, lead)
             self._buffer = text[len(lead):]
             if final:
-                if not self._after_call:
+                if not self._after_call and not hold:
                     self._release(out, self._buffer)
                 self._buffer = ""
             return True
