@@ -96,6 +96,22 @@ def prompt(n, start=1000):
     return range(start, start + n)
 
 
+def test_cached_tokens_count_only_the_prompt_when_forced_tokens_follow_it():
+    # a grammar forces tokens at the start before the sequence is scheduled (they follow the
+    # prompt in token_ids); a second identical request finds them cached too, yet usage counts
+    # cached tokens as part of the prompt (Anthropic's input_tokens = prompt - cached went -1)
+    h = Harness(num_blocks=64, block_size=16)
+    forced = list(prompt(10, 7000))
+    first = h.add(list(prompt(30)), max_tokens=12)
+    first.token_ids.extend(forced)
+    h.run_until_done()
+    again = h.add(list(prompt(30)), max_tokens=12)
+    again.token_ids.extend(forced)
+    h.step()
+    assert again.num_prompt_tokens == 30 and again.num_cached_tokens == 30
+    h.run_until_done()
+
+
 def test_prefix_cache_shares_the_full_blocks_of_a_common_prefix():
     h = Harness(num_blocks=64, block_size=16)
     shared = list(prompt(300))

@@ -131,6 +131,17 @@ def test_a_named_function_allows_only_that_one(tok, lltok, name):
         assert_valid_calls(calls, names=("add_note",))
 
 
+@pytest.mark.parametrize("params", [None, {}])
+def test_a_tool_without_parameters_is_called_with_empty_arguments(tok, lltok, params):
+    # OpenAI: "omitting parameters defines a function with an empty parameter list"; a forced
+    # call of such a tool wrote any object ({"length": 5}) before
+    fn = {"name": "ping"} if params is None else {"name": "ping", "parameters": params}
+    lark = TOOL_PARSERS["hermes"]().call_grammar(grammar_tools([{"type": "function", "function": fn}],
+                                                               constrain_all=True), required=True)
+    assert accepts(lltok, tok, lark, '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
+    assert not accepts(lltok, tok, lark, '<tool_call>\n{"name": "ping", "arguments": {"length": 5}}\n</tool_call>')
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_strict_tools_under_auto_allow_text_and_valid_calls(tok, lltok, name):
     strict = [tool("get_weather", WEATHER_PARAMS, strict=True), tool("add_note", NOTE_PARAMS, strict=True)]

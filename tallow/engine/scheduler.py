@@ -228,7 +228,9 @@ class Scheduler:
             seq.prefill_after = None
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
-                seq.num_cached_tokens = num_cached
+                # the prompt's share: tokens a grammar forced at the start sit after the prompt and
+                # may be found cached too, but usage counts cached tokens as part of the prompt
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             self.running.append(seq)
             _place(ScheduledSeq(seq, seq.num_computed_tokens, n), draft, decodes, prefills)
             budget -= n + len(draft)

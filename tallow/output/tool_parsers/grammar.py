@@ -65,7 +65,9 @@ def grammar_tools(tools: list[dict[str, Any]] | None, *, constrain_all: bool,
         fn = tool.get("function", tool)
         params = fn.get("parameters")
         if not isinstance(params, dict) or not params:
-            params = {"type": "object"}
+            # parameters left out (or {}): "a function with an empty parameter list" (OpenAI's
+            # spec), so a forced call's arguments are {}, not any object
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
         custom = (input_grammars or {}).get(fn["name"])
         strict = fn.get("strict") is True or custom is not None
         out.append(GrammarTool(fn["name"], params, constrain_all or strict, strict, custom))
