@@ -17,6 +17,7 @@ prompt, bos/eos) becomes control tokens. Otherwise a user could forge a turn:
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import re
@@ -101,6 +102,7 @@ class _Compiled:
     supports_tools: bool
     supports_thinking: bool
     takes_content_parts: bool
+    short_tool_call_ids: bool  # Mistral's: tool-call ids of nine letters and digits
 
 
 @lru_cache(maxsize=32)
@@ -111,7 +113,8 @@ def _compile(source: str) -> _Compiled:
     except jinja2.TemplateError as e:
         raise TallowError(f"invalid chat template: {e}", param="chat_template") from e
     variables = meta.find_undeclared_variables(ast)
-    return _Compiled(template, "tools" in variables, "enable_thinking" in variables, _loops_over_content(ast))
+    return _Compiled(template, "tools" in variables, "enable_thinking" in variables, _loops_over_content(ast),
+                     "[TOOL_CALLS]" in source)
 
 
 def _loops_over_content(ast: nodes.Template) -> bool:
@@ -285,6 +288,11 @@ class ChatTemplate:
                 message["content"] = "\n".join(part["text"] for part in content)
         if message.get("tool_calls"):
             message["tool_calls"] = [_with_parsed_arguments(c) for c in message["tool_calls"]]
+        if self._compiled.short_tool_call_ids:
+            if message.get("tool_calls"):
+                message["tool_calls"] = [_with_short_id(c) for c in message["tool_calls"]]
+            if isinstance(message.get("tool_call_id"), str):
+                message["tool_call_id"] = short_tool_call_id(message["tool_call_id"])
         reasoning = message.get("reasoning_content") or message.get("reasoning") or message.get("thinking")
         if reasoning is not None:
             message.setdefault("reasoning_content", reasoning)
@@ -359,6 +367,22 @@ def _map_strings(value: Any, f: Callable[[str], str]) -> Any:
     if isinstance(value, (list, tuple)):
         return [_map_strings(v, f) for v in value]
     return value
+
+
+def short_tool_call_id(call_id: str) -> str:
+    """A tool-call id as Mistral's templates take it (nine letters and digits, else they raise):
+    as it is when it has that form, else its last nine letters and digits (vLLM keeps the last
+    nine characters), else a hash of it; a call and its result get the same one."""
+    if re.fullmatch(r"[A-Za-z0-9]{9}", call_id):
+        return call_id
+    tail = re.sub(r"[^A-Za-z0-9]", "", call_id)
+    return tail[-9:] if len(tail) >= 9 else hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def _with_short_id(call: Any) -> Any:
+    if isinstance(call, dict) and isinstance(call.get("id"), str):
+        return {**call, "id": short_tool_call_id(call["id"])}
+    return call
 
 
 def _with_parsed_arguments(call: Any) -> Any:

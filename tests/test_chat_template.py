@@ -217,3 +217,36 @@ def test_reasoning_sent_back_under_vllms_newer_name_reaches_the_template():
     assert "I need two tools." in reference
     for name in ("reasoning_content", "reasoning"):
         assert template(QWEN3).render(sent(name), tools=TOOLS) == reference
+
+
+MISTRAL_NEMO = (Path(__file__).parent / "data" / "mistral_nemo_chat_template.jinja").read_text()
+
+
+def test_mistral_templates_get_tool_call_ids_of_nine_letters_and_digits():
+    # Mistral's templates raise on any other id; clients send back OpenAI-style ids (call_ + 24
+    # hex), Anthropic's (toolu_...) or their own: each call and its result get the same nine
+    # characters (the id's last nine letters and digits, as vLLM keeps the last nine)
+    def conversation(call_id):
+        return [{"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": call_id, "content": "12:00"}]
+
+    tools = TOOLS[1:]
+    with pytest.raises(TallowError, match="length 9"):  # the template itself, given the id as sent
+        ChatTemplate(MISTRAL_NEMO, bos_token="<s>", eos_token="</s>")._compiled.template.render(
+            messages=conversation("call_9f2c3a1b4d5e6f708192a3b4"), tools=tools, bos_token="<s>",
+            eos_token="</s>", raise_exception=_raise)
+    for sent, short in [("call_9f2c3a1b4d5e6f708192a3b4", "708192a3b4"[-9:]),
+                        ("toolu_01A09q90qw90lq917835lq9", "917835lq9"), ("a1b2c3d4e", "a1b2c3d4e")]:
+        reference = hf_render(MISTRAL_NEMO, with_object_arguments(conversation(short)), tools=tools,
+                              add_generation_prompt=True)
+        assert template(MISTRAL_NEMO).render(conversation(sent), tools=tools) == reference
+    # an id too short to cut gets a stable nine-character hash, the same for the call and its result
+    rendered = template(MISTRAL_NEMO).render(conversation("c1"), tools=tools)
+    assert rendered.split('"id": "')[1][:10] == rendered.split('"call_id": "')[1][:10]
+    assert rendered.split('"id": "')[1][9] == '"'
+
+
+def _raise(message):
+    raise TallowError(message)

@@ -461,6 +461,31 @@ def test_marker_tokens_survive_skip_special_tokens():
         make_tool_router(_MistralLikeTokenizer(), "nope")
 
 
+class _Llama31LikeTokenizer:
+    """A vocabulary where <|python_tag|> and <|eom_id|> are special tokens."""
+
+    pieces = ["<|python_tag|>", 'brave_search.call(query="x")', "<|eom_id|>", "Sure: ",
+              '{"name": "get_weather", "parameters": {"city": "Paris"}}']
+    special_token_ids = frozenset({0, 2})
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.pieces[i].encode()
+
+    def token_to_id(self, text: str) -> int | None:
+        return self.pieces.index(text) if text in self.pieces else None
+
+
+def test_a_special_marker_in_markup_that_is_content_is_skipped_as_the_tokenizer_would():
+    # Llama 3.1 writes <|python_tag|> before a built-in tool's call or code: not a JSON call, so
+    # content, without the special token (vLLM's); kept when special tokens are not skipped
+    assert _feed(make_tool_router(_Llama31LikeTokenizer(), "llama3_json", skip_special_tokens=True),
+                 [3, 0, 1, 2]) == ('Sure: brave_search.call(query="x")', [])
+    assert _feed(make_tool_router(_Llama31LikeTokenizer(), "llama3_json", skip_special_tokens=False),
+                 [3, 0, 1, 2]) == ('Sure: <|python_tag|>brave_search.call(query="x")<|eom_id|>', [])
+    assert _feed(make_tool_router(_Llama31LikeTokenizer(), "llama3_json", skip_special_tokens=True),
+                 [3, 0, 4, 2]) == ("Sure:", [PARIS])
+
+
 # ---- random mixtures ------------------------------------------------------------------------
 
 FRAGMENTS = ["Hi", " ", "\n", "x", "<tool_call>", "</tool_call>", "<tool", '{"name": "f", "arguments": {"a": 1}}',
@@ -553,3 +578,20 @@ def test_pythonic_streams_any_string_value(city, note, hours, cuts, quote):
     _check_deltas(deltas, router.tool_calls())
     assert [(c.name, json.loads(c.arguments)) for c in router.tool_calls()] == [
         ("get_weather", {"city": city, "hours": hours, "note": note})]
+
+
+@pytest.mark.parametrize("text", [
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_weather", "arguments": {"city": "Rome"}}]',
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'])
+def test_mistral_calls_get_ids_its_templates_take_back(text):
+    # Mistral's templates raise unless an id is nine letters and digits (vLLM makes the same);
+    # other formats keep OpenAI's call_ ids
+    for pieces in (list(text), [text]):
+        router, deltas = _streamed("mistral", pieces)
+        ids = [c.id for c in router.tool_calls()]
+        assert len(ids) == 2 and len(set(ids)) == 2
+        assert all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids), ids
+        assert [d.id for d in deltas if d.id] == ids  # the streamed header carries the same id
+    router, _ = _streamed("hermes", ['<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'])
+    assert router.tool_calls()[0].id.startswith("call_")

@@ -13,9 +13,9 @@ class ToolCall:
     arguments: str  # a JSON string
 
     @classmethod
-    def create(cls, name: str, arguments: str) -> ToolCall:
-        """A tool call with a fresh OpenAI-style id ("call_" + 24 hex digits)."""
-        return cls(id=f"call_{secrets.token_hex(12)}", name=name, arguments=arguments)
+    def create(cls, name: str, arguments: str, id: str | None = None) -> ToolCall:
+        """A tool call with the id given or a fresh OpenAI-style one ("call_" + 24 hex digits)."""
+        return cls(id=id or f"call_{secrets.token_hex(12)}", name=name, arguments=arguments)
 
 
 @dataclass(frozen=True)

@@ -64,4 +64,8 @@ def make_tool_router(tokenizer, parser_name: str, *, tools: list[dict[str, Any]]
     if reasoning is not None and prompt_closes_reasoning(prompt_text, reasoning):
         reasoning = None  # thinking off: the reply is content and calls (the sink splits nothing either)
     start_in_reasoning = reasoning is not None and prompt_opens_reasoning(prompt_text, reasoning)
-    return ToolCallRouter(detokenizer, parser, reasoning, start_in_reasoning, max_calls)
+    # special-token markers kept visible only for the parser: skipped again in markup that turns
+    # out to be content (Llama 3.1's <|python_tag|> before a built-in tool or code)
+    hidden = tuple(tag for tag in parser.markers if skip_special_tokens
+                   and tokenizer.token_to_id(tag) in tokenizer.special_token_ids)
+    return ToolCallRouter(detokenizer, parser, reasoning, start_in_reasoning, max_calls, hidden)

@@ -42,6 +42,11 @@ class ToolParser:
     markers: tuple[str, ...] = ()  # tags that may be special tokens: never skipped
     quotes, brackets = '"', ("{[", "}]")  # the value syntax, for finding where a value ends
 
+    def new_call_id(self) -> str | None:
+        """A fresh id for a parsed call, in the form the format's templates take back; None: the
+        OpenAI-style default (ToolCall.create)."""
+        return None
+
     def __init__(self, schemas: Schemas | None = None):
         self.schemas = schemas or {}
         self._closers: dict[int, _Closer] = {}  # for the current markup, by start

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import secrets
+import string
 
 from tallow.output.tool_parsers.base import Parsed, ToolParser, json_calls, loads_json, skip_ws, undecided
 from tallow.output.tool_parsers.grammar import GrammarTool, LarkGrammar, call_object_schema, json_rule, lit
@@ -11,6 +13,7 @@ from tallow.output.tool_parsers.streaming import JsonArgsStream, PartialCall
 
 
 _MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+_ID_CHARACTERS = string.ascii_letters + string.digits
 
 
 class MistralParser(ToolParser):
@@ -20,6 +23,11 @@ class MistralParser(ToolParser):
     name = "mistral"
     start_tags = ("[TOOL_CALLS]",)
     markers = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+
+    def new_call_id(self) -> str:
+        """Nine letters and digits: Mistral's templates refuse any other id when the call comes
+        back in the conversation (vLLM's Mistral parser makes the same)."""
+        return "".join(secrets.choice(_ID_CHARACTERS) for _ in range(9))
 
     def _parse(self, markup: str, final: bool) -> Parsed | None:
         pos = skip_ws(markup, len(self.start_tags[0]))

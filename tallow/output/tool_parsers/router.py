@@ -44,8 +44,9 @@ class ToolCallRouter:
 
     def __init__(self, detokenizer: Detokenizer, parser: ToolParser,
                  reasoning: ReasoningFormat | None = None, start_in_reasoning: bool = False,
-                 max_calls: int | None = None):
+                 max_calls: int | None = None, hidden_markers: tuple[str, ...] = ()):
         self._detokenizer = detokenizer
+        self._hidden_markers = hidden_markers  # special tokens shown for parsing only
         self._max_calls = max_calls
         self.closed = False  # max_calls reached: all later text is dropped; generation should end
         self._parser = parser
@@ -137,6 +138,8 @@ class ToolCallRouter:
         calls = self._final_calls(announced, parsed.calls)
         if calls is None:
             if not self._cut:  # markup the token limit cut short was a call begun: never content
+                for marker in self._hidden_markers:
+                    markup = markup.replace(marker, "")
                 self._release(out, ws + markup)
         else:
             self._stream(announced)
@@ -180,7 +183,7 @@ class ToolCallRouter:
         for k, call in enumerate(self._allowed(partial)):
             index = len(self._calls) + k
             if k == len(self._streaming):
-                fresh = ToolCall.create(call.name, "")
+                fresh = ToolCall.create(call.name, "", self._parser.new_call_id())
                 self._streaming.append([fresh.id, call.name, ""])
                 self._place(ToolCallDelta(index, fresh.id, call.name, ""))
             sent = self._streaming[k][2]
@@ -260,7 +263,7 @@ class ToolCallRouter:
             if len(arguments) > len(sent):
                 self._place(ToolCallDelta(index, None, None, arguments[len(sent):]))
         else:
-            call = ToolCall.create(name, arguments)
+            call = ToolCall.create(name, arguments, self._parser.new_call_id())
             for delta in ToolCallDelta.whole(index, call):
                 self._place(delta)
         self._calls.append(call)
