@@ -250,3 +250,28 @@ def test_mistral_templates_get_tool_call_ids_of_nine_letters_and_digits():
 
 def _raise(message):
     raise TallowError(message)
+
+
+def test_only_the_models_own_turn_decides_whether_the_reply_starts_in_reasoning():
+    from tallow.config import ServerConfig
+    from tallow.output.reasoning import make_thinking_splitter
+    from tallow.serve.chat_prompt import render_chat
+
+    def reply(messages, text, **kwargs):
+        prompt = render_chat(template(QWEN3), messages, ServerConfig(), **kwargs)
+        splitter = make_thinking_splitter(prompt.reasoning_parser, prompt.model_turn, True)
+        content, reasoning = splitter.push(text)
+        tail = splitter.flush()
+        return content + tail[0], reasoning + tail[1]
+
+    asked = [{"role": "user", "content": "What does <think> do?"}]
+    # a tag in the client's message opens nothing: the answer is content
+    assert reply(asked, "It marks reasoning.") == ("It marks reasoning.", "")
+    assert reply(asked, "<think>hm</think>\n\nIt marks reasoning.") == ("It marks reasoning.", "hm")
+    # thinking off: the template closed an empty block, so a tag in the answer is content
+    assert reply(asked, "Like <think>x</think>.", template_kwargs={"enable_thinking": False}) == \
+        ("Like <think>x</think>.", "")
+    # a continued assistant message that opened the block: the reply starts inside it
+    prefill = asked + [{"role": "assistant", "content": "<think>\nLet me see:"}]
+    assert reply(prefill, " more</think>\n\nDone.", add_generation_prompt=False, continue_final_message=True) == \
+        ("Done.", " more")

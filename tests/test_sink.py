@@ -301,12 +301,11 @@ def test_prompt_opens_reasoning():
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", fmt)
     assert not prompt_opens_reasoning("<|im_start|>assistant\n", fmt)
     assert prompt_opens_reasoning("<think>old</think> later <think>", fmt)
-    # a tag in the client's own text opens nothing: only the template's generation prompt counts
-    assert not prompt_opens_reasoning("<|im_start|>user\nWhat is <think>?<|im_end|>\n<|im_start|>assistant\n", fmt)
-    assert prompt_closes_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", fmt)
+    assert prompt_opens_reasoning("\n<think>\nLet me see:", fmt)  # a prefill stopped inside the block
+    assert prompt_closes_reasoning("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", fmt)
     assert prompt_closes_reasoning("<｜Assistant｜><think></think>", fmt)
     assert not prompt_closes_reasoning("<｜Assistant｜><think>\n", fmt)
-    assert not prompt_closes_reasoning("<|im_start|>user\n<think>a</think> b<|im_end|>\n<|im_start|>assistant\n", fmt)
+    assert not prompt_closes_reasoning("<|im_end|>\n<|im_start|>assistant\n", fmt)
 
 
 def test_make_thinking_splitter():
@@ -320,10 +319,6 @@ def test_make_thinking_splitter():
     # thinking off (the template closed an empty block): a tag in the answer is content
     off = make_thinking_splitter("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", enabled=True)
     assert off.push("Use the <think> tag like <think>x</think>.") == ("Use the <think> tag like <think>x</think>.", "")
-    # a user's tag does not start the reply inside reasoning
-    asked = make_thinking_splitter("qwen3", "<|im_start|>user\nWhat is <think>?<|im_end|>\n<|im_start|>assistant\n",
-                                   enabled=True)
-    assert asked.push("It marks reasoning.") == ("It marks reasoning.", "")
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         make_thinking_splitter("nope", "", enabled=True)
 

@@ -27,22 +27,24 @@ def reasoning_parser_for_template(chat_template: str | None) -> str:
     return "qwen3" if chat_template and _THINK.open_tag in chat_template else "none"
 
 
-def prompt_opens_reasoning(prompt_text: str, fmt: ReasoningFormat) -> bool:
-    """Whether the rendered prompt ends inside an open reasoning block: the template's generation
-    prompt ends with the open tag (DeepSeek-R1's "<think>\\n", Qwen3.5's, GLM-4.7's), so the reply
-    starts in the middle of the reasoning.
+def prompt_opens_reasoning(turn: str, fmt: ReasoningFormat) -> bool:
+    """Whether the model's turn so far ends inside an open reasoning block: its last open tag has
+    no close tag after it. turn: the prompt from where the model's own turn begins (ChatPrompt.
+    model_turn: the generation prompt, or the assistant message a reply continues), so a tag in a
+    client's message ("what does <think> do?") opens nothing.
 
-    Only the prompt's end counts: a tag in a client's message ("what does <think> do?") is
-    followed by the template's end of turn and the assistant's header, and opens nothing.
+    Templates such as DeepSeek-R1's end the prompt with "<think>\\n", so the reply starts in the
+    middle of the reasoning; so does a prefill that opens the block and stops inside it.
     """
-    return prompt_text.rstrip().endswith(fmt.open_tag)
+    opened = turn.rfind(fmt.open_tag)
+    return opened != -1 and turn.find(fmt.close_tag, opened) == -1
 
 
-def prompt_closes_reasoning(prompt_text: str, fmt: ReasoningFormat) -> bool:
+def prompt_closes_reasoning(turn: str, fmt: ReasoningFormat) -> bool:
     """Whether the template closed the reasoning block itself (thinking off: Qwen3's
     "<think>\\n\\n</think>\\n\\n", DeepSeek-V3.1's "<think></think>"): the reply is all
-    content, a tag in it included."""
-    return prompt_text.rstrip().endswith(fmt.close_tag)
+    content, a tag in it included. turn: as for prompt_opens_reasoning."""
+    return turn.rstrip().endswith(fmt.close_tag)
 
 
 def make_thinking_splitter(name: str | None, prompt_text: str, enabled: bool) -> ThinkingSplitter:

@@ -60,6 +60,14 @@ class ChatPrompt:
     # Where client text holds a special token's string: tokenize(..., literal_spans=) keeps it text.
     literal_spans: tuple[tuple[int, int], ...] = ()
     template_source: str | None = None  # the chat template's text: a tool-call format's variant
+    turn_start: int = 0  # where the model's own turn begins in text (see model_turn)
+
+    @property
+    def model_turn(self) -> str:
+        """The prompt from where the model's turn begins: the generation prompt after the last
+        message, or the last (assistant) message that a reply continues. Whether the reply starts
+        inside a reasoning block is read from it alone (tallow.output.reasoning)."""
+        return self.text[self.turn_start:]
 
 
 def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: ServerConfig, *,
@@ -94,7 +102,22 @@ def render_chat(template: ChatTemplate, messages: list[dict[str, Any]], config: 
     reasoning_parser = (_configured(config.reasoning_parser, REASONING_PARSERS, "reasoning")
                         or reasoning_parser_for_template(source))
     return ChatPrompt(rendered.text, tool_parser if tools else None, reasoning_parser, tools, rendered.literal_spans,
-                      source)
+                      source, _turn_start(rendered.text, messages, continue_final_message))
+
+
+def _turn_start(text: str, messages: list[dict[str, Any]], continued: bool) -> int:
+    """Where the model's turn begins in the rendered prompt: a continued last message's content
+    (the prompt ends with it), else the end of the last message's content as rendered (its last
+    occurrence); 0 when the template changed that content past finding (the whole prompt)."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str) or not content:
+        return 0
+    if continued:
+        return max(len(text) - len(content), 0) if text.endswith(content) else 0
+    at = text.rfind(content)
+    return at + len(content) if at >= 0 else 0
 
 
 def _render(template: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

@@ -77,7 +77,7 @@ class OpenAIChat(OpenAIChunks, StreamProtocol):
             config=config,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages",
-            prompt_text=prompt.text, split_reasoning=True, reasoning_parser=prompt.reasoning_parser,
+            prompt_text=prompt.model_turn, split_reasoning=True, reasoning_parser=prompt.reasoning_parser,
             tool_parser=prompt.tool_parser, tools=prompt.tools, grammar=grammar,
             max_tool_calls=1 if req.parallel_tool_calls is False else None)
 
@@ -155,7 +155,7 @@ def chat_grammar(req: ChatCompletionRequest, prompt, tokenizer, tool_choice):
         tokenizer, tools=prompt.tools, tool_parser=prompt.tool_parser, tool_choice=tool_choice, output=output,
         max_calls=1 if req.parallel_tool_calls is False else None, chat_template=prompt.template_source)
     return structured.grammar_for(fmt, tokenizer, reasoning_parser=prompt.reasoning_parser,
-                                  prompt_text=prompt.text)
+                                  prompt_text=prompt.model_turn)
 
 
 def _deltas(event: Event) -> list[dict]:
