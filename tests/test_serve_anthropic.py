@@ -15,6 +15,8 @@ from serve_utils import FakeEngine, LiveServer, scripted_reply
 from tallow.chat_template import ChatTemplate
 from tallow.config import ServerConfig
 from tallow.engine.core import TokenOutput
+from tallow.output.events import ContentEvent, ReasoningEvent
+from tallow.serve.executor import ChoiceResult, ChoiceUpdate, CompletionSummary, Usage
 from tallow.serve.plan import Rejection
 from tallow.serve.protocols import anthropic as anthropic_protocol
 from tallow.serve.protocols.anthropic import AnthropicMessages
@@ -156,9 +158,18 @@ def test_thinking_blocks(replay):
         ("thinking", thought), ("text", answer)]
     with replay.messages.stream(**kwargs) as stream:
         events = list(stream)
+        stream.get_final_message()
     thinking = "".join(e.delta.thinking for e in events
                        if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
     assert thinking == thought
+    # The thinking block is signed (opaque, stable for the same text): a signature_delta just
+    # before its content_block_stop, the same signature as the non-streamed block's.
+    assert whole.content[0].signature
+    raw = [e for e in events if e.type not in ("text", "thinking", "signature", "input_json")]  # the SDK's own
+    stop = next(k for k, e in enumerate(raw) if e.type == "content_block_stop" and e.index == 0)
+    assert raw[stop - 1].type == "content_block_delta" and raw[stop - 1].delta.type == "signature_delta"
+    assert raw[stop - 1].delta.signature == whole.content[0].signature
+    assert stream.get_final_message().content[0].signature == whole.content[0].signature
     # An earlier turn's thinking block is accepted back.
     follow_up = [*kwargs["messages"], {"role": "assistant", "content": whole.content}, *ask("Another riddle?")]
     assert replay.messages.create(**{**kwargs, "messages": follow_up}).content[-1].text == answer
@@ -188,11 +199,113 @@ def test_pings_while_waiting_and_overloaded_when_the_queue_is_full(fake):
         busy = httpx.post(url, json={**body, "stream": False}, headers=HEADERS, timeout=10)
         names = [first] + [line for line in lines if line.startswith("event: ")]
     assert busy.status_code == 529 and busy.json()["error"]["type"] == "overloaded_error"
-    # message_start waits for the first output (its usage then holds the prefix cache's share):
-    # the silence before it is pinged too.
-    assert names.index("event: message_start") < names.index("event: content_block_start")
+    # The silence before the first output is pinged, and a stream always begins with message_start
+    # (brought forward by the first ping).
+    assert names[0] == "event: message_start"
     assert "event: ping" in names[:names.index("event: content_block_start")]
     assert names[-2:] == ["event: message_delta", "event: message_stop"]
+
+
+def test_a_long_prefill_still_starts_with_message_start_and_ends_with_the_whole_usage(fake):
+    """A prefill longer than the ping interval: message_start goes out before the first ping, and
+    the SDK's accumulated usage (message_delta's counts) is the final one."""
+    client = anthropic.Anthropic(base_url=fake.base_url, api_key=KEY, max_retries=0)
+    prompt_tokens = client.messages.count_tokens(model="m", messages=ask("Hi")).input_tokens
+    with client.messages.stream(model="m", max_tokens=3, messages=ask("Hi")) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    types = [e.type for e in events]
+    assert types[0] == "message_start" and types.count("message_start") == 1  # (the SDK drops pings)
+    early = events[0].message.usage
+    assert (early.input_tokens, early.cache_read_input_tokens, early.output_tokens) == (prompt_tokens, 0, 0)
+    [delta] = [e for e in events if e.type == "message_delta"]
+    assert delta.usage.model_dump(include={"input_tokens", "cache_creation_input_tokens",
+                                           "cache_read_input_tokens", "output_tokens"}) == {
+        "input_tokens": prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+        "output_tokens": 3}
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (prompt_tokens, 3)
+
+
+def streaming_protocol(engine, **body) -> AnthropicMessages:
+    plan = AnthropicMessages.plan_request(json.dumps({"model": "m", "max_tokens": 50, "stream": True, **body}).encode(),
+                                          engine, ServerConfig())
+    assert not isinstance(plan, Rejection), plan
+    return AnthropicMessages(plan, "m", engine.tokenizer, "msg_test")
+
+
+def sse_events(frames: list[str]) -> list[dict]:
+    return [json.loads(line.removeprefix("data: ")) for frame in frames for line in frame.splitlines()
+            if line.startswith("data: ")]
+
+
+def test_message_start_before_a_ping_and_after_the_first_output():
+    engine = fake_engine()
+    cached = Usage(prompt_tokens=40, completion_tokens=1, cached_tokens=32)
+    # The first output before any ping: message_start carries the prefix cache's true share, and a
+    # ping after it needs nothing before it.
+    protocol = streaming_protocol(engine, messages=ask("Hi"))
+    assert protocol.start() == []
+    first = sse_events(protocol.add_events(ChoiceUpdate(0, [ContentEvent("a")], []), cached))
+    assert first[0]["type"] == "message_start"
+    assert first[0]["message"]["usage"]["input_tokens"] == 8
+    assert first[0]["message"]["usage"]["cache_read_input_tokens"] == 32
+    assert protocol.before_ping() == []
+    # A ping before the first output: message_start first, the whole prompt as input then; the
+    # final message_delta carries the split and the output, and no second message_start comes.
+    protocol = streaming_protocol(engine, messages=ask("Hi"))
+    protocol.start()
+    [start] = sse_events(protocol.before_ping())
+    prompt_tokens = len(protocol.plan.prompts[0])
+    assert start["type"] == "message_start" and start["message"]["usage"] == {
+        "input_tokens": prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+        "output_tokens": 0}
+    frames = protocol.add_events(ChoiceUpdate(0, [ContentEvent("a")], [], finish_reason="stop"), cached)
+    frames += protocol.finish(cached)
+    rest = sse_events(frames)
+    assert "message_start" not in [e["type"] for e in rest]
+    [delta] = [e for e in rest if e["type"] == "message_delta"]
+    assert delta["usage"] == {"input_tokens": 8, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 32,
+                              "output_tokens": 1}
+
+
+def test_each_thinking_block_closes_with_a_signature():
+    engine = fake_engine()
+    protocol = streaming_protocol(engine, messages=ask("Hi"), thinking={"type": "adaptive"})
+    usage = Usage(prompt_tokens=10, completion_tokens=3)
+    frames = protocol.add_events(ChoiceUpdate(0, [ReasoningEvent("Let me "), ReasoningEvent("think.")], []), usage)
+    frames += protocol.add_events(ChoiceUpdate(0, [ContentEvent("Hello")], [], finish_reason="stop"), usage)
+    events = sse_events(frames + protocol.finish(usage))
+    types = [(e["type"], e.get("delta", {}).get("type")) for e in events]
+    stop = types.index(("content_block_stop", None))
+    assert types[stop - 1] == ("content_block_delta", "signature_delta") and events[stop - 1]["index"] == 0
+    signature = events[stop - 1]["delta"]["signature"]
+    assert signature and signature == anthropic_protocol.thinking_signature("Let me think.")
+    # The text block closes without one.
+    assert [t for t in types if t[1] == "signature_delta"] == [("content_block_delta", "signature_delta")]
+    # The non-streamed block carries the same signature.
+    summary = CompletionSummary(choices=[ChoiceResult(0, "Hello", "Let me think.", [], "stop", None)], usage=usage)
+    body = streaming_protocol(engine, messages=ask("Hi")).response(summary)
+    assert body["content"][0] == {"type": "thinking", "thinking": "Let me think.", "signature": signature}
+
+
+async def _drain(frames):
+    return [frame async for frame in frames]
+
+
+def test_with_pings_sends_what_must_precede_a_ping_first():
+    async def slow():
+        await asyncio.sleep(0.2)
+        yield "frame"
+
+    sent = []
+
+    def before_ping():
+        sent.append(1)
+        return ["start;"] if len(sent) == 1 else []
+
+    out = asyncio.run(_drain(anthropic_protocol.with_pings(slow(), 0.02, before_ping=before_ping)))
+    assert out[0] == "start;" + anthropic_protocol.PING
+    assert out[1:-1] == [anthropic_protocol.PING] * (len(out) - 2) and out[-1] == "frame"
 
 
 def test_api_key_headers(fake):

@@ -4,10 +4,16 @@ ResponsesStore's bounds."""
 
 import json
 
+from pathlib import Path
+
 import openai
 import pytest
-from serve_utils import scripted_reply
+from serve_utils import FakeEngine, scripted_reply
 
+from tallow.chat_template import ChatTemplate
+from tallow.config import ServerConfig
+from tallow.serve.plan import Rejection
+from tallow.serve.protocols.responses import OpenAIResponses
 from tallow.serve.responses_store import ResponsesStore
 
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather forecast for a city.",
@@ -125,6 +131,38 @@ def test_function_call_round_trip(replay):
                                                        "arguments": function_call.arguments}, result]
     stateless = replay.responses.create(model="m", input=history, tools=[WEATHER_TOOL], store=False)
     assert stateless.output_text == answer.output_text
+
+
+def planned(protocol, body: dict):
+    engine = FakeEngine()
+    source = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+    engine.chat_template = ChatTemplate(source, bos_token=None, eos_token="<|im_end|>",
+                                        special_tokens=engine.tokenizer.special_tokens)
+    return protocol.plan_request(json.dumps({"model": "m", "tools": [WEATHER_TOOL], **body}).encode(), engine,
+                                 ServerConfig())
+
+
+def test_a_call_output_without_its_call_is_a_400():
+    protocol = OpenAIResponses.with_store(ResponsesStore(60, 1 << 20))
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "22 °C"}
+    question = {"role": "user", "content": "Weather in Paris?"}
+    # No function_call with that call_id: OpenAI's 400, on input.
+    for items, what in (([question, output], "function call output"),
+                        ([question, {**call, "call_id": "call_2"}, output], "function call output"),
+                        ([question, {**output, "type": "custom_tool_call_output"}], "custom tool call output")):
+        rejection = planned(protocol, {"input": items})
+        assert isinstance(rejection, Rejection) and rejection.status == 400 and rejection.param == "input"
+        assert rejection.message == f"No tool call found for {what} with call_id call_1."
+    # With its call in the input, or in the previous response's conversation: accepted.
+    assert not isinstance(planned(protocol, {"input": [question, call, output]}), Rejection)
+    protocol.store.put("resp_1", {"id": "resp_1"}, [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}])
+    assert not isinstance(planned(protocol, {"previous_response_id": "resp_1", "input": [output]}), Rejection)
+    assert isinstance(planned(protocol, {"previous_response_id": "resp_1", "input": [{**output, "call_id": "x"}]}),
+                      Rejection)
 
 
 def test_reasoning_items_and_tokens(replay):

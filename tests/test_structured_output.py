@@ -27,6 +27,8 @@ from typing import Annotated
 
 from serve_utils import LiveServer, replay_engine
 import tallow.testing  # noqa: F401  (registers the replay: model source)
+from tallow.serve import structured
+from tallow.serve.plan import Rejection
 
 pytest.importorskip("llguidance")
 
@@ -454,6 +456,52 @@ def test_forced_tool_choice_becomes_the_call_grammar(planner, protocol, body):
     assert grammar.kind == "lark" and grammar.start_after == after
     assert '"const": "f"' in grammar.text
     assert ('"const": "g"' in grammar.text) == ("name" not in json.dumps(body["tool_choice"]))
+
+
+NOTHING = [False, {"not": {}}, {"enum": []}, {"anyOf": [False, {"not": True}]},
+           {"type": "object", "properties": {"a": False}, "required": ["a"]}]
+
+
+@pytest.mark.parametrize("schema", NOTHING, ids=[json.dumps(s) for s in NOTHING])
+@pytest.mark.parametrize("strict", [None, False, True])
+@pytest.mark.parametrize("protocol,param", [("chat", "response_format.json_schema.schema"),
+                                            ("responses", "text.format.schema"),
+                                            ("anthropic", "output_config.format.schema")])
+def test_a_schema_that_admits_no_value_is_a_400_naming_it(planner, protocol, param, schema, strict):
+    """Not a 200 with any JSON (lenient), nor a 400 about a "not" the client never sent (strict)."""
+    fmt = {"type": "json_schema", "name": "s", "schema": schema, **({} if strict is None else {"strict": strict})}
+    body = {"chat": {"messages": ask("x"), "response_format": {"type": "json_schema", "json_schema": {
+                k: v for k, v in fmt.items() if k != "type"}}},
+            "responses": {"input": "x", "text": {"format": fmt}},
+            "anthropic": {"max_tokens": 9, "messages": ask("x"), "output_config": {"format": {
+                "type": "json_schema", "schema": schema}}}}[protocol]
+    if protocol == "anthropic" and schema is False:
+        pytest.skip("output_config.format.schema is an object on the wire")
+    rejection = plan(planner, protocol, body)
+    assert isinstance(rejection, Rejection) and rejection.status == 400, rejection
+    assert rejection.param == param and "admits no value" in rejection.message and "not" not in rejection.param
+
+
+@pytest.mark.parametrize("protocol,param", [("chat", "tools[0].function.parameters"),
+                                            ("responses", "tools[0].parameters"),
+                                            ("anthropic", "tools[0].input_schema")])
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_tool_schema_that_admits_no_value_is_a_400_naming_it(planner, protocol, param, strict):
+    nothing = {"not": {}}
+    tools = {"chat": [{"type": "function", "function": {"name": "f", "parameters": nothing, "strict": strict}}],
+             "responses": [{"type": "function", "name": "f", "parameters": nothing, "strict": strict}],
+             "anthropic": [{"name": "f", "input_schema": nothing}]}[protocol]
+    choice = {"anthropic": {"type": "any"}}.get(protocol, "required")
+    body = {"input": "x"} if protocol == "responses" else {"max_tokens": 9, "messages": ask("x")}
+    rejection = plan(planner, protocol, {**body, "tools": tools, "tool_choice": choice})
+    assert isinstance(rejection, Rejection) and rejection.param == param and "admits no value" in rejection.message
+
+
+def test_schemas_that_admit_values_are_not_refused():
+    for schema in (True, {}, {"not": {"type": "string"}}, {"anyOf": [False, {"type": "integer"}]},
+                   {"type": "object", "properties": {"a": False}}, {"enum": [1]}):
+        assert not structured.admits_nothing(schema), schema
+        assert isinstance(structured.json_schema_format(schema, "p"), structured.OutputFormat)
 
 
 def test_strict_tools_under_auto_and_a_format_with_tools(client):

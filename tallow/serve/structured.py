@@ -12,6 +12,7 @@ its reason, never a silent fallback to free text.
   json.dumps writes JSON (one line, ", " and ": "), and, unless strict is true, lenient (keywords
   the backend cannot enforce are ignored, as vLLM does); under strict: true they are a 400.
   The schema's text keeps the client's key order: llguidance writes properties in that order.
+  A schema that admits no value (false, {"not": {}}, ...) is a 400 naming its field, strict or not.
 - Tool calls (`tool_call_grammar`): tool_choice "required" (Anthropic "any") and a named function
   (Anthropic "tool") force the model's own tool-call markup (the tool parser's `call_grammar`),
   arguments valid against each tool's parameters; a named function is called once, "required"
@@ -66,8 +67,11 @@ def json_schema_format(schema: Any, param: str, *, strict: bool = False) -> Outp
             schema = json.loads(schema)
         except ValueError as e:
             return Rejection.invalid(f"{param}: the JSON schema is not valid JSON: {e}", param)
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
+    if admits_nothing(schema):
+        # (A grammar of no value: strict would name the "not" it was written as, lenient drop it.)
+        return no_value(param)
+    if schema is True:
+        schema = {}
     if not isinstance(schema, dict):
         return Rejection.invalid(f"{param}: a JSON schema must be an object", param)
     options = {**JSON_STYLE, "lenient": not strict}
@@ -75,6 +79,42 @@ def json_schema_format(schema: Any, param: str, *, strict: bool = False) -> Outp
         options.update(schema["x-guidance"])
     schema = closed_objects(schema)
     return OutputFormat(GrammarSpec("json_schema", canonical_json({**schema, "x-guidance": options})), param, strict)
+
+
+def admits_nothing(schema: Any, depth: int = 0) -> bool:
+    """Whether no JSON value satisfies `schema`, as far as its own words say: false, "not" of a
+    schema every value satisfies, an empty enum, an allOf with such a part, an anyOf / oneOf of
+    only such parts, an object type with a required property of such a schema (looked for down to
+    a bounded depth)."""
+    if schema is False:
+        return True
+    if depth > 32 or not isinstance(schema, dict):
+        return False
+    if schema.get("not") is True or schema.get("not") == {}:
+        return True
+    if schema.get("enum") == []:
+        return True
+    if any(admits_nothing(part, depth + 1) for part in _list(schema.get("allOf"))):
+        return True
+    for key in ("anyOf", "oneOf"):
+        parts = _list(schema.get(key))
+        if parts and all(admits_nothing(part, depth + 1) for part in parts):
+            return True
+    properties = schema.get("properties")
+    if schema.get("type") == "object" and isinstance(properties, dict):
+        return any(admits_nothing(properties.get(name), depth + 1) for name in _list(schema.get("required"))
+                   if isinstance(name, str))
+    return False
+
+
+def no_value(param: str) -> Rejection:
+    """The 400 for a schema that admits no value (admits_nothing), naming its field."""
+    return Rejection.invalid(f"{param}: the schema admits no value (it is false, or no JSON value satisfies it), "
+                             "so no reply could follow it", param)
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def json_object_format(param: str) -> OutputFormat:
@@ -191,6 +231,9 @@ def tool_call_grammar(tokenizer, *, tools: list[dict[str, Any]] | None, tool_par
         name = tool_choice.get("function", tool_choice).get("name")
         indices = [k for k in indices if tools[k].get("function", tools[k]).get("name") == name]
         max_calls = 1
+    for k in indices if forced else ():  # a forced call's arguments follow its tool's schema
+        if admits_nothing(tools[k].get("function", tools[k]).get("parameters")):
+            return no_value(f"tools[{k}].{tool_field}{schema_field}")
     content = None
     if not forced and output is not None:
         if output.spec.kind not in ("json_schema", "json_object"):

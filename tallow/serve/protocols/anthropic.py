@@ -8,8 +8,15 @@ usage); message_stop. Errors come in Anthropic's shape (serve/errors.py; a full 
 
 Usage follows Anthropic's accounting: input_tokens are the prompt tokens computed for this
 request, cache_read_input_tokens those served from the prefix cache; their sum is the prompt.
-message_start goes out with the first output (the prefix cache's share is known then; pings
-keep a long prefill's stream alive), so its usage and the final message_delta's agree.
+message_start goes out with the first output (the prefix cache's share is known then), so its
+usage and the final message_delta's agree; a ping due before it (a queued request, a long
+prefill) goes out after it, and then message_start counts the whole prompt as input
+(cache_read_input_tokens 0): the final message_delta carries every count, as Anthropic's does,
+and clients take them from it.
+
+A thinking block closes with a signature_delta (the non-streamed block has it as `signature`):
+an opaque token of its text under a per-process key. A thinking block sent back is accepted
+with any signature.
 
 Claude Code's requests: system messages inside `messages` are system turns where the template
 renders them there, else joined to the system prompt in order; thinking {"type": "enabled",
@@ -28,8 +35,13 @@ text may not end with whitespace (a 400, as Anthropic's), nor be combined with a
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import json
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import Any
 
@@ -62,18 +74,36 @@ def event(name: str, payload: dict) -> str:
 
 
 PING = event("ping", {"type": "ping"})
+# The AnthropicMessages of the request being answered (set when it is made, in the request's
+# task): with_idle_pings asks it for the frames a ping must follow.
+_PROTOCOL: ContextVar[AnthropicMessages | None] = ContextVar("anthropic_protocol", default=None)
+# The key of thinking blocks' signatures: one per process.
+_SIGNATURE_KEY = secrets.token_bytes(32)
+
+
+def thinking_signature(thinking: str) -> str:
+    """A thinking block's signature: opaque (base64 of an HMAC of its text), stable, never empty."""
+    digest = hmac.new(_SIGNATURE_KEY, thinking.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
+    return base64.b64encode(digest).decode("ascii")
 
 
 def with_idle_pings(response: Response) -> Response:
-    """A response of POST /v1/messages: a stream gets a ping whenever it stays silent."""
+    """A response of POST /v1/messages: a stream gets a ping whenever it stays silent, after its
+    message_start (which a ping due before the first output brings forward)."""
+    protocol = _PROTOCOL.get()
+    _PROTOCOL.set(None)
     if isinstance(response, StreamingResponse):
-        response.body_iterator = with_pings(response.body_iterator)
+        response.body_iterator = with_pings(response.body_iterator,
+                                            before_ping=protocol.before_ping if protocol is not None else None)
     return response
 
 
-async def with_pings(frames: AsyncIterator[str], interval: float | None = None) -> AsyncIterator[str]:
+async def with_pings(frames: AsyncIterator[str], interval: float | None = None,
+                     before_ping: Callable[[], list[str]] | None = None) -> AsyncIterator[str]:
     """`frames`, with a ping whenever none came for a whole `interval` (PING_INTERVAL_S): the
     stream's silence is checked once an interval, so a ping comes one to two intervals into it.
+    A ping goes out after the frames `before_ping` returns then (the stream's message_start, the
+    first time).
 
     One task draws the frames into a one-slot queue for the whole stream, and a timer that re-arms
     itself once an interval puts a ping there: no task or timer per frame. Leaving early cancels
@@ -101,7 +131,8 @@ async def with_pings(frames: AsyncIterator[str], interval: float | None = None) 
     def tick(taken_before: int) -> None:
         nonlocal timer
         if taken == taken_before and queue.empty():
-            queue.put_nowait(PING)
+            # Nothing drawn is waiting (the queue is empty), so what before_ping sends goes first.
+            queue.put_nowait("".join(before_ping()) + PING if before_ping is not None else PING)
         timer = loop.call_later(interval, tick, taken)
 
     drawing = asyncio.create_task(draw())
@@ -213,7 +244,7 @@ def _grammar(req: MessagesRequest, prompt: ChatPrompt, tokenizer):
         tokenizer, tools=prompt.tools, tool_parser=prompt.tool_parser, tool_choice=choice, output=output,
         max_calls=max_calls, chat_template=prompt.template_source, tool_field="", schema_field="input_schema")
     return structured.grammar_for(result, tokenizer, reasoning_parser=prompt.reasoning_parser,
-                                  prompt_text=prompt.text)
+                                  prompt_text=prompt.model_turn)
 
 
 class AnthropicMessages(StreamProtocol):
@@ -227,6 +258,8 @@ class AnthropicMessages(StreamProtocol):
         self._open: str | None = None  # the streaming block: "text", "thinking" or "tool_use:<index>"
         self._stop: tuple[str, str | None] = ("end_turn", None)  # stop_reason, stop_sequence
         self._started = False  # message_start sent
+        self._thinking: list[str] = []  # the open thinking block's text so far
+        _PROTOCOL.set(self)
 
     @classmethod
     def plan_request(cls, raw: bytes, engine, config: ServerConfig) -> RequestPlan | Rejection:
@@ -256,7 +289,7 @@ class AnthropicMessages(StreamProtocol):
         plan = plan_completion(
             sampling, [ids], vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
             config=config, max_tokens=req.max_tokens, logprobs=None, stop_param="stop_sequences",
-            prompt_param="messages", prompt_text=prompt.text,
+            prompt_param="messages", prompt_text=prompt.model_turn,
             # A prefill's continuation is text, whatever tags the prefill holds, unless thinking is on.
             split_reasoning=req.thinking_enabled or req.prefill() is None,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
@@ -273,7 +306,7 @@ class AnthropicMessages(StreamProtocol):
             plan.params = replace(plan.params, reasoning_budget=budget,
                                   reasoning_start_ids=tuple(tok.encode(fmt.open_tag)),
                                   reasoning_end_ids=tuple(tok.encode(fmt.close_tag)),
-                                  reasoning_open=prompt_opens_reasoning(prompt.text, fmt))
+                                  reasoning_open=prompt_opens_reasoning(prompt.model_turn, fmt))
         return plan
 
     @staticmethod
@@ -292,8 +325,12 @@ class AnthropicMessages(StreamProtocol):
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:
-        self._started = False  # message_start waits for the first output: see the module docstring
-        return []
+        return []  # message_start waits for the first output, or a ping: see the module docstring
+
+    def before_ping(self) -> list[str]:
+        """The frames a ping must follow: message_start, when it has not gone out yet, its usage
+        then the prompt's tokens, none of them known to come from the prefix cache."""
+        return self._message_start(Usage(prompt_tokens=len(self.plan.prompts[0])))
 
     def _message_start(self, usage: Usage) -> list[str]:
         if self._started:
@@ -309,6 +346,7 @@ class AnthropicMessages(StreamProtocol):
                 frames += self._delta("text", {"type": "text_delta", "text": ev.text})
             elif isinstance(ev, ReasoningEvent):
                 frames += self._delta("thinking", {"type": "thinking_delta", "thinking": ev.text})
+                self._thinking.append(ev.text)
             elif isinstance(ev, ToolCallDeltaEvent):
                 for d in ev.deltas:
                     block = f"tool_use:{d.index}"
@@ -351,8 +389,15 @@ class AnthropicMessages(StreamProtocol):
     def _close(self) -> list[str]:
         if self._open is None:
             return []
+        frames = []
+        if self._open == "thinking":
+            signature = thinking_signature("".join(self._thinking))
+            self._thinking = []
+            frames.append(event("content_block_delta", {"type": "content_block_delta", "index": self._num_blocks - 1,
+                                                        "delta": {"type": "signature_delta",
+                                                                  "signature": signature}}))
         self._open = None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": self._num_blocks - 1})]
+        return frames + [event("content_block_stop", {"type": "content_block_stop", "index": self._num_blocks - 1})]
 
     # ---- one body ---------------------------------------------------------------------
     def response(self, summary: CompletionSummary) -> dict:
@@ -361,7 +406,8 @@ class AnthropicMessages(StreamProtocol):
             raise TallowError(ABORTED_MESSAGE, status=503, type="service_unavailable")
         content: list[dict[str, Any]] = []
         if choice.reasoning:
-            content.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
+            content.append({"type": "thinking", "thinking": choice.reasoning,
+                            "signature": thinking_signature(choice.reasoning)})
         if choice.content:
             content.append({"type": "text", "text": choice.content})
         for call in choice.tool_calls:

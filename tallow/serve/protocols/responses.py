@@ -35,8 +35,8 @@ from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_comple
 from tallow.serve import structured
 from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.serve.protocols.openai_schemas import SamplingFields
-from tallow.serve.protocols.responses_schemas import (INCLUDE_HONOURED, INCLUDE_HOSTED, ReasoningItem,
-                                                      ReasoningText, ResponsesRequest)
+from tallow.serve.protocols.responses_schemas import (INCLUDE_HONOURED, INCLUDE_HOSTED, FunctionCallOutputItem,
+                                                      ReasoningItem, ReasoningText, ResponsesRequest)
 from tallow.serve.protocols.responses_tools import DROPPED_TOOLS_HEADER, ToolError, ToolRef, ToolSet, \
     build_tool_set, custom_input
 from tallow.serve.reasoning_blob import ReasoningSealer
@@ -135,6 +135,19 @@ def _unsupported_fields(req: ResponsesRequest) -> Rejection | None:
     return None
 
 
+def _orphan_output(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> Rejection | None:
+    """A 400 for a function_call_output (custom_tool_call_output) whose call_id no call of the
+    conversation (this input's items, previous_response_id's turns) has, as OpenAI's."""
+    if isinstance(req.input, str):
+        return None
+    call_ids = {call["id"] for turn in conversation for call in turn.get("tool_calls") or ()}
+    for item in req.input:
+        if isinstance(item, FunctionCallOutputItem) and item.call_id not in call_ids:
+            what = "function call output" if item.type == "function_call_output" else "custom tool call output"
+            return Rejection.invalid(f"No tool call found for {what} with call_id {item.call_id}.", "input")
+    return None
+
+
 class OpenAIResponses(StreamProtocol):
     id_prefix = "resp_"
     store: ResponsesStore
@@ -193,6 +206,9 @@ class OpenAIResponses(StreamProtocol):
                                          "previous_response_id", code="previous_response_not_found")
             conversation = list(previous.conversation)
         conversation += req.input_messages(tool_set.flat_name)
+        orphan = _orphan_output(req, conversation)
+        if orphan is not None:
+            return orphan
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
         if not conversation:
             return Rejection.invalid("input must not be empty", "input")
@@ -217,7 +233,7 @@ class OpenAIResponses(StreamProtocol):
             sampling, [tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans)],
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
             config=config, max_tokens=req.max_output_tokens, logprobs=None,
-            prompt_param="input", prompt_text=prompt.text, split_reasoning=True,
+            prompt_param="input", prompt_text=prompt.model_turn, split_reasoning=True,
             reasoning_parser=prompt.reasoning_parser, tool_parser=prompt.tool_parser, tools=prompt.tools,
             max_tool_calls=min((k for k in (1 if req.parallel_tool_calls is False else None, req.max_tool_calls)
                                 if k is not None), default=None), grammar=grammar)
@@ -444,7 +460,7 @@ def responses_grammar(req: ResponsesRequest, prompt, tokenizer, tool_set: ToolSe
         max_calls=1 if req.parallel_tool_calls is False else None, chat_template=prompt.template_source,
         tool_field="", input_grammars=tool_set.input_grammars if tool_set is not None else None)
     return structured.grammar_for(result, tokenizer, reasoning_parser=prompt.reasoning_parser,
-                                  prompt_text=prompt.text)
+                                  prompt_text=prompt.model_turn)
 
 
 def _default_strict(tool: dict[str, Any], k: int, prompt, tokenizer, tool_set: ToolSet) -> dict[str, Any]:
