@@ -120,6 +120,9 @@ def check_anthropic_stream(events: list[tuple[str, dict]]) -> dict:
                 block["text"] += delta["text"]
             elif delta["type"] == "thinking_delta":
                 block["thinking"] += delta["thinking"]
+            elif delta["type"] == "signature_delta":  # a thinking block's, before its stop
+                assert block["type"] == "thinking" and not block["signature"] and delta["signature"]
+                block["signature"] = delta["signature"]
             else:
                 assert delta["type"] == "input_json_delta"
                 block["_json"] += delta["partial_json"]

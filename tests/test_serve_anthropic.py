@@ -558,3 +558,21 @@ def test_refusals_name_the_anthropic_field():
     refused = rejection(engine, messages=user, tools=[WEATHER_TOOL], tool_choice={"type": "tool", "name": "nope"})
     assert (refused.status, refused.param) == (400, "tool_choice.name") and "'nope'" in refused.message
     assert rejection(engine, messages=user, tool_choice={"type": "tool", "name": "nope"}).param == "tool_choice.name"
+
+
+def test_blocks_come_in_the_order_generated_streamed_or_not():
+    # text after a call: the stream shows tool_use then text; the whole reply must say the same
+    engine = fake_engine(reply='<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                               '</tool_call>\nChecking Paris.')
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with LiveServer(engine) as live:
+        client = client_for(live)
+        whole = client.messages.create(model="m", max_tokens=100, tools=[WEATHER_TOOL], messages=messages)
+        with client.messages.stream(model="m", max_tokens=100, tools=[WEATHER_TOOL], messages=messages) as s:
+            streamed = s.get_final_message()
+    asyncio.run(engine.shutdown())
+
+    def blocks(reply):
+        return [(b.type, b.input if b.type == "tool_use" else b.text) for b in reply.content]
+
+    assert blocks(whole) == [("tool_use", {"city": "Paris"}), ("text", "Checking Paris.")] == blocks(streamed)

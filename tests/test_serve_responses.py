@@ -2,13 +2,14 @@
 over the default model (greedy, dense weights) and the replay model (function calls); and the
 ResponsesStore's bounds."""
 
+import asyncio
 import json
 
 from pathlib import Path
 
 import openai
 import pytest
-from serve_utils import FakeEngine, scripted_reply
+from serve_utils import FakeEngine, LiveServer, scripted_reply
 
 from tallow.chat_template import ChatTemplate
 from tallow.config import ServerConfig
@@ -208,3 +209,25 @@ def test_store_drops_the_oldest_past_the_byte_cap():
     assert store.num_bytes == 3 * size
     assert not store.put("big", {"text": "x" * 4 * size}, [])
     assert store.delete("3") and not store.delete("3") and store.num_bytes == 2 * size
+
+
+def test_items_come_in_the_order_generated_streamed_or_not():
+    # text after a call: the stream shows the function_call item, then a message; so must the whole
+    engine = FakeEngine(reply='<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                              '</tool_call>\nChecking Paris.')
+    source = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+    engine.chat_template = ChatTemplate(source, bos_token=None, eos_token="<|im_end|>",
+                                        special_tokens=engine.tokenizer.special_tokens)
+    with LiveServer(engine) as live:
+        client = client_for(live)
+        whole = client.responses.create(model="m", input="Weather in Paris?", tools=[WEATHER_TOOL])
+        events = list(client.responses.create(model="m", input="Weather in Paris?", tools=[WEATHER_TOOL],
+                                              stream=True))
+    asyncio.run(engine.shutdown())
+    streamed = [e for e in events if e.type == "response.completed"][0].response
+
+    def items(reply):
+        return [(i.type, json.loads(i.arguments) if i.type == "function_call" else i.content[0].text)
+                for i in reply.output]
+
+    assert items(whole) == [("function_call", {"city": "Paris"}), ("message", "Checking Paris.")] == items(streamed)

@@ -15,9 +15,10 @@ import inspect
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from tallow.errors import TallowError
-from tallow.output.events import Event, ToolCall
+from tallow.output.events import ContentEvent, Event, ReasoningEvent, ToolCall, ToolCallDeltaEvent
 from tallow.output.pipeline import OutputPipeline, make_sink
 from tallow.serve.instrument import RequestStats, SequenceStats
 from tallow.serve.plan import RequestPlan
@@ -91,6 +92,30 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None
     stop_string: str | None = None  # the stop string that ended it, if one did
     prompt_logprobs: list | None = None  # PromptLogprobs of prompt tokens 1.., when asked
+    # The reply in the order it was generated, as a stream shows it: ("text", str),
+    # ("reasoning", str) and ("call", index into tool_calls), consecutive pieces of a kind joined.
+    segments: list[tuple[str, Any]] = field(default_factory=list)
+
+
+def ordered_segments(choice: ChoiceResult) -> list[tuple[str, Any]]:
+    """The choice's segments; for a result made without them, reasoning, text, then the calls."""
+    if choice.segments:
+        return choice.segments
+    return ([("reasoning", choice.reasoning)] if choice.reasoning else []) + \
+        ([("text", choice.content)] if choice.content else []) + [("call", k) for k in range(len(choice.tool_calls))]
+
+
+def add_segments(segments: list[tuple[str, Any]], events) -> None:
+    """Extend a ChoiceResult's segments by a pipeline's events."""
+    for ev in events:
+        if isinstance(ev, (ContentEvent, ReasoningEvent)):
+            kind = "text" if isinstance(ev, ContentEvent) else "reasoning"
+            if segments and segments[-1][0] == kind:
+                segments[-1] = (kind, segments[-1][1] + ev.text)
+            else:
+                segments.append((kind, ev.text))
+        elif isinstance(ev, ToolCallDeltaEvent):
+            segments += [("call", d.index) for d in ev.deltas if d.id is not None]
 
 
 @dataclass
@@ -218,6 +243,7 @@ class CompletionRun:
         filled = 0  # the sequence's jump-forward tokens counted so far (TokenOutput.fill is a running total)
         prompt_logprobs = unsent_prompt_logprobs = None
         engine_finish = None
+        segments: list[tuple[str, Any]] = []
         async for out in stream:
             if stats is not None:
                 stats.output(out)
@@ -242,6 +268,7 @@ class CompletionRun:
                     top = out.top_logprobs[k] if out.top_logprobs else []
                     pending.append(TokenLogprob(out.token_ids[k], out.logprobs[k], top))
             if events:
+                add_segments(segments, events)
                 update = ChoiceUpdate(index, events, pending, prompt_logprobs=unsent_prompt_logprobs)
                 unsent_prompt_logprobs = None
                 all_logprobs += pending
@@ -262,9 +289,10 @@ class CompletionRun:
             return
         result, reason = pipeline.finish()
         all_logprobs += pending
+        add_segments(segments, result.events)
         self.results[index] = ChoiceResult(index, result.content, result.reasoning, result.tool_calls, reason,
                                            all_logprobs if want_logprobs else None, result.stop_string,
-                                           prompt_logprobs)
+                                           prompt_logprobs, segments)
         yield ChoiceUpdate(index, result.events, pending, reason, result.stop_string, unsent_prompt_logprobs)
 
 

@@ -51,7 +51,7 @@ from tallow.config import ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.chat_prompt import ChatPrompt, render_chat
 from tallow.serve.errors import ANTHROPIC, ANTHROPIC_OVERLOADED, error_body
-from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
+from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage, ordered_segments
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
 from tallow.serve import structured
 from tallow.serve.protocols.anthropic_schemas import MessagesInput, MessagesRequest
@@ -405,14 +405,15 @@ class AnthropicMessages(StreamProtocol):
         if choice.finish_reason == "abort":
             raise TallowError(ABORTED_MESSAGE, status=503, type="service_unavailable")
         content: list[dict[str, Any]] = []
-        if choice.reasoning:
-            content.append({"type": "thinking", "thinking": choice.reasoning,
-                            "signature": thinking_signature(choice.reasoning)})
-        if choice.content:
-            content.append({"type": "text", "text": choice.content})
-        for call in choice.tool_calls:
-            content.append({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
-                            "input": json.loads(call.arguments)})
+        for kind, value in ordered_segments(choice):  # in the order generated, as the stream's blocks
+            if kind == "reasoning":
+                content.append({"type": "thinking", "thinking": value, "signature": thinking_signature(value)})
+            elif kind == "text":
+                content.append({"type": "text", "text": value})
+            else:
+                call = choice.tool_calls[value]
+                content.append({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
+                                "input": json.loads(call.arguments)})
         return self._message(content, *self._stop_reason(choice.finish_reason, choice.stop_string),
                              _usage(summary.usage))
 

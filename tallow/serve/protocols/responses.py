@@ -30,7 +30,7 @@ from tallow.config import ServerConfig
 from tallow.errors import TallowError
 from tallow.serve.chat_prompt import render_chat
 from tallow.serve.errors import OPENAI, error_body
-from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage
+from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage, ordered_segments
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
 from tallow.serve import structured
 from tallow.serve.protocols.base import StreamProtocol, to_json
@@ -360,13 +360,16 @@ class OpenAIResponses(StreamProtocol):
     def response(self, summary: CompletionSummary) -> dict:
         choice = summary.choices[0]
         output = []
-        if choice.reasoning:
-            item = _reasoning_item(choice.reasoning)
-            self._finish_reasoning(item, {})
-            output.append(item)
-        if choice.content:
-            output.append(_message_item(choice.content))
-        output += [_function_call_item(self._tools, call.id, call.name, call.arguments) for call in choice.tool_calls]
+        for kind, value in ordered_segments(choice):  # in the order generated, as the stream's items
+            if kind == "reasoning":
+                item = _reasoning_item(value)
+                self._finish_reasoning(item, {})
+                output.append(item)
+            elif kind == "text":
+                output.append(_message_item(value))
+            else:
+                call = choice.tool_calls[value]
+                output.append(_function_call_item(self._tools, call.id, call.name, call.arguments))
         for item in output:
             if item["type"] != "custom_tool_call":
                 item["status"] = "completed"
