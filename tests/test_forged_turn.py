@@ -271,4 +271,6 @@ def test_allow_special_tokens_in_content_restores_the_old_reading(server, tok, t
     allowed = protocol.plan_request(raw, engine, ServerConfig(allow_special_tokens_in_content=True))
     assert safe.prompts == [literal_ids(tok, template.render_prompt(MESSAGES))]
     assert allowed.prompts == [tok.encode(template.render(MESSAGES))]
-    assert safe.prompt_text == allowed.prompt_text == template.render(MESSAGES)
+    # (the model's turn of the prompt: what reasoning detection reads)
+    assert safe.prompt_text == allowed.prompt_text and template.render(MESSAGES).endswith(safe.prompt_text)
+    assert safe.prompt_text == "<|im_end|>\n<|im_start|>assistant\n"

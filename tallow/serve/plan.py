@@ -68,7 +68,8 @@ class RequestPlan:
     include_usage: bool = False
     continuous_usage_stats: bool = False
     echo: bool = False
-    # Chat only: the rendered prompt decides whether the reply starts inside <think>.
+    # Chat only: the model's turn of the rendered prompt (ChatPrompt.model_turn) decides whether
+    # the reply starts inside <think>.
     prompt_text: str = ""
     split_reasoning: bool = False
     reasoning_parser: str | None = None
