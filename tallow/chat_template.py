@@ -392,7 +392,7 @@ def _with_parsed_arguments(call: Any) -> Any:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # (too deep to parse: left as the text sent)
         return call
     if not isinstance(arguments, dict):
         return call

@@ -517,6 +517,8 @@ def test_a_grammar_past_the_compile_time_limit_fails_its_sequence(core):
             assert steps < 500
         assert seq.finish_reason == "error" and seq.num_output_tokens == 0
         assert outputs[-1][1].finish_reason == "error"
+        # the request's own doing: the output says why (the server's 400, not a 500)
+        assert outputs[-1][1].error == "its grammar cannot be used: the grammar did not compile within 0.2 s"
     finally:
         gate.set()
         backend.limits = limits

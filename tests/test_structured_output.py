@@ -203,6 +203,33 @@ def test_a_grammar_the_backend_rejects_is_a_400_naming_the_field(real_server, ex
         assert error["message"]
 
 
+@pytest.mark.parametrize("extra", [
+    {"structured_outputs": {"grammar": 'start: "a" start'}},  # no way to finish: llguidance's item limit
+    {"guided_choice": [f"c{i}" for i in range(2001)]},  # past llguidance's row limit at the first token
+])
+def test_a_grammar_that_fails_while_generating_is_a_400_and_hurts_nothing(real_server, client, extra):
+    # it was a 500 "the engine failed" (and 200 + an error frame streamed); the request's own
+    # grammar is the cause, so a 400 that says why, and the next request is served as usual
+    r = httpx.post(real_server.base_url + "/v1/chat/completions", timeout=120,
+                   json={"messages": ask("Hi"), "max_tokens": 8, **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "grammar" in error["message"], error
+    with httpx.stream("POST", real_server.base_url + "/v1/chat/completions", timeout=120,
+                      json={"messages": ask("Hi"), "max_tokens": 8, "stream": True, **extra}) as s:
+        frames = [line for line in s.iter_lines() if line.startswith("data: {")]
+    assert '"error"' in frames[-1] and "its grammar" in frames[-1]  # (streamed: after the 200)
+    ok = client.chat.completions.create(model="m", messages=ask("Hi"), max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_json_schema_nested_too_deeply_is_a_400_naming_the_field(real_server):
+    deep = "[" * 5000 + "]" * 5000  # json.loads raised RecursionError: a 500
+    r = httpx.post(real_server.base_url + "/v1/chat/completions", timeout=60,
+                   json={"messages": ask("Hi"), "max_tokens": 4, "guided_json": deep})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
+
+
 # ---- the official clients --------------------------------------------------------------------------
 
 

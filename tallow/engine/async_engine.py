@@ -39,7 +39,8 @@ def merge_outputs(first: TokenOutput, then: TokenOutput) -> TokenOutput:
     return TokenOutput(first.token_ids + then.token_ids, joined(first.logprobs, then.logprobs),
                        joined(first.top_logprobs, then.top_logprobs), then.finish_reason, then.num_prompt_tokens,
                        first.num_cached_tokens, then.stop_token_id, then.fill,
-                       first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs, spec)
+                       first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs, spec,
+                       then.error)
 
 
 class RequestStream:

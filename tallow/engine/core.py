@@ -49,12 +49,14 @@ class TokenOutput:
     # A speculating sequence's (draft tokens proposed, accepted) over the steps of this output;
     # None for a sequence that does not speculate.
     speculation: tuple[int, int] | None = None
+    # With finish_reason "error" that the request caused (Sequence.error): why.
+    error: str | None = None
 
 
 def final_output(seq: Sequence) -> TokenOutput:
     """The last output of a sequence that ended without a new token (abort, error)."""
     return TokenOutput([], None, None, seq.finish_reason or "abort", seq.num_prompt_tokens, seq.num_cached_tokens,
-                       fill=_fill(seq))
+                       fill=_fill(seq), error=seq.error)
 
 
 def _fill(seq: Sequence) -> int:
@@ -310,6 +312,7 @@ class EngineCore:
                 continue
             if error is not None:
                 log.error("request %s: its grammar cannot be used: %s", seq.request_id, error)
+                seq.error = f"its grammar cannot be used: {error}"
                 failed.append(seq)
         self.scheduler.fail_sequences(failed)
         return [(seq, final_output(seq)) for seq in failed]
@@ -538,7 +541,8 @@ class EngineCore:
                 if len(take) < len(tokens) or (reason is None and seq.num_output_tokens >= seq.max_output_tokens):
                     reason = "length"
             if reason == "error":
-                log.error("request %s: token %d is not one its grammar allows", seq.request_id, seq.token_ids[-1])
+                seq.error = f"its grammar left no way to go on: {g.error}"
+                log.error("request %s: %s", seq.request_id, seq.error)
             if reason is not None:
                 ended.setdefault(reason, []).append(seq)
         for reason, seqs in ended.items():
@@ -627,7 +631,8 @@ class EngineCore:
                     self.num_generated_tokens += len(head) + len(tail)
             if seq.status is finished:
                 output = TokenOutput(ids, lp, tp, seq.finish_reason, seq.num_prompt_tokens,
-                                     seq.num_cached_tokens, seq.stop_token_id, _fill(seq), speculation=spec)
+                                     seq.num_cached_tokens, seq.stop_token_id, _fill(seq), speculation=spec,
+                                     error=seq.error)
             else:
                 output = TokenOutput(ids, lp, tp, None, seq.num_prompt_tokens, seq.num_cached_tokens, fill=_fill(seq),
                                      speculation=spec)

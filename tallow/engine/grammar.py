@@ -372,7 +372,7 @@ class GrammarBackend:
 
 
 def _clean(message: str) -> str:
-    return message.strip().removeprefix("WARNING: ")
+    return message.replace("<non-verbose/>", "").strip().removeprefix("WARNING: ")
 
 
 # One backend per tokenizer object (the engine's, which the planning threads also hold).
@@ -419,7 +419,7 @@ class GrammarState:
     of them, or those after the start_after marker), forced ones included; a recompute preemption
     keeps the output, so it keeps the matcher too. release() drops it (the sequence ended)."""
 
-    __slots__ = ("spec", "backend", "future", "matcher", "active", "fill", "submitted", "unsent")
+    __slots__ = ("spec", "backend", "future", "matcher", "active", "fill", "submitted", "unsent", "error")
 
     def __init__(self, spec: GrammarSpec, backend: GrammarBackend):
         self.spec = spec
@@ -429,6 +429,7 @@ class GrammarState:
         self.matcher = None
         self.active = spec.start_after is None  # whether the grammar applies yet
         self.fill = 0  # tokens appended by jump-forward
+        self.error: str | None = None  # why advance() returned "error"
         self.unsent: list[int] = []  # forced before the first sampled token, not in an output yet
 
     @property
@@ -484,7 +485,8 @@ class GrammarState:
         last `new` of them new: one sampled token, or a verified speculative run): consume them.
         Returns (finish reason or None, tokens forced next: append them without sampling;
         the matcher has consumed them). "stop": the grammar is complete (nothing but the end
-        can follow); "error": a token was not one the grammar allows."""
+        can follow); "error": a token was not one the grammar allows (self.error says why: the
+        matcher's error, such as a limit it ran into)."""
         m = self.matcher
         if m is None:
             return None, []
@@ -494,6 +496,8 @@ class GrammarState:
                     self.active = True  # the grammar applies from the next token on
                 continue
             if not m.consume_token(token_ids[end - 1]):
+                self.error = (_clean(m.get_error()) if m.is_error()
+                              else f"token {token_ids[end - 1]} is not one it allows")
                 return "error", []
             if m.is_stopped():
                 return "stop", []
@@ -505,6 +509,7 @@ class GrammarState:
             return None, []
         forced = m.compute_ff_tokens()
         if forced and not m.consume_tokens(forced):
+            self.error = _clean(m.get_error()) if m.is_error() else "its forced tokens were refused"
             return "error", []
         return ("stop" if forced and m.is_stopped() else None), forced
 

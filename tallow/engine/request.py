@@ -50,6 +50,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self._cached_reported = False
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+        # With "error" caused by the request itself (its grammar failed to compile in time or
+        # left no token to take): why, for the client's 400.
+        self.error: str | None = None
         self.stop_token_id: int | None = None  # the stop token id that finished it, if any
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None

@@ -201,7 +201,7 @@ def _tool_call_markup(call: dict[str, Any]) -> str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass  # written as given: the model sees what it was sent
     body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
     return f"<tool_call>\n{body}\n</tool_call>"

@@ -243,8 +243,10 @@ class CompletionRun:
         filled = 0  # the sequence's jump-forward tokens counted so far (TokenOutput.fill is a running total)
         prompt_logprobs = unsent_prompt_logprobs = None
         engine_finish = None
+        failure = None  # why the request's own input failed it (TokenOutput.error)
         segments: list[tuple[str, Any]] = []
         async for out in stream:
+            failure = out.error or failure
             if stats is not None:
                 stats.output(out)
             if first and counts_cached:
@@ -279,6 +281,9 @@ class CompletionRun:
                     stats.end("abort")
                 break
         if (engine_finish if plan.score_only else pipeline.engine_finish) == "error":
+            if failure is not None:  # the request's grammar (structured output, forced tool calls)
+                raise TallowError(f"the request cannot be served: {failure}; simplify the schema, "
+                                  "grammar or choices", status=400)
             raise TallowError(f"the engine failed while generating request {self.request_id}", status=500,
                               type="server_error")
         if plan.score_only:

@@ -67,6 +67,8 @@ def json_schema_format(schema: Any, param: str, *, strict: bool = False) -> Outp
             schema = json.loads(schema)
         except ValueError as e:
             return Rejection.invalid(f"{param}: the JSON schema is not valid JSON: {e}", param)
+        except RecursionError:
+            return Rejection.invalid(f"{param}: the JSON schema is nested too deeply", param)
     if admits_nothing(schema):
         # (A grammar of no value: strict would name the "not" it was written as, lenient drop it.)
         return no_value(param)

@@ -192,7 +192,7 @@ def custom_input(arguments: str) -> str:
     arguments themselves when they are not that shape."""
     try:
         value = json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return arguments
     if isinstance(value, dict) and isinstance(value.get("input"), str):
         return value["input"]
