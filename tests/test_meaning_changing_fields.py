@@ -96,7 +96,8 @@ ACCEPTED = [
     (TEXT, {"prompt": "Once", "use_beam_search": False, "bad_words": None, "truncate_prompt_tokens": None}),
     # null where OpenAI's and vLLM's APIs take it (clients that write every field send it): the default
     (CHAT, {"messages": USER, "n": None, "stream": None, "logprobs": None, "presence_penalty": None,
-            "frequency_penalty": None, "stream_options": {"include_usage": None}, "echo": None}),
+            "frequency_penalty": None, "stream_options": None, "echo": None}),
+    (CHAT, {"messages": USER, "stream": True, "stream_options": {"include_usage": None}}),
     (TEXT, {"prompt": "Once", "n": None, "echo": None, "stream": None, "presence_penalty": None}),
     (RESPONSES, {"input": "hi", "stream": None, "store": None}),
 ]

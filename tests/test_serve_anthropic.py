@@ -576,3 +576,43 @@ def test_blocks_come_in_the_order_generated_streamed_or_not():
         return [(b.type, b.input if b.type == "tool_use" else b.text) for b in reply.content]
 
     assert blocks(whole) == [("tool_use", {"city": "Paris"}), ("text", "Checking Paris.")] == blocks(streamed)
+
+
+def test_content_in_the_wrong_turn_or_empty_is_a_400():
+    """As Anthropic's API: every message has content but an optional final assistant one; tool_use
+    blocks only in assistant turns, tool_result blocks only in user turns; the 400 names where."""
+    engine = fake_engine()
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "22 °C"}
+    ask_ = {"role": "user", "content": "Weather in Paris?"}
+    for messages, field in (
+            ([{"role": "user", "content": [{"type": "text", "text": "Weather?"}, call]}], "messages.0.content.1"),
+            ([ask_, {"role": "assistant", "content": [result]}], "messages.1.content.0"),
+            ([ask_, {"role": "assistant", "content": [call]}, {"role": "assistant", "content": [result]}],
+             "messages.2.content.0"),
+            ([{"role": "user", "content": []}], "messages.0"),
+            ([ask_, {"role": "assistant", "content": []}, ask_], "messages.1"),
+            ([ask_, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": ""}], "messages.2")):
+        refused = rejection(engine, messages=messages, tools=[WEATHER_TOOL])
+        assert (refused.status, refused.type) == (400, "invalid_request_error"), refused
+        assert refused.message.startswith(field + ":"), refused.message
+        if "content." not in field:
+            assert refused.message == (f"{field}: all messages must have non-empty content except for the "
+                                       "optional final assistant message")
+        counted = AnthropicMessages.count_tokens(json.dumps({"messages": messages, "tools": [WEATHER_TOOL]}).encode(),
+                                                 engine, ServerConfig())
+        assert isinstance(counted, Rejection) and counted.message == refused.message
+    # The right turns, and an empty final assistant turn: accepted.
+    planned_prompt(engine, tools=[WEATHER_TOOL], messages=[
+        ask_, {"role": "assistant", "content": [call]}, {"role": "user", "content": [result]},
+        {"role": "assistant", "content": []}])
+
+
+def test_content_in_the_wrong_turn_is_an_anthropic_400_over_http(fake):
+    client = anthropic.Anthropic(base_url=fake.base_url, api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="m", max_tokens=5, messages=[
+            {"role": "user", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["message"].startswith("messages.0.content.0: `tool_use` blocks")
+    assert fake.engine.submitted == []

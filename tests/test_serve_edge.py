@@ -184,3 +184,71 @@ def test_leaving_early_closes_the_frames_and_errors_pass_through():
 
     got, seen = run(go())
     assert got == ["0", "1", "2"] and seen == ["a"]
+
+
+def test_an_unhandled_error_is_a_500_and_the_connection_stays_open(monkeypatch, caplog):
+    """An exception no handler takes is answered with the protocol's 500 and not raised on to the
+    server: uvicorn neither logs "Exception in ASGI application" nor closes the keep-alive
+    connection, so a pooled client's next request goes over the same connection."""
+    from serve_utils import LiveServer
+
+    engine = FakeEngine()
+    with LiveServer(engine) as live:
+        def broken(*args, **kwargs):
+            raise RuntimeError("tokenizer exploded")
+
+        opened = []
+        with httpx.Client(base_url=live.base_url, timeout=10, limits=httpx.Limits(max_connections=1)) as client:
+            monkeypatch.setattr(engine.tokenizer, "encode", broken)
+            with caplog.at_level("INFO"):
+                r = client.post("/v1/chat/completions", json={"messages": USER})
+                opened.append(r.extensions["network_stream"])
+                assert r.status_code == 500 and r.json() == {"error": {
+                    "message": "internal server error: RuntimeError", "type": "server_error", "param": None,
+                    "code": None}}
+                anthropic = client.post("/v1/messages", json={"max_tokens": 1, "messages": USER})
+                opened.append(anthropic.extensions["network_stream"])
+                assert anthropic.status_code == 500 and anthropic.json() == {"type": "error", "error": {
+                    "type": "api_error", "message": "internal server error: RuntimeError"}}
+                monkeypatch.undo()
+                ok = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
+                opened.append(ok.extensions["network_stream"])
+        assert ok.status_code == 200, ok.text
+        assert opened[0] is opened[1] is opened[2]  # one connection: never closed by the server
+        assert not [rec for rec in caplog.records if "Exception in ASGI application" in rec.getMessage()]
+        # logged once, with its traceback
+        logged = [rec for rec in caplog.records if rec.getMessage().startswith("unhandled error on")]
+        assert len(logged) == 2 and all(rec.exc_info for rec in logged)
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("POST", "/v1/nothing", 404), ("GET", "/nothing", 404), ("GET", "/v1/chat/completions", 405),
+    ("DELETE", "/v1/completions", 405), ("POST", "/v1/models", 405), ("GET", "/v1/responses", 405)])
+def test_unknown_routes_and_methods_answer_in_openais_shape(method, path, status):
+    """OpenAI's answer to a URL it does not serve: {"error": {"message": "Invalid URL (POST
+    /v1/nothing)", "type": "invalid_request_error", "param": null, "code": null}}."""
+    app = build_app(FakeEngine(), ServerConfig())
+    r = request(app, method, path)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, None)
+    assert f"({method} {path})" in error["message"]
+    if status == 404:
+        assert error["message"] == f"Invalid URL ({method} {path})"
+    else:
+        assert r.headers["allow"] and method not in r.headers["allow"]
+
+
+def test_unknown_routes_and_methods_under_messages_answer_in_anthropics_shape():
+    app = build_app(FakeEngine(), ServerConfig())
+    for method, path, status, kind in [("POST", "/v1/messages/batches", 404, "not_found_error"),
+                                       ("GET", "/v1/messages", 405, "invalid_request_error"),
+                                       ("GET", "/v1/messages/count_tokens", 405, "invalid_request_error")]:
+        r = request(app, method, path)
+        assert r.status_code == status
+        body = r.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        assert body["error"]["type"] == kind and path in body["error"]["message"]
+        if status == 405:
+            assert r.headers["allow"] == "POST"

@@ -61,6 +61,10 @@ REJECTIONS = [
     (CHAT, {"messages": USER, "min_p": 1.5}, "min_p"),
     (CHAT, {"messages": USER, "stop_token_ids": [1000]}, "stop_token_ids"),
     (CHAT, {"messages": USER, "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    # more than the context leaves after the prompt: would run to the end of the context ignoring eos
+    (CHAT, {"messages": USER, "min_tokens": 200}, "min_tokens"),
+    (CHAT, {"messages": USER, "min_tokens": 200, "max_tokens": 500}, "min_tokens"),
+    (TEXT, {"prompt": "hi", "min_tokens": 127, "max_tokens": 1000}, "min_tokens"),
     (TEXT, {"prompt": "hi", "suffix": "bye"}, "suffix"),
     (TEXT, {}, "prompt"),
     (TEXT, {"prompt": ""}, "prompt"),
@@ -148,6 +152,30 @@ def test_prompt_beyond_the_context_is_rejected_with_its_length(app, engine):
     error = r.json()["error"]
     assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
     assert str(prompt_len) in error["message"] and "128" in error["message"]
+
+
+def test_min_tokens_up_to_the_room_left_is_accepted(app, engine):
+    room = 128 - len(ByteTokenizer().encode(ChatMLTemplate().render(USER)))
+    refused = post(app, CHAT, {"messages": USER, "min_tokens": room + 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
+    assert f"min_tokens ({room + 1}) must not exceed" in refused.json()["error"]["message"]
+    assert post(app, CHAT, {"messages": USER, "min_tokens": room, "max_tokens": 2 * room}).status_code == 200
+    assert engine.submitted[-1][1].min_tokens == room
+
+
+@pytest.mark.parametrize("path,base", [(CHAT, {"messages": USER}), (TEXT, {"prompt": "hi"})])
+def test_stream_options_need_stream(app, engine, path, base):
+    """OpenAI's and vLLM's 400: stream_options only with stream true (null is no stream_options)."""
+    for extra in ({"stream_options": {"include_usage": True}}, {"stream": False, "stream_options": {}},
+                  {"stream": None, "stream_options": {"include_usage": False}}):
+        r = post(app, path, {**base, "max_tokens": 2, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"] == {"message": "Stream options can only be defined when `stream=True`.",
+                                     "type": "invalid_request_error", "param": "stream_options", "code": None}
+    assert engine.submitted == []
+    for extra in ({"stream_options": None}, {"stream": False, "stream_options": None},
+                  {"stream": True, "stream_options": {"include_usage": True}}):
+        assert post(app, path, {**base, "max_tokens": 2, **extra}).status_code == 200, extra
 
 
 @pytest.mark.parametrize("max_tokens", [None, 5, 1000])

@@ -231,3 +231,16 @@ def test_items_come_in_the_order_generated_streamed_or_not():
                 for i in reply.output]
 
     assert items(whole) == [("function_call", {"city": "Paris"}), ("message", "Checking Paris.")] == items(streamed)
+
+
+def test_reasoning_summary_takes_openais_values():
+    """reasoning.summary is one of auto, concise, detailed (or null), as OpenAI's API has it;
+    reasoning.effort is one of OpenAI's efforts."""
+    protocol = OpenAIResponses.with_store(ResponsesStore(60, 1 << 20))
+    for summary in ("auto", "concise", "detailed", None):
+        assert not isinstance(planned(protocol, {"input": "Hi", "reasoning": {"summary": summary}}), Rejection)
+    for reasoning, param in (({"summary": "wizard"}, "reasoning.summary"), ({"summary": ""}, "reasoning.summary"),
+                             ({"summary": 1}, "reasoning.summary"), ({"effort": "extreme"}, "reasoning.effort")):
+        rejection = planned(protocol, {"input": "Hi", "reasoning": reasoning})
+        assert isinstance(rejection, Rejection) and (rejection.status, rejection.param) == (400, param), rejection
+        assert rejection.type == "invalid_request_error" and rejection.message.startswith(param)

@@ -14,6 +14,7 @@ from contextlib import aclosing, asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tallow.config import EngineConfig, ServerConfig
 from tallow.errors import TallowError
@@ -72,6 +73,60 @@ class ReleasingStream(StreamingResponse):
             self.release()
 
 
+def internal_error_response(path: str, error: Exception) -> JSONResponse:
+    """The 500 of an unexpected exception, in the protocol's shape of `path`."""
+    return error_response(protocol_for_path(path), 500, f"internal server error: {type(error).__name__}",
+                          "server_error")
+
+
+class CatchUnhandled:
+    """An exception no handler took becomes its protocol's 500 here, logged once with its
+    traceback, and is not raised on to the server: Starlette's ServerErrorMiddleware would
+    answer too, but then re-raise, and uvicorn would log it again and close the keep-alive
+    connection (a pooled client's next request on it would meet a reset). An exception after
+    the response has started cannot be answered: it goes on up (the connection must close)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as e:
+            if started:
+                raise
+            log.exception("unhandled error on %s", scope["path"])
+            await internal_error_response(scope["path"], e)(scope, receive, send)
+
+
+def not_found_or_not_allowed(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """An HTTP error the router raises (an unknown route: 404; a wrong method: 405, with its
+    Allow header) in the protocol's error shape, as OpenAI words it: "Invalid URL (POST /v1/x)"."""
+    method, path = request.method, request.url.path
+    headers = getattr(e, "headers", None)
+    if e.status_code == 404:
+        message = f"Invalid URL ({method} {path})"
+        kind = "invalid_request_error"
+    elif e.status_code == 405:
+        allowed = (headers or {}).get("Allow") or (headers or {}).get("allow")
+        message = f"Method Not Allowed ({method} {path})" + (f": this route takes {allowed}" if allowed else "")
+        kind = "invalid_request_error"
+    else:
+        message, kind = str(e.detail), None
+    return error_response(protocol_for_path(path), e.status_code, message, kind, headers=headers)
+
+
 def engine_slots(engine) -> int:
     """How many sequences the engine runs at once. AsyncEngine keeps it in its core's config
     until it exposes max_num_seqs itself."""
@@ -103,6 +158,7 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
     app.state.counters = Counter()
     app.state.metrics = ServerMetrics()
     app.state.gate = GateState()
+    app.add_middleware(CatchUnhandled)  # inside RequestGate, which logs the 500 it sends
     app.add_middleware(RequestGate, config=server_config, metrics=app.state.metrics, state=app.state.gate)
     if engine is not None:
         attach_engine(app, engine)
@@ -121,11 +177,16 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
     async def tallow_error(request: Request, e: TallowError) -> JSONResponse:
         return Rejection.from_error(e).response(protocol_for_path(request.url.path))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return not_found_or_not_allowed(request, e)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        # What CatchUnhandled did not see (an error in RequestGate itself): answered here, though
+        # Starlette's ServerErrorMiddleware re-raises it to the server then.
         log.exception("unhandled error on %s", request.url.path)
-        return error_response(protocol_for_path(request.url.path), 500,
-                              f"internal server error: {type(e).__name__}", "server_error")
+        return internal_error_response(request.url.path, e)
 
     @app.get("/health")
     async def health() -> JSONResponse:

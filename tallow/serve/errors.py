@@ -23,7 +23,8 @@ ANTHROPIC_OVERLOADED = 529
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
                  429: "rate_limit_error", 503: "service_unavailable"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error",
                     503: "overloaded_error", ANTHROPIC_OVERLOADED: "overloaded_error"}
 
 

@@ -254,6 +254,9 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
     if max_tokens is not None and req.min_tokens > max_tokens:
         return Rejection.invalid(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
                                  "min_tokens")
+    if req.stream_options is not None and not req.stream:
+        # OpenAI's and vLLM's answer (null stream_options is no stream_options)
+        return Rejection.invalid("Stream options can only be defined when `stream=True`.", "stream_options")
 
     clamped = []
     for ids in prompts:
@@ -263,6 +266,12 @@ def plan_completion(req: SamplingFields, prompts: list[list[int]], *, vocab_size
                 f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
                 f"{len(ids)} tokens, which leaves no room for a completion. Shorten the prompt.",
                 prompt_param, code="context_length_exceeded")
+        if req.min_tokens > room:
+            # Else the reply would run to the end of the context ignoring eos (max_tokens or not).
+            return Rejection.invalid(
+                f"min_tokens ({req.min_tokens}) must not exceed the room the context leaves for the completion "
+                f"({room} tokens: this model's maximum context length is {max_model_len} tokens and the prompt "
+                f"has {len(ids)})", "min_tokens")
         clamped.append(room if max_tokens is None else min(max_tokens, room))
 
     try:

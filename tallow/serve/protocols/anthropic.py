@@ -54,7 +54,7 @@ from tallow.serve.errors import ANTHROPIC, ANTHROPIC_OVERLOADED, error_body
 from tallow.serve.executor import ChoiceUpdate, CompletionSummary, Usage, ordered_segments
 from tallow.serve.plan import Rejection, RequestPlan, parse_request, plan_completion, tokenize
 from tallow.serve import structured
-from tallow.serve.protocols.anthropic_schemas import MessagesInput, MessagesRequest
+from tallow.serve.protocols.anthropic_schemas import MessagesInput, MessagesRequest, ToolResultBlock, ToolUseBlock
 from tallow.serve.protocols.base import StreamProtocol, to_json
 from tallow.output.events import ContentEvent, ReasoningEvent, ToolCallDeltaEvent
 from tallow.output.reasoning import REASONING_PARSERS, prompt_opens_reasoning
@@ -166,6 +166,9 @@ def _tool_use_id(call_id: str) -> str:
 def _render(req: MessagesInput, engine, config: ServerConfig) -> ChatPrompt | Rejection:
     if len(req.messages) > config.max_messages:
         return Rejection.invalid(f"messages holds at most {config.max_messages} entries", "messages")
+    misplaced = _misplaced_content(req)
+    if misplaced is not None:
+        return misplaced
     for k, tool in enumerate(req.tools or []):
         if tool.type not in (None, "custom"):
             return Rejection.invalid(f"tools[{k}]: the server tool type {tool.type!r} is not supported; "
@@ -205,6 +208,27 @@ def _render(req: MessagesInput, engine, config: ServerConfig) -> ChatPrompt | Re
         return render(False)
     except TallowError as e:
         return Rejection.from_error(e)
+
+
+def _misplaced_content(req: MessagesInput) -> Rejection | None:
+    """Anthropic's 400s for a turn's content: every message has some but an optional final
+    assistant one (an empty one there: the reply is a new turn), tool_use blocks only in assistant
+    turns, tool_result blocks only in user turns."""
+    last = len(req.messages) - 1
+    for i, message in enumerate(req.messages):
+        if not message.content and not (i == last and message.role == "assistant"):
+            return Rejection.invalid(f"messages.{i}: all messages must have non-empty content except for the "
+                                     "optional final assistant message", f"messages.{i}.content")
+        for j, block in enumerate(() if isinstance(message.content, str) else message.content):
+            if isinstance(block, ToolUseBlock) and message.role != "assistant":
+                field = f"messages.{i}.content.{j}"
+                return Rejection.invalid(f"{field}: `tool_use` blocks can only be in `assistant` messages "
+                                         f"(this one is a `{message.role}` message)", field)
+            if isinstance(block, ToolResultBlock) and message.role != "user":
+                field = f"messages.{i}.content.{j}"
+                return Rejection.invalid(f"{field}: `tool_result` blocks can only be in `user` messages "
+                                         f"(this one is a `{message.role}` message)", field)
+    return None
 
 
 def _tool_choice(req: MessagesInput) -> str | dict[str, Any]:

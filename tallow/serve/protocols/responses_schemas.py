@@ -110,7 +110,8 @@ class TextConfig(WireModel):
 
 class ReasoningConfig(WireModel):
     effort: ReasoningEffort | None = None
-    summary: str | None = None
+    # OpenAI's values (the summary is the reasoning text itself: there is no summarizer)
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(WireModel):
