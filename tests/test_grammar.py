@@ -689,3 +689,22 @@ def test_json_keys_come_in_the_schemas_order(core):
                                                                           grammar=schema_spec(schema))])
     text = text_of(core, seqs[0])
     assert list(json.loads(text)) == ["zeta", "alpha", "mid"]
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec("regex", "[^\\x00-\\x{10FFFF}]"),  # no character at all
+                                  GrammarSpec("json_schema", '{"$ref": "#"}')])  # itself, with no base case
+def test_a_grammar_that_admits_no_output_fails_its_sequence_with_the_reason(core, spec):
+    # llguidance lets such a grammar end at once: the reply was "" with finish_reason "stop",
+    # which the grammar does not admit either; now the compile fails and the server says why
+    seq = core.make_sequences(core.tokenizer.encode("x"), SamplingParams(max_tokens=5, grammar=spec))[0]
+    core.add(seq)
+    outputs = []
+    for _ in range(500):
+        if not core.has_work():
+            break
+        outputs += core.step()
+    assert seq.finish_reason == "error" and seq.num_output_tokens == 0
+    assert outputs[-1][1].error == f"its grammar cannot be used: the {spec.kind} admits no output (no value matches it)"
+    # what may be empty or short still runs
+    for ok in (GrammarSpec("regex", ""), GrammarSpec("regex", "a"), GrammarSpec("choice", '["", "b"]')):
+        assert grammar_backend(core.tokenizer).compile(ok).result(timeout=30) is not None

@@ -315,6 +315,8 @@ class GrammarBackend:
             matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self._ll_limits)
             if matcher.is_error():
                 raise GrammarError(f"invalid {spec.kind}: {_clean(matcher.get_error())}")
+            if self._admits_nothing(matcher):
+                raise GrammarError(f"the {spec.kind} admits no output (no value matches it)")
             log.debug("compiled a %s grammar of %d bytes in %.1f ms", spec.kind, len(spec.text),
                       1e3 * (time.perf_counter() - t0))
         except GrammarError as e:
@@ -325,6 +327,17 @@ class GrammarBackend:
             future.set_exception(GrammarError(f"the {spec.kind} could not be compiled: {e}"))
         else:
             future.set_result(matcher)
+
+    def _admits_nothing(self, matcher) -> bool:
+        """An empty language: the start state is not accepting and allows no token but the end
+        (llguidance lets a grammar that cannot go on end): a reply would be "" that breaks it."""
+        if matcher.is_accepting():
+            return False
+        mask = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        self.fill_bitmask(matcher, mask, 0)
+        for eos in self.ll_tokenizer.eos_tokens:
+            mask[0, eos // 32] &= ~np.int32(np.uint32(1 << (eos % 32)).view(np.int32))
+        return not mask.any()
 
     def _forget(self, key, entry: _Entry) -> None:
         """A failed compile is not cached (the next request with it gets a fresh reason)."""
