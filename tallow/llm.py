@@ -18,14 +18,36 @@ from dataclasses import dataclass, field, fields
 
 from tallow.config import EngineConfig
 from tallow.engine.core import EngineCore
+from tallow.engine.grammar import GrammarError, check_grammar
 from tallow.engine.request import Sequence
-from tallow.engine.sampling import SamplingParams
+from tallow.engine.sampling import SamplingParams, SamplingParamsError
+from tallow.errors import TallowError
 from tallow.output.offline import OfflineRun
 from tallow.output.pipeline import OutputPipeline, make_sink
 
 # The keys of vLLM's TextPrompt / TokensPrompt that tallow honours ("prompt" beside
 # "prompt_token_ids" is the text the ids came from: it is reported as RequestOutput.prompt).
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+# vLLM's LLM(...) options that change nothing in tallow: accepted and ignored (as tallow/cli.py's
+# ACCEPTED_NO_OPS for the server's flags). tokenizer and tokenizer_mode are checked in LLM.__init__.
+ACCEPTED_NO_OPS = {
+    "trust_remote_code": "tallow runs no code from model folders",
+    "swap_space": "tallow does not swap the KV cache to the CPU",
+    "disable_log_stats": "tallow logs no periodic stats",
+    "download_dir": "tallow loads local models or the embedded default (cache_dir holds its caches)",
+}
+
+
+class RequestError(TallowError, RuntimeError):
+    """A request of a generate() / chat() call that the engine ended with finish_reason "error"
+    (a grammar that failed while decoding, an engine step that failed). The message names each
+    failed request and its reason; .outputs holds every RequestOutput of the call (the failed
+    ones too, finish_reason "error"), so the other requests' results are not lost."""
+
+    def __init__(self, message: str, outputs: list):
+        super().__init__(message, status=500, type="server_error")
+        self.outputs = outputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +140,11 @@ class _Choice:
 
     def result(self) -> CompletionOutput:
         result, finish_reason = self.pipeline.finish()
-        stop_reason = result.stop_string if result.stopped else self.seq.stop_token_id
+        # vLLM's: the stop string, or the stop_token_ids token that ended it; None for EOS
+        token = self.seq.stop_token_id
+        if token is not None and not self.seq.params.ignore_eos and token in self.seq.eos_token_ids:
+            token = None
+        stop_reason = result.stop_string if result.stopped else token
         return CompletionOutput(self.index, result.content, list(self.seq.output_ids), finish_reason,
                                 stop_reason, self.logprobs, self.cumulative_logprob)
 
@@ -167,6 +193,20 @@ def _check_lora(lora_request) -> None:
 
 class LLM:
     def __init__(self, model: str = "default", **engine_kwargs):
+        """model and engine_kwargs: EngineConfig's fields. vLLM's trust_remote_code, swap_space,
+        disable_log_stats and download_dir are accepted and change nothing (ACCEPTED_NO_OPS);
+        tokenizer must be None or the model itself, tokenizer_mode "auto" (tallow always uses the
+        model's own tokenizer)."""
+        for name in ACCEPTED_NO_OPS:
+            engine_kwargs.pop(name, None)
+        tokenizer = engine_kwargs.pop("tokenizer", None)
+        if tokenizer is not None and tokenizer != model:
+            raise ValueError(f"tokenizer={tokenizer!r}: tallow uses the model's own tokenizer; another one "
+                             "would change what the token ids mean (leave tokenizer unset)")
+        tokenizer_mode = engine_kwargs.pop("tokenizer_mode", "auto")
+        if tokenizer_mode != "auto":
+            raise ValueError(f"tokenizer_mode={tokenizer_mode!r}: tallow has one tokenizer implementation "
+                             "(tokenizer_mode 'auto' only)")
         names = {f.name for f in fields(EngineConfig)}
         unknown = set(engine_kwargs) - names
         if unknown:
@@ -174,6 +214,27 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_kwargs)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self) -> "TokenizerView":
+        """The model's tokenizer with the methods vLLM scripts call on theirs (transformers')."""
+        return TokenizerView(self)
+
+    def _check_params(self, params: SamplingParams, where: str) -> None:
+        """What SamplingParams cannot check alone: token ids in the vocabulary, and the grammar
+        (compiled here, as the server's planning does: an error before anything runs)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{where}: sampling_params must be SamplingParams, not {type(params).__name__}")
+        vocab = self.engine.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = sorted(t for t in ids if not 0 <= t < vocab)
+            if bad:
+                raise SamplingParamsError(f"{where}: token id(s) {bad} in {name} are outside the vocabulary "
+                                          f"(0..{vocab - 1})", param=name)
+        if params.grammar is not None:
+            try:
+                check_grammar(params.grammar, self.tokenizer)
+            except GrammarError as e:
+                raise GrammarError(f"{where}: the grammar ({params.grammar.kind}) cannot be used: {e}") from None
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool | Callable = True, lora_request=None) -> list[RequestOutput]:
@@ -197,6 +258,11 @@ class LLM:
             raise ValueError("sampling_params list must match prompts in length")
         results: list[RequestOutput] = []
         requests = []
+        checked: set[int] = set()
+        for i, params in enumerate(params_list):
+            if id(params) not in checked:
+                self._check_params(params, f"request {i}")
+                checked.add(id(params))
         # Every prompt is checked (make_sequences) before any reaches the engine.
         for i, ((text, ids), params) in enumerate(zip(parsed, params_list)):
             if ids is None:
@@ -218,8 +284,11 @@ class LLM:
                 self.engine.abort(choice.seq)
             raise
         decoder = _Decoder(self.tokenizer)
+        errors: dict[int, str] = {}  # seq_id: why the engine ended it with "error"
         for seq, out, _ in run.outputs():
             choice = choices[seq.seq_id]
+            if out.finish_reason == "error":
+                errors[seq.seq_id] = out.error or getattr(seq, "error", None) or "the engine failed it"
             choice.add_logprobs(out, decoder)
             if out.prompt_logprobs is not None:
                 choice.request.prompt_logprobs = [None] + [
@@ -227,6 +296,13 @@ class LLM:
         for choice in choices.values():
             choice.request.outputs.append(choice.result())
             choice.request.num_cached_tokens = max(choice.request.num_cached_tokens, choice.seq.num_cached_tokens)
+        failed = [(choices[s].request.request_id, choices[s].index, why) for s, why in errors.items()] + [
+            (c.request.request_id, c.index, "the engine failed it") for s, c in choices.items()
+            if s not in errors and c.request.outputs[c.index].finish_reason == "error"]
+        if failed:
+            # The whole call's results go with the error (the others ran to their end).
+            raise RequestError("; ".join(f"request {r} (choice {k}) failed: {why}" for r, k, why in failed),
+                               results)
         return results
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -261,5 +337,90 @@ class LLM:
                                             continue_final_message=continue_final_message,
                                             literal_special_tokens=not allow_special_tokens_in_content,
                                             **(chat_template_kwargs or {}))
-            prompts.append(tok.encode(prompt.text, literal_spans=prompt.literal_spans))
+            # The rendered text is RequestOutput.prompt (vLLM's); the ids are what it tokenized to.
+            prompts.append({"prompt": prompt.text,
+                            "prompt_token_ids": tok.encode(prompt.text, literal_spans=prompt.literal_spans)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+class TokenizerView:
+    """LLM.get_tokenizer(): the model's tokenizer with transformers' methods that vLLM scripts use.
+    encode() adds the model's special tokens (BOS where it wants one) unless add_special_tokens=False;
+    apply_chat_template renders with the LLM's chat template (EngineConfig.chat_template or the
+    model's). .tokenizer is tallow's own Tokenizer."""
+
+    def __init__(self, llm: LLM):
+        self._llm = llm
+        self.tokenizer = llm.tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.tokenizer.bos_token_id
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.tokenizer.eos_token
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.tokenizer.bos_token
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return getattr(self.tokenizer, "pad_token_id", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._llm.config.chat_template or self.tokenizer.chat_template
+
+    def __len__(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True, **_) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
+        if isinstance(ids, int):
+            ids = [ids]
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, sequences, skip_special_tokens: bool = False, **_) -> list[str]:
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+    def __call__(self, text, add_special_tokens: bool = True, **_) -> dict:
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
+    def convert_ids_to_tokens(self, ids):
+        if isinstance(ids, int):
+            return self.tokenizer.id_to_token(ids)
+        return [self.tokenizer.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens):
+        if isinstance(tokens, str):
+            return self.tokenizer.token_to_id(tokens)
+        return [self.tokenizer.token_to_id(t) for t in tokens]
+
+    def apply_chat_template(self, conversation, tools=None, *, tokenize: bool = True,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            chat_template: str | None = None, **kwargs):
+        """transformers' defaults (tokenize=True, add_generation_prompt=False); other keyword
+        arguments reach the template (enable_thinking=...)."""
+        from tallow.chat_template import ChatTemplate
+
+        override = chat_template if chat_template is not None else self._llm.config.chat_template
+        template = ChatTemplate.for_tokenizer(self.tokenizer, override=override)
+        prompt = template.render_prompt(list(conversation), tools=tools, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, **kwargs)
+        if not tokenize:
+            return prompt.text
+        return self.tokenizer.encode(prompt.text, literal_spans=prompt.literal_spans)

@@ -235,3 +235,144 @@ def test_chat_continue_final_message_and_chat_template(llm, tmp_path):
     # vLLM's positional order: messages, sampling_params, use_tqdm, lora_request, chat_template
     [positional] = llm.chat(conv, one, False, None, template)
     assert positional.prompt_token_ids == custom.prompt_token_ids
+
+
+# ---- vLLM parity: errors, options, structured outputs, stop_reason, tokenizer --------------------
+
+def test_bfloat16_and_float16_run_on_the_cpu_with_quantized_weights():
+    """The CPU's quantized linears return float32 while the KV cache holds the model's dtype: the
+    K/V are written in the cache's dtype. Greedy text agrees with float32's at the start."""
+    from tallow.engine.sampling import SamplingParams as SP
+
+    params = SP(temperature=0.0, max_tokens=6)
+    texts = {}
+    for dtype in ("float32", "bfloat16", "float16"):
+        llm = LLM("default", dtype=dtype, device="cpu")
+        [out] = llm.generate("Once upon a time", params)
+        c = out.outputs[0]
+        assert c.finish_reason == "length" and c.text, (dtype, c)
+        texts[dtype] = c.text
+        del llm
+    assert texts["bfloat16"][:8] == texts["float32"][:8]
+    assert texts["float16"][:8] == texts["float32"][:8]
+
+
+def test_bad_requests_are_errors_before_anything_runs(llm):
+    from tallow.engine.grammar import GrammarSpec
+
+    ok = SamplingParams(temperature=0.0, max_tokens=3)
+    with pytest.raises(ValueError, match="request 1: the grammar"):
+        llm.generate([PROMPT, PROMPT], [ok, SamplingParams(max_tokens=3, grammar=GrammarSpec("regex", "("))])
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"5": 1.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={5: math.nan})
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=["5"])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=3, logit_bias={10**7: 1.0}))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=3, stop_token_ids=[10**7]))
+    assert not llm.engine.has_work()
+
+
+def test_a_request_the_engine_fails_raises_with_the_other_results(llm, monkeypatch):
+    """A sequence that ends with finish_reason "error" is a RequestError naming its reason, not a
+    silent ''; the call's other results come with it (.outputs)."""
+    import tallow.llm
+    from tallow import RequestError
+    from tallow.engine.grammar import GrammarSpec
+
+    monkeypatch.setattr(tallow.llm, "check_grammar", lambda spec, tok: None)  # let it reach the engine
+    ok = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(RequestError, match="request 1 .*regex") as info:
+        llm.generate([PROMPT, PROMPT], [ok, SamplingParams(max_tokens=3, grammar=GrammarSpec("regex", "("))])
+    first, second = info.value.outputs
+    assert first.outputs[0].finish_reason == "length" and len(first.outputs[0].token_ids) == 3
+    assert second.outputs[0].finish_reason == "error"
+    assert not llm.engine.has_work()
+
+
+def test_vllms_no_op_engine_options(tiny, tmp_path):
+    llm = tiny[0]
+    path = llm.config.model
+    same = dict(device="cpu", quantization="none", block_size=4, num_kv_blocks=16)
+    other = LLM(path, trust_remote_code=True, swap_space=4, disable_log_stats=True, download_dir=str(tmp_path),
+                tokenizer_mode="auto", tokenizer=path, **same)
+    assert summary(other.generate(PROMPT, GREEDY)) == summary(llm.generate(PROMPT, GREEDY))
+    with pytest.raises(ValueError, match="tokenizer="):
+        LLM(path, tokenizer="gpt2", **same)
+    with pytest.raises(ValueError, match="tokenizer_mode"):
+        LLM(path, tokenizer_mode="slow", **same)
+    with pytest.raises(TypeError, match="unknown engine options"):
+        LLM(path, not_an_option=1, **same)
+
+
+def test_structured_outputs_params(llm):
+    import json
+
+    from tallow import GrammarSpec, GuidedDecodingParams, StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    p = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    assert p.grammar.kind == "json_schema"
+    compiled = json.loads(p.grammar.text)
+    assert list(compiled["properties"]) == ["b", "a"] and compiled["additionalProperties"] is False
+    assert compiled["x-guidance"]["lenient"] is True
+    assert dataclasses.replace(p, seed=4).grammar == p.grammar  # as make_sequences copies it for n > 1
+    assert SamplingParams(structured_outputs=StructuredOutputsParams(json=json.dumps(schema))).grammar == p.grammar
+    assert SamplingParams(guided_decoding=GuidedDecodingParams(json=schema)).grammar == p.grammar
+    assert SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")).grammar == GrammarSpec("regex", "a+")
+    assert SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)).grammar.kind == "json_object"
+    assert SamplingParams(structured_outputs=StructuredOutputsParams(grammar='start: "x"')).grammar.kind == "lark"
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    # GrammarSpec("json_schema", dict): its compact JSON, key order kept
+    spec = SamplingParams(grammar=GrammarSpec("json_schema", schema)).grammar
+    assert spec.text == json.dumps(schema, separators=(",", ":"))
+    choice = SamplingParams(temperature=0.0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    [out] = llm.generate(PROMPT, choice)
+    assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+
+
+def test_chat_prompt_is_the_rendered_text(llm):
+    [out] = llm.chat([{"role": "user", "content": "hi"}], dataclasses.replace(GREEDY, max_tokens=1))
+    assert out.prompt is not None and out.prompt.endswith("<|im_start|>assistant\n")
+    assert llm.tokenizer.encode(out.prompt) == out.prompt_token_ids
+
+
+def test_stop_reason_is_none_for_eos_and_the_id_for_stop_token_ids(llm):
+    eos = llm.tokenizer.eos_token_id
+    [out] = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, logit_bias={eos: 100.0}))
+    c = out.outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", None, [eos])
+    [out] = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, logit_bias={65: 100.0},
+                                                stop_token_ids=[65]))
+    c = out.outputs[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", 65)
+
+
+def test_sampling_params_type_and_range_errors():
+    with pytest.raises(ValueError, match="min_tokens must be less than or equal to max_tokens"):
+        SamplingParams(min_tokens=20, max_tokens=5)
+    with pytest.raises(ValueError, match="n must be an int"):
+        SamplingParams(n=2.0)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        SamplingParams(seed="5")
+    assert SamplingParams(min_tokens=20, max_tokens=None).min_tokens == 20
+
+
+def test_get_tokenizer_has_transformers_methods(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("hello")
+    assert ids == llm.tokenizer.encode("hello", add_special_tokens=True)
+    assert tok("hello") == {"input_ids": ids} and tok.decode(ids) == "hello"
+    assert len(tok) == tok.vocab_size == llm.tokenizer.vocab_size
+    assert tok.eos_token_id == llm.tokenizer.eos_token_id and tok.eos_token == llm.tokenizer.eos_token
+    assert "".join(tok.convert_ids_to_tokens(ids)) == "hello"
+    conv = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    [out] = llm.chat(conv, dataclasses.replace(GREEDY, max_tokens=1))
+    assert text == out.prompt
+    assert tok.apply_chat_template(conv, add_generation_prompt=True) == out.prompt_token_ids

@@ -155,6 +155,9 @@ class TorchAttentionBackend:
             plan = self._plan = _make_plan(meta, q.shape[0], k_cache.shape[2])
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_new, v_new = (k, v) if plan.rows is None else (k[plan.rows], v[plan.rows])
+        # The CPU's quantized linears return float32 whatever the model's dtype: the new K/V are
+        # written in the cache's dtype, and read back in the queries' (see _as).
+        k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, k_new)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, v_new)
         if not plan.seqs and len(plan.decode_groups) == 1 and plan.decode_groups[0].rows is None:
@@ -167,6 +170,12 @@ class TorchAttentionBackend:
             out[s.start:s.end] = _attend_prefill(q[s.start:s.end], k[s.start:s.end], v[s.start:s.end],
                                                  k_cache, v_cache, s, scale, sliding_window)
         return out
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`: the cache's K/V where the queries are in another dtype (float32 queries
+    from the CPU's quantized linears over a bfloat16 / float16 cache)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
@@ -188,6 +197,7 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         num_blocks = group.mask.shape[-1] // k_cache.shape[1]
         k, v = (c.narrow(0, group.first_block, num_blocks).view(1, -1, kv_heads, D).transpose(1, 2)
                 for c in (k_cache, v_cache))
+    k, v = _as(k, q.dtype), _as(v, q.dtype)
     scores = torch.matmul(q.view(G, kv_heads, H // kv_heads, D), k.transpose(2, 3))
     mask = group.mask if window is None else group.windowed(window)
     probs = scores.mul_(scale).add_(mask).softmax(dim=-1)
@@ -203,7 +213,10 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         kv_heads, D = k_cache.shape[2], k_cache.shape[3]
         ks = k_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
         vs = v_cache.index_select(0, s.block_table).view(-1, kv_heads, D)[: s.context_len]
+    ks, vs = _as(ks, q.dtype), _as(vs, q.dtype)
     mask = s.mask if window is None or window >= s.context_len else s.windowed(window, q.device)
+    if mask is not None and mask.dtype.is_floating_point and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
     return F.scaled_dot_product_attention(
         q.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,

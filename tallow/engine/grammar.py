@@ -125,6 +125,18 @@ class GrammarLimits:
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def json_schema_spec(schema: dict, *, strict: bool = False) -> GrammarSpec:
+    """A JSON schema object as every front end's GrammarSpec (the server's response formats and the
+    Python API's structured_outputs alike): objects that list properties closed to other keys
+    (closed_objects), keywords the backend cannot enforce ignored unless strict, the schema's own
+    x-guidance options over JSON_OPTIONS; compact JSON text in the schema's key order."""
+    options = {**JSON_OPTIONS, "lenient": not strict}
+    if isinstance(schema.get("x-guidance"), dict):
+        options.update(schema["x-guidance"])
+    text = json.dumps({**closed_objects(schema), "x-guidance": options}, ensure_ascii=False, separators=(",", ":"))
+    return GrammarSpec("json_schema", text)
+
+
 def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar of a spec (not validated yet); GrammarError for malformed text."""
     import llguidance as llg

@@ -5,11 +5,14 @@ The batched Sampler lives in tallow/engine/sampler.py.
 
 from __future__ import annotations
 
+import json
 import math
+import operator
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
-from tallow.engine.grammar import GrammarSpec
+from tallow.engine.grammar import GrammarSpec, json_schema_spec
 from tallow.errors import TallowError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -25,6 +28,82 @@ def as_float32(x: float) -> float:
         return struct.unpack("f", struct.pack("f", x))[0]
     except OverflowError:
         return math.copysign(math.inf, x)
+
+
+class SamplingParamsError(TallowError, ValueError):
+    """A SamplingParams field out of its range or of the wrong type: a TallowError (a 400 in the
+    server) and a ValueError (what vLLM's SamplingParams raises)."""
+
+
+def _compact_json(value: Any) -> str:
+    """JSON text in the value's own key order (llguidance writes properties in that order)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs (vllm.sampling_params.StructuredOutputsParams; GuidedDecodingParams
+    before vLLM 0.12), given as SamplingParams(structured_outputs=...): exactly one of
+
+      json         a JSON schema: a dict, its JSON text, or a pydantic model class (its
+                   model_json_schema()). As the server reads schemas: objects that list properties
+                   and say nothing of other keys are closed to them, keywords the backend cannot
+                   enforce are ignored, and the JSON is written with ", " and ": ".
+      regex        a pattern (llguidance's regex syntax)
+      choice       a list of strings: the output is one of them
+      grammar      a Lark grammar (llguidance's) or a GBNF grammar
+      json_object  True: any JSON object
+
+    It becomes SamplingParams.grammar (a GrammarSpec), as the server's structured_outputs does.
+    """
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(set_) != 1:
+            raise SamplingParamsError("structured_outputs: exactly one of json, regex, choice, grammar or "
+                                      f"json_object must be set, got {set_ or 'none'}", param="structured_outputs")
+
+    def to_grammar(self) -> GrammarSpec:
+        def bad(msg: str) -> SamplingParamsError:
+            return SamplingParamsError(f"structured_outputs: {msg}", param="structured_outputs")
+
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model
+                schema = schema.model_json_schema()
+            if isinstance(schema, (str, bytes)):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise bad(f"json: the JSON schema is not valid JSON: {e}") from None
+            if schema is True:
+                schema = {}
+            if not isinstance(schema, dict):
+                raise bad(f"json: a JSON schema must be an object, got {type(schema).__name__}")
+            return json_schema_spec(schema)
+        if self.regex is not None:
+            if not isinstance(self.regex, str):
+                raise bad("regex must be a string")
+            return GrammarSpec("regex", self.regex)
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise bad("choice must be a non-empty list of strings")
+            return GrammarSpec("choice", _compact_json(list(self.choice)))
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str):
+                raise bad("grammar must be a string (Lark or GBNF)")
+            return GrammarSpec("lark", self.grammar)
+        return GrammarSpec("json_object", "")
+
+
+# vLLM's name before 0.12 (SamplingParams(guided_decoding=GuidedDecodingParams(...))).
+GuidedDecodingParams = StructuredOutputsParams
 
 
 @dataclass
@@ -63,8 +142,43 @@ class SamplingParams:
     reasoning_open: bool = False
     # False: never speculate for this request (the `speculative: false` extra), whatever the server does.
     speculative: bool = True
+    # vLLM's structured outputs: becomes `grammar` (at most one of them).
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM < 0.12's name for it
 
     def __post_init__(self) -> None:
+        def bad(param: str, msg: str) -> None:
+            raise SamplingParamsError(msg, param=param)
+
+        for name in ("n", "max_tokens", "top_k", "min_tokens", "seed", "logprobs", "prompt_logprobs",
+                     "reasoning_budget"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                try:  # a numpy integer is an int; 2.0 or "5" is not
+                    value = None if isinstance(value, bool) else operator.index(value)
+                except TypeError:
+                    value = None
+                if value is None:
+                    bad(name, f"{name} must be an int, but is of type {type(getattr(self, name)).__name__}")
+                setattr(self, name, value)
+        structured = [(k, v) for k, v in (("structured_outputs", self.structured_outputs),
+                                           ("guided_decoding", self.guided_decoding)) if v is not None]
+        if structured:
+            name, so = structured[0]
+            if isinstance(so, dict):
+                so = StructuredOutputsParams(**so)
+            if not isinstance(so, StructuredOutputsParams):
+                bad(name, f"{name} must be a StructuredOutputsParams, got {type(so).__name__}")
+            spec = so.to_grammar()
+            # (dataclasses.replace of a SamplingParams passes both: the grammar made from it)
+            if len(structured) > 1 or self.grammar not in (None, spec):
+                bad(name, "set at most one of grammar, structured_outputs and guided_decoding")
+            self.grammar = spec
+            self.structured_outputs, self.guided_decoding = so, None
+        if (isinstance(self.grammar, GrammarSpec) and self.grammar.kind == "json_schema"
+                and not isinstance(self.grammar.text, str)):
+            # GrammarSpec("json_schema", {...}): the schema's compact JSON text, its key order kept
+            self.grammar = replace(self.grammar, text=_compact_json(self.grammar.text))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -75,7 +189,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(param: str, msg: str) -> None:
-            raise TallowError(msg, param=param)
+            raise SamplingParamsError(msg, param=param)
 
         if self.n < 1:
             bad("n", f"n must be at least 1, got {self.n}")
@@ -102,6 +216,9 @@ class SamplingParams:
             bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.min_tokens < 0:
             bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", f"logprobs must be non-negative, got {self.logprobs}")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
@@ -110,9 +227,16 @@ class SamplingParams:
             bad("seed", f"seed must be a signed 64-bit integer, in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             bad("grammar", f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            bad("logit_bias", f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
         for token, value in (self.logit_bias or {}).items():
-            if not -math.inf < value < math.inf:
-                bad("logit_bias", f"logit_bias values must be finite, got {value} for token {token}")
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                bad("logit_bias", f"logit_bias keys must be token ids (non-negative ints), got {token!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -math.inf < value < math.inf:
+                bad("logit_bias", f"logit_bias values must be finite numbers, got {value!r} for token {token}")
+        for token in self.stop_token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                bad("stop_token_ids", f"stop_token_ids must be token ids (non-negative ints), got {token!r}")
 
     @property
     def greedy(self) -> bool:

@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tallow.engine.grammar import GrammarError, GrammarSpec, check_grammar, closed_objects
+from tallow.engine.grammar import GrammarError, GrammarSpec, check_grammar, json_schema_spec
 from tallow.output.reasoning import REASONING_PARSERS, prompt_closes_reasoning
 from tallow.output.tool_parsers import TOOL_PARSERS
 from tallow.output.tool_parsers.grammar import JSON_STYLE, UnenforceableSchema, grammar_tools
@@ -76,11 +76,7 @@ def json_schema_format(schema: Any, param: str, *, strict: bool = False) -> Outp
         schema = {}
     if not isinstance(schema, dict):
         return Rejection.invalid(f"{param}: a JSON schema must be an object", param)
-    options = {**JSON_STYLE, "lenient": not strict}
-    if isinstance(schema.get("x-guidance"), dict):
-        options.update(schema["x-guidance"])
-    schema = closed_objects(schema)
-    return OutputFormat(GrammarSpec("json_schema", canonical_json({**schema, "x-guidance": options})), param, strict)
+    return OutputFormat(json_schema_spec(schema, strict=strict), param, strict)
 
 
 def admits_nothing(schema: Any, depth: int = 0) -> bool:
