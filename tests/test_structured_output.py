@@ -218,9 +218,29 @@ def test_a_grammar_that_fails_while_generating_is_a_400_and_hurts_nothing(real_s
     with httpx.stream("POST", real_server.base_url + "/v1/chat/completions", timeout=120,
                       json={"messages": ask("Hi"), "max_tokens": 8, "stream": True, **extra}) as s:
         frames = [line for line in s.iter_lines() if line.startswith("data: {")]
-    assert '"error"' in frames[-1] and "its grammar" in frames[-1]  # (streamed: after the 200)
+    # streamed: after the 200, an error frame of the request's own kind (not a server error)
+    assert '"invalid_request_error"' in frames[-1] and "its grammar" in frames[-1], frames[-1]
     ok = client.chat.completions.create(model="m", messages=ask("Hi"), max_tokens=4, temperature=0)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_grammar_that_fails_in_an_anthropic_stream_is_an_invalid_request_error_event(real_server):
+    body = {"model": "m", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "Hi"}],
+            "output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#"}}}}
+    with httpx.stream("POST", real_server.base_url + "/v1/messages", json=body, timeout=120,
+                      headers={"anthropic-version": "2023-06-01"}) as s:
+        lines = list(s.iter_lines())
+    at = lines.index("event: error")
+    error = json.loads(lines[at + 1].removeprefix("data: "))
+    assert error["error"]["type"] == "invalid_request_error" and "admits no output" in error["error"]["message"]
+
+
+def test_min_tokens_a_grammar_cannot_meet_is_a_400_that_says_so(real_server):
+    # the grammar allows only the end, min_tokens holds the end back: every token masked (a 500)
+    r = httpx.post(real_server.base_url + "/v1/completions", timeout=60,
+                   json={"prompt": "Hello", "max_tokens": 8, "min_tokens": 1, "structured_outputs": {"regex": ""}})
+    assert r.status_code == 400, r.text
+    assert "min_tokens 1 cannot be met" in r.json()["error"]["message"]
 
 
 def test_a_json_schema_nested_too_deeply_is_a_400_naming_the_field(real_server):

@@ -463,6 +463,12 @@ class EngineCore:
         sampling = [s for s in out.scheduled if s.samples]
         failed = [sampling[i].seq for i in res.invalid_rows if not (sampling[i].seq.is_finished or sampling[i].dropped)]
         for seq in failed:
+            if seq.grammar is not None and seq.num_output_tokens < seq.params.min_tokens:
+                # every token masked: the grammar allows only the end, which min_tokens holds back
+                seq.error = (f"min_tokens {seq.params.min_tokens} cannot be met: its grammar allows only "
+                             f"the end of the output after {seq.num_output_tokens} tokens")
+                log.warning("request %s: %s", seq.request_id, seq.error)
+                continue
             log.error("request %s: its logits were not finite at output token %d; failing it alone",
                       seq.request_id, seq.num_output_tokens)
         self.scheduler.fail_sequences(failed)

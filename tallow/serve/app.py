@@ -330,11 +330,18 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
                 except asyncio.CancelledError:  # Starlette saw the disconnect first
                     counters["disconnected"] += 1
                     raise
+                except TallowError as e:
+                    if e.status < 500:  # the request's own doing (its grammar): its 4xx, in the stream
+                        counters["rejected"] += 1
+                        log.warning("request %s ended while streaming: %s", request_id, e.message)
+                    else:
+                        counters["failed"] += 1
+                        log.exception("request %s failed while streaming", request_id)
+                    yield "".join(protocol.error(e.message, e.status))
                 except Exception as e:
                     counters["failed"] += 1
                     log.exception("request %s failed while streaming", request_id)
-                    message = e.message if isinstance(e, TallowError) else f"internal error: {type(e).__name__}"
-                    yield "".join(protocol.error(message))
+                    yield "".join(protocol.error(f"internal error: {type(e).__name__}"))
 
             return ReleasingStream(frames(), admission.release, plan.response_headers)
         try:
@@ -344,6 +351,9 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
         except CompletionAborted:
             counters["disconnected"] += 1
             return Response(status_code=499)
+        except TallowError as e:
+            counters["rejected" if e.status < 500 else "failed"] += 1
+            raise
         except Exception:
             counters["failed"] += 1
             raise

@@ -344,8 +344,8 @@ class AnthropicMessages(StreamProtocol):
             return prompt
         return {"input_tokens": len(tokenize(engine.tokenizer, prompt.text, literal_spans=prompt.literal_spans))}
 
-    def error(self, message: str) -> list[str]:
-        return [event("error", error_body(ANTHROPIC, 500, message))]
+    def error(self, message: str, status: int = 500) -> list[str]:
+        return [event("error", error_body(ANTHROPIC, status, message))]
 
     # ---- streaming ------------------------------------------------------------------
     def start(self) -> list[str]:

@@ -96,8 +96,10 @@ class StreamProtocol(ABC):
     @abstractmethod
     def finish(self, usage: Usage) -> list[str]: ...
 
-    def error(self, message: str) -> list[str]:
-        return [sse(error_body(self.error_protocol, 500, message)), DONE]
+    def error(self, message: str, status: int = 500) -> list[str]:
+        """The frames of an error after the stream started (status: the error's own, a 400 for
+        what the request itself caused)."""
+        return [sse(error_body(self.error_protocol, status, message)), DONE]
 
     @abstractmethod
     def response(self, summary: CompletionSummary) -> dict: ...

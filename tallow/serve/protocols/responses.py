@@ -243,8 +243,8 @@ class OpenAIResponses(StreamProtocol):
             plan.response_headers[DROPPED_TOOLS_HEADER] = ",".join(tool_set.dropped)
         return ResponsesPlan(**vars(plan), request=req, conversation=conversation, tool_set=tool_set)
 
-    def error(self, message: str) -> list[str]:
-        error = error_body(OPENAI, 500, message)["error"]  # Responses' error event: the type is its code
+    def error(self, message: str, status: int = 500) -> list[str]:
+        error = error_body(OPENAI, status, message)["error"]  # Responses' error event: the type is its code
         return [self._event("error", code=error["type"], message=error["message"], param=error["param"])]
 
     # ---- streaming ------------------------------------------------------------------
