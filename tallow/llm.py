@@ -288,7 +288,7 @@ class LLM:
         for seq, out, _ in run.outputs():
             choice = choices[seq.seq_id]
             if out.finish_reason == "error":
-                errors[seq.seq_id] = out.error or getattr(seq, "error", None) or "the engine failed it"
+                errors[seq.seq_id] = out.error or "the engine failed it"
             choice.add_logprobs(out, decoder)
             if out.prompt_logprobs is not None:
                 choice.request.prompt_logprobs = [None] + [
@@ -296,13 +296,10 @@ class LLM:
         for choice in choices.values():
             choice.request.outputs.append(choice.result())
             choice.request.num_cached_tokens = max(choice.request.num_cached_tokens, choice.seq.num_cached_tokens)
-        failed = [(choices[s].request.request_id, choices[s].index, why) for s, why in errors.items()] + [
-            (c.request.request_id, c.index, "the engine failed it") for s, c in choices.items()
-            if s not in errors and c.request.outputs[c.index].finish_reason == "error"]
-        if failed:
+        if errors:
             # The whole call's results go with the error (the others ran to their end).
-            raise RequestError("; ".join(f"request {r} (choice {k}) failed: {why}" for r, k, why in failed),
-                               results)
+            raise RequestError("; ".join(f"request {choices[s].request.request_id} (choice {choices[s].index}) "
+                                         f"failed: {why}" for s, why in errors.items()), results)
         return results
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -321,26 +318,31 @@ class LLM:
         Special-token strings in the messages, tools and kwargs are plain text (a message cannot
         forge a turn with "<|im_end|>"), unless allow_special_tokens_in_content.
         """
-        from tallow.chat_template import ChatTemplate
-
         _check_lora(lora_request)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
                              "(set add_generation_prompt=False)")
-        tok = self.tokenizer
-        override = chat_template if chat_template is not None else self.config.chat_template
-        template = ChatTemplate.for_tokenizer(tok, override=override)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            prompt = template.render_prompt(conv, tools=tools, add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message,
-                                            literal_special_tokens=not allow_special_tokens_in_content,
-                                            **(chat_template_kwargs or {}))
+            text, ids = self._render_chat(conv, chat_template, tools=tools, add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message,
+                                          literal_special_tokens=not allow_special_tokens_in_content,
+                                          **(chat_template_kwargs or {}))
             # The rendered text is RequestOutput.prompt (vLLM's); the ids are what it tokenized to.
-            prompts.append({"prompt": prompt.text,
-                            "prompt_token_ids": tok.encode(prompt.text, literal_spans=prompt.literal_spans)})
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _render_chat(self, conversation, chat_template: str | None, **kwargs) -> tuple[str, list[int]]:
+        """One conversation through the chat template (chat_template, else EngineConfig's, else the
+        model's): the prompt text and its ids (client text holding special tokens' strings kept text
+        unless literal_special_tokens=False)."""
+        from tallow.chat_template import ChatTemplate
+
+        override = chat_template if chat_template is not None else self.config.chat_template
+        prompt = ChatTemplate.for_tokenizer(self.tokenizer, override=override).render_prompt(list(conversation),
+                                                                                           **kwargs)
+        return prompt.text, self.tokenizer.encode(prompt.text, literal_spans=prompt.literal_spans)
 
 
 class TokenizerView:
@@ -353,29 +355,13 @@ class TokenizerView:
         self._llm = llm
         self.tokenizer = llm.tokenizer
 
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.tokenizer.eos_token_id
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.tokenizer.bos_token_id
-
-    @property
-    def eos_token(self) -> str | None:
-        return self.tokenizer.eos_token
-
-    @property
-    def bos_token(self) -> str | None:
-        return self.tokenizer.bos_token
+    def __getattr__(self, name: str):
+        # eos_token_id, bos_token_id, eos_token, bos_token, vocab_size, ...: the Tokenizer's own
+        return getattr(self.__dict__["tokenizer"], name)
 
     @property
     def pad_token_id(self) -> int | None:
         return getattr(self.tokenizer, "pad_token_id", None)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
 
     @property
     def chat_template(self) -> str | None:
@@ -415,12 +401,7 @@ class TokenizerView:
                             chat_template: str | None = None, **kwargs):
         """transformers' defaults (tokenize=True, add_generation_prompt=False); other keyword
         arguments reach the template (enable_thinking=...)."""
-        from tallow.chat_template import ChatTemplate
-
-        override = chat_template if chat_template is not None else self._llm.config.chat_template
-        template = ChatTemplate.for_tokenizer(self.tokenizer, override=override)
-        prompt = template.render_prompt(list(conversation), tools=tools, add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message, **kwargs)
-        if not tokenize:
-            return prompt.text
-        return self.tokenizer.encode(prompt.text, literal_spans=prompt.literal_spans)
+        text, ids = self._llm._render_chat(conversation, chat_template, tools=tools,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **kwargs)
+        return ids if tokenize else text

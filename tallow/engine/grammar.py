@@ -46,7 +46,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -125,6 +125,30 @@ class GrammarLimits:
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def compact_json(value: Any) -> str:
+    """JSON text without spaces, in the value's own key order (llguidance writes an object's
+    properties in the order its schema lists them)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_schema_object(value: Any) -> Any:
+    """A JSON schema as given (an object, its JSON text, true / false) as the object it stands for:
+    true is {} (any value), false {"not": {}} (no value). ValueError: not JSON, nested too deeply,
+    or not a schema."""
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            raise ValueError("the JSON schema is nested too deeply") from None
+        except ValueError as e:
+            raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+    if value is True or value is False:
+        return {} if value else {"not": {}}
+    if not isinstance(value, dict):
+        raise ValueError("a JSON schema must be an object")
+    return value
+
+
 def json_schema_spec(schema: dict, *, strict: bool = False) -> GrammarSpec:
     """A JSON schema object as every front end's GrammarSpec (the server's response formats and the
     Python API's structured_outputs alike): objects that list properties closed to other keys
@@ -133,8 +157,7 @@ def json_schema_spec(schema: dict, *, strict: bool = False) -> GrammarSpec:
     options = {**JSON_OPTIONS, "lenient": not strict}
     if isinstance(schema.get("x-guidance"), dict):
         options.update(schema["x-guidance"])
-    text = json.dumps({**closed_objects(schema), "x-guidance": options}, ensure_ascii=False, separators=(",", ":"))
-    return GrammarSpec("json_schema", text)
+    return GrammarSpec("json_schema", compact_json({**closed_objects(schema), "x-guidance": options}))
 
 
 def grammar_text(spec: GrammarSpec) -> str:

@@ -5,14 +5,13 @@ The batched Sampler lives in tallow/engine/sampler.py.
 
 from __future__ import annotations
 
-import json
 import math
 import operator
 import struct
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from tallow.engine.grammar import GrammarSpec, json_schema_spec
+from tallow.engine.grammar import GrammarSpec, compact_json, json_schema_object, json_schema_spec
 from tallow.errors import TallowError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -33,11 +32,6 @@ def as_float32(x: float) -> float:
 class SamplingParamsError(TallowError, ValueError):
     """A SamplingParams field out of its range or of the wrong type: a TallowError (a 400 in the
     server) and a ValueError (what vLLM's SamplingParams raises)."""
-
-
-def _compact_json(value: Any) -> str:
-    """JSON text in the value's own key order (llguidance writes properties in that order)."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass
@@ -77,16 +71,10 @@ class StructuredOutputsParams:
             schema = self.json
             if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model
                 schema = schema.model_json_schema()
-            if isinstance(schema, (str, bytes)):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as e:
-                    raise bad(f"json: the JSON schema is not valid JSON: {e}") from None
-            if schema is True:
-                schema = {}
-            if not isinstance(schema, dict):
-                raise bad(f"json: a JSON schema must be an object, got {type(schema).__name__}")
-            return json_schema_spec(schema)
+            try:
+                return json_schema_spec(json_schema_object(schema))
+            except ValueError as e:
+                raise bad(f"json: {e}") from None
         if self.regex is not None:
             if not isinstance(self.regex, str):
                 raise bad("regex must be a string")
@@ -94,7 +82,7 @@ class StructuredOutputsParams:
         if self.choice is not None:
             if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) for c in self.choice):
                 raise bad("choice must be a non-empty list of strings")
-            return GrammarSpec("choice", _compact_json(list(self.choice)))
+            return GrammarSpec("choice", compact_json(list(self.choice)))
         if self.grammar is not None:
             if not isinstance(self.grammar, str):
                 raise bad("grammar must be a string (Lark or GBNF)")
@@ -178,7 +166,7 @@ class SamplingParams:
         if (isinstance(self.grammar, GrammarSpec) and self.grammar.kind == "json_schema"
                 and not isinstance(self.grammar.text, str)):
             # GrammarSpec("json_schema", {...}): the schema's compact JSON text, its key order kept
-            self.grammar = replace(self.grammar, text=_compact_json(self.grammar.text))
+            self.grammar = replace(self.grammar, text=compact_json(self.grammar.text))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -37,7 +37,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tallow.engine.grammar import GrammarError, GrammarSpec, check_grammar, json_schema_spec
+from tallow.engine.grammar import (GrammarError, GrammarSpec, check_grammar, compact_json, json_schema_object,
+                                   json_schema_spec)
 from tallow.output.reasoning import REASONING_PARSERS, prompt_closes_reasoning
 from tallow.output.tool_parsers import TOOL_PARSERS
 from tallow.output.tool_parsers.grammar import JSON_STYLE, UnenforceableSchema, grammar_tools
@@ -56,26 +57,15 @@ class OutputFormat:
     strict: bool = False
 
 
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
 def json_schema_format(schema: Any, param: str, *, strict: bool = False) -> OutputFormat | Rejection:
     """A JSON schema (a dict, or its JSON text) as an OutputFormat."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as e:
-            return Rejection.invalid(f"{param}: the JSON schema is not valid JSON: {e}", param)
-        except RecursionError:
-            return Rejection.invalid(f"{param}: the JSON schema is nested too deeply", param)
+    try:
+        schema = json_schema_object(schema)
+    except ValueError as e:
+        return Rejection.invalid(f"{param}: {e}", param)
     if admits_nothing(schema):
         # (A grammar of no value: strict would name the "not" it was written as, lenient drop it.)
         return no_value(param)
-    if schema is True:
-        schema = {}
-    if not isinstance(schema, dict):
-        return Rejection.invalid(f"{param}: a JSON schema must be an object", param)
     return OutputFormat(json_schema_spec(schema, strict=strict), param, strict)
 
 
@@ -164,7 +154,7 @@ def _vllm_format(name: str, value: Any, param: str) -> OutputFormat | Rejection:
     if name == "choice":
         if not value:
             return Rejection.invalid(f"{param} must hold at least one string", param)
-        return OutputFormat(GrammarSpec("choice", canonical_json(list(value))), param)
+        return OutputFormat(GrammarSpec("choice", compact_json(list(value))), param)
     return OutputFormat(GrammarSpec("lark", value), param)  # Lark, or GBNF (the backend converts it)
 
 
@@ -237,7 +227,7 @@ def tool_call_grammar(tokenizer, *, tools: list[dict[str, Any]] | None, tool_par
         if output.spec.kind not in ("json_schema", "json_object"):
             return Rejection.invalid(f"{output.param} cannot be combined with tools under tool_choice 'auto'; "
                                      "only a JSON output format can", output.param)
-        content = "%json " + (output.spec.text if output.spec.kind == "json_schema" else canonical_json(
+        content = "%json " + (output.spec.text if output.spec.kind == "json_schema" else compact_json(
             {"type": "object", "x-guidance": {**JSON_STYLE, "lenient": True}}))
     parser = TOOL_PARSERS[tool_parser]()
     special_ids = {text: tokenizer.token_to_id(text) for text in getattr(tokenizer, "special_tokens", ())}
@@ -326,7 +316,7 @@ def _after_reasoning(spec: GrammarSpec) -> GrammarSpec:
     if spec.kind == "json_schema":
         body = "%json " + spec.text
     elif spec.kind == "json_object":
-        body = "%json " + canonical_json({"type": "object", "x-guidance": JSON_STYLE})
+        body = "%json " + compact_json({"type": "object", "x-guidance": JSON_STYLE})
     elif spec.kind == "regex":
         body = "/" + _UNESCAPED_SLASH.sub(r"\1\\/", spec.text) + "/"
     elif spec.kind == "choice":
