@@ -92,30 +92,34 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None
     stop_string: str | None = None  # the stop string that ended it, if one did
     prompt_logprobs: list | None = None  # PromptLogprobs of prompt tokens 1.., when asked
-    # The reply in the order it was generated, as a stream shows it: ("text", str),
-    # ("reasoning", str) and ("call", index into tool_calls), consecutive pieces of a kind joined.
-    segments: list[tuple[str, Any]] = field(default_factory=list)
+    # The reply in the order it was generated, as a stream shows it: ["text", start, end] and
+    # ["reasoning", start, end] (a span of content / reasoning; consecutive pieces of a kind
+    # joined) and ["call", index into tool_calls, None].
+    segments: list[list] = field(default_factory=list)
 
 
 def ordered_segments(choice: ChoiceResult) -> list[tuple[str, Any]]:
-    """The choice's segments; for a result made without them, reasoning, text, then the calls."""
-    if choice.segments:
-        return choice.segments
-    return ([("reasoning", choice.reasoning)] if choice.reasoning else []) + \
-        ([("text", choice.content)] if choice.content else []) + [("call", k) for k in range(len(choice.tool_calls))]
+    """The choice in the order generated: ("text", str), ("reasoning", str), ("call", index); for a
+    result made without segments, reasoning, text, then the calls."""
+    if not choice.segments:
+        return ([("reasoning", choice.reasoning)] if choice.reasoning else []) + \
+            ([("text", choice.content)] if choice.content else []) + [("call", k) for k in range(len(choice.tool_calls))]
+    texts = {"text": choice.content, "reasoning": choice.reasoning}
+    return [(kind, a if kind == "call" else texts[kind][a:b]) for kind, a, b in choice.segments]
 
 
-def add_segments(segments: list[tuple[str, Any]], events) -> None:
-    """Extend a ChoiceResult's segments by a pipeline's events."""
+def add_segments(segments: list[list], events) -> None:
+    """Extend a ChoiceResult's segments by a pipeline's events (offsets only: no text is copied)."""
     for ev in events:
         if isinstance(ev, (ContentEvent, ReasoningEvent)):
             kind = "text" if isinstance(ev, ContentEvent) else "reasoning"
             if segments and segments[-1][0] == kind:
-                segments[-1] = (kind, segments[-1][1] + ev.text)
-            else:
-                segments.append((kind, ev.text))
+                segments[-1][2] += len(ev.text)
+            else:  # starts where this kind's last span ended
+                start = next((s[2] for s in reversed(segments) if s[0] == kind), 0)
+                segments.append([kind, start, start + len(ev.text)])
         elif isinstance(ev, ToolCallDeltaEvent):
-            segments += [("call", d.index) for d in ev.deltas if d.id is not None]
+            segments += [["call", d.index, None] for d in ev.deltas if d.id is not None]
 
 
 @dataclass
@@ -244,7 +248,7 @@ class CompletionRun:
         prompt_logprobs = unsent_prompt_logprobs = None
         engine_finish = None
         failure = None  # why the request's own input failed it (TokenOutput.error)
-        segments: list[tuple[str, Any]] = []
+        segments: list[list] = []
         async for out in stream:
             failure = out.error or failure
             if stats is not None:
