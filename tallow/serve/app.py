@@ -54,10 +54,12 @@ class ReleasingStream(StreamingResponse):
     aborts the run when the client goes away, and that ends the frames. A string of several
     frames goes out in one write."""
 
-    def __init__(self, frames: AsyncIterator[str], release: Callable[[], None], headers: dict | None = None):
+    def __init__(self, frames: AsyncIterator[str], release: Callable[[], None], headers: dict | None = None,
+                 protocol=None):
         super().__init__(frames, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.release = release
+        self.protocol = protocol  # the StreamProtocol writing the frames
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -343,7 +345,7 @@ def build_app(engine, server_config: ServerConfig) -> FastAPI:
                     log.exception("request %s failed while streaming", request_id)
                     yield "".join(protocol.error(f"internal error: {type(e).__name__}"))
 
-            return ReleasingStream(frames(), admission.release, plan.response_headers)
+            return ReleasingStream(frames(), admission.release, plan.response_headers, protocol)
         try:
             async with abort_on_disconnect(request, run):
                 async for _ in run.updates():

@@ -41,7 +41,6 @@ import hmac
 import json
 import secrets
 from collections.abc import AsyncIterator, Callable
-from contextvars import ContextVar
 from dataclasses import replace
 from typing import Any
 
@@ -74,9 +73,6 @@ def event(name: str, payload: dict) -> str:
 
 
 PING = event("ping", {"type": "ping"})
-# The AnthropicMessages of the request being answered (set when it is made, in the request's
-# task): with_idle_pings asks it for the frames a ping must follow.
-_PROTOCOL: ContextVar[AnthropicMessages | None] = ContextVar("anthropic_protocol", default=None)
 # The key of thinking blocks' signatures: one per process.
 _SIGNATURE_KEY = secrets.token_bytes(32)
 
@@ -90,9 +86,8 @@ def thinking_signature(thinking: str) -> str:
 def with_idle_pings(response: Response) -> Response:
     """A response of POST /v1/messages: a stream gets a ping whenever it stays silent, after its
     message_start (which a ping due before the first output brings forward)."""
-    protocol = _PROTOCOL.get()
-    _PROTOCOL.set(None)
     if isinstance(response, StreamingResponse):
+        protocol = getattr(response, "protocol", None)  # the AnthropicMessages writing the stream
         response.body_iterator = with_pings(response.body_iterator,
                                             before_ping=protocol.before_ping if protocol is not None else None)
     return response
@@ -283,7 +278,6 @@ class AnthropicMessages(StreamProtocol):
         self._stop: tuple[str, str | None] = ("end_turn", None)  # stop_reason, stop_sequence
         self._started = False  # message_start sent
         self._thinking: list[str] = []  # the open thinking block's text so far
-        _PROTOCOL.set(self)
 
     @classmethod
     def plan_request(cls, raw: bytes, engine, config: ServerConfig) -> RequestPlan | Rejection:
