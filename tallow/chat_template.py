@@ -1,7 +1,8 @@
 """Chat templates: OpenAI-style messages (+ tools) -> prompt text.
 
 Renders like transformers' apply_chat_template: the same sandboxed jinja environment (trim_blocks,
-lstrip_blocks, loopcontrols; raise_exception, strftime_now and a tojson that does not escape HTML)
+lstrip_blocks, loopcontrols, the {% generation %} tag; raise_exception, strftime_now and a tojson that
+does not escape HTML)
 and the same variables (messages, tools, add_generation_prompt, bos_token, eos_token, plus
 chat_template_kwargs such as enable_thinking). Templates are untrusted code: they run in the
 sandbox, in a worker thread under a time limit.
@@ -30,7 +31,7 @@ from typing import Any, Callable, Iterable
 
 import jinja2
 from jinja2 import meta, nodes
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tallow.config import ServerConfig
@@ -90,7 +91,23 @@ def _strftime_now(format):
     return datetime.now().strftime(format)
 
 
-_ENV = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+class _GenerationTag(Extension):
+    """transformers' `{% generation %} ... {% endgeneration %}` (it marks the assistant's part of a
+    training sample, for return_assistant_tokens_mask): rendered as its body, in a scope of its own
+    as transformers' call block gives it. Templates of LFM2, SmolLM3 and others use it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+_ENV = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag])
 _ENV.filters["tojson"] = _tojson
 _ENV.globals["raise_exception"] = _raise_exception
 _ENV.globals["strftime_now"] = _strftime_now

@@ -275,3 +275,26 @@ def test_only_the_models_own_turn_decides_whether_the_reply_starts_in_reasoning(
     prefill = asked + [{"role": "assistant", "content": "<think>\nLet me see:"}]
     assert reply(prefill, " more</think>\n\nDone.", add_generation_prompt=False, continue_final_message=True) == \
         ("Done.", " more")
+
+
+# A ChatML template that marks the assistant's turns as transformers' training masks read them
+# (LFM2's and SmolLM3's templates do), with a variable set inside the marked block.
+GENERATION_TAGGED = (
+    "{% set shown = 'outer' %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{% set shown = 'inner' %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{{ shown }}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("name", ["multi-turn", "ends with assistant"])
+def test_generation_tag_renders_its_body_as_transformers_does(name):
+    messages = CONVERSATIONS[name]
+    ours = template(GENERATION_TAGGED).render(messages)
+    assert ours == hf_render(GENERATION_TAGGED, messages, add_generation_prompt=True)
+    assert "<|im_start|>assistant\n" + messages[-1 if name == "ends with assistant" else 1]["content"] in ours
+    assert "outer<|im_start|>assistant\n" in ours  # the block's own scope: its `set` stays inside
