@@ -177,3 +177,68 @@ def write_gemma3_gguf(path: str, hf_model, weight_type: str = "F32") -> dict[str
     w.write_tensors_to_file()
     w.close()
     return held
+
+
+# llama.cpp's phi3 tensor names for transformers' Phi3ForCausalLM parameters (q/k/v and gate/up
+# stay fused, as the checkpoint holds them).
+PHI3_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+    "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_phi3_gguf(path: str, hf_model, weight_type: str = "F32", rope_factors: bool = False) -> dict[str, np.ndarray]:
+    """A transformers Phi3ForCausalLM as llama.cpp's convert_hf_to_gguf.py (+ llama-quantize)
+    writes a Phi-3 mini 4k: arch phi3, its metadata keys (the rotary dimension, the sliding window),
+    the fused attn_qkv and ffn_up tensors, no q/k row permutation (NeoX rotary), an output tensor.
+    rope_factors: also the two LongRoPE tensors of the 128k models. weight_type as
+    write_gemma3_gguf's; returns the HF parameters' values as the file holds them."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType
+
+    c = hf_model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(path, "phi3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"] if getattr(c, "rope_parameters", None) else c.rope_theta)
+    w.add_sliding_window(c.sliding_window or 2047)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    w.add_token_scores([0.0] * c.vocab_size)
+    w.add_token_types([1] * c.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_space_prefix(False)
+    if rope_factors:
+        w.add_tensor("rope_factors_long.weight", np.ones(head_dim // 2, np.float32))
+        w.add_tensor("rope_factors_short.weight", np.ones(head_dim // 2, np.float32))
+    held = {}
+    for name, t in hf_model.state_dict().items():
+        gguf_name = gguf_tensor_name(name, PHI3_NAMES)
+        data = t.float().numpy()
+        if name.endswith("norm.weight") or weight_type == "F32":
+            w.add_tensor(gguf_name, data)
+            held[name] = data
+        elif weight_type == "F16":
+            w.add_tensor(gguf_name, data.astype(np.float16))
+            held[name] = data.astype(np.float16).astype(np.float32)
+        else:
+            kind_ = GGMLQuantizationType[weight_type]
+            q = gguf.quants.quantize(data, kind_)
+            w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=kind_)
+            held[name] = gguf.quants.dequantize(q, kind_).reshape(data.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held

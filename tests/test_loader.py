@@ -171,3 +171,24 @@ def test_the_default_loads_in_its_own_blocks_as_the_int4_layers_bit_for_bit(tmp_
                               torch.device("cpu"))
     assert type(plain.loaded.model.lm_head) is torch.nn.Linear
     assert plain.loaded.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("model_type, archs", [
+    ("mistral3", ["Mistral3ForConditionalGeneration"]),  # Mistral Small 3.1: not "Gemma 3 multimodal"
+    ("qwen2_moe", ["Qwen2MoeForCausalLM"]),  # not a dense qwen2
+    ("llama4", ["Llama4ForConditionalGeneration"]),
+    ("", ["Qwen3MoeForCausalLM"]),
+])
+def test_unsupported_hf_architecture_names_itself_and_the_supported_ones(model_type, archs):
+    d = dict(PRESETS["smollm2-135m"], model_type=model_type, architectures=archs)
+    with pytest.raises(ValueError) as e:
+        loader.ModelConfig.from_hf_dict(d)
+    message = str(e.value)
+    assert f"model_type {model_type!r}" in message and archs[0] in message and "Gemma 3" not in message
+    assert all(name in message for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                            "MistralForCausalLM", "Gemma3ForCausalLM"))
+
+
+def test_architectures_decide_where_a_config_has_no_model_type():
+    d = {k: v for k, v in PRESETS["qwen3-0.6b"].items() if k != "model_type"}
+    assert loader.ModelConfig.from_hf_dict(dict(d, architectures=["Qwen3ForCausalLM"])).architecture == "qwen3"

@@ -15,6 +15,11 @@ class MissingConfigKey(ValueError):
         self.key = key
 
 
+# The transformers checkpoints tallow runs: model_type -> its causal-LM class.
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
 @dataclass
 class ModelConfig:
     architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3"
@@ -90,21 +95,17 @@ class ModelConfig:
     def _from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
         mt = (d.get("model_type") or "").lower()
-        if mt == "gemma3" or (mt != "gemma3_text" and any("ForConditionalGeneration" in a for a in archs)):
+        if mt == "gemma3" or (not mt and "Gemma3ForConditionalGeneration" in archs):
             raise ValueError("Gemma 3 multimodal checkpoints (model_type gemma3) are not supported: use the "
                              "text model (Gemma3ForCausalLM, model_type gemma3_text)")
-        if mt == "gemma3_text" or any("Gemma3" in a for a in archs):
+        # the model_type decides; a config without one, its architectures (exact class names:
+        # Qwen2MoeForCausalLM or Qwen2VLForConditionalGeneration is no qwen2)
+        arch = mt or next((a for a, cls_name in _HF_CLASSES.items() if cls_name in archs), "")
+        if arch not in _HF_CLASSES:
+            raise ValueError(f"unsupported model_type {mt!r} (architectures {archs}); tallow runs model_type "
+                             + ", ".join(f"{t} ({c})" for t, c in _HF_CLASSES.items()))
+        if arch == "gemma3_text":
             return cls._gemma3_from_hf_dict(d)
-        if mt in ("qwen3",) or any("Qwen3" in a for a in archs):
-            arch = "qwen3"
-        elif mt == "qwen2" or any("Qwen2" in a for a in archs):
-            arch = "qwen2"
-        elif mt == "mistral" or any("Mistral" in a for a in archs):
-            arch = "mistral"
-        elif mt == "llama" or any("Llama" in a for a in archs):
-            arch = "llama"
-        else:
-            raise ValueError(f"unsupported model_type {mt!r} / architectures {archs}")
         n_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
         eos = d.get("eos_token_id")

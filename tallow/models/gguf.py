@@ -41,7 +41,7 @@ from tallow.models.config import ModelConfig
 log = logging.getLogger("tallow.models")
 
 _CACHE_FORMAT = 3  # 3: files with quantized weights load natively, never cached
-_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -65,6 +65,33 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     elif base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     raise ModelLoadError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def projection_tensors(config: ModelConfig, blk: str) -> tuple[tuple[list[str], list[int | None]], ...]:
+    """A layer's q/k/v and gate/up projections as GGUF tensors whose rows, side by side, are the
+    fused projection's, each with the head count that undoes llama.cpp's q/k row interleave (None:
+    nothing to undo). Phi-3's files keep its checkpoints' fused tensors: attn_qkv (q, k, v rows)
+    and ffn_up (the gate's rows, then the up projection's)."""
+    if config.architecture == "phi3":
+        return ([f"{blk}.attn_qkv"], [None]), ([f"{blk}.ffn_up"], [None])
+    return (([f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"],
+             [config.num_attention_heads, config.num_key_value_heads, None]),
+            ([f"{blk}.ffn_gate", f"{blk}.ffn_up"], [None, None]))
+
+
+def _unfused(gguf_name: str, w: np.ndarray, config: ModelConfig) -> list[tuple[str, np.ndarray]]:
+    """Phi-3's fused tensors (projection_tensors) split into the separate ones of the other
+    architectures, for the float path's transformers names; any other tensor as it is."""
+    base, _, kind = gguf_name.rpartition(".")
+    blk, _, part = base.rpartition(".")
+    if config.architecture != "phi3" or part not in ("attn_qkv", "ffn_up"):
+        return [(gguf_name, w)]
+    if part == "attn_qkv":
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        parts = zip(("attn_q", "attn_k", "attn_v"), np.split(w, [q, q + kv]))
+    else:
+        parts = zip(("ffn_gate", "ffn_up"), np.split(w, 2))
+    return [(f"{blk}.{name}.{kind}", np.ascontiguousarray(p)) for name, p in parts]
 
 
 class _Field:
@@ -339,10 +366,10 @@ def _load_native(path: str, reader, packed):
             for i, layer in enumerate(model.model.layers):
                 blk = f"blk.{i}"
                 attn, mlp = layer.self_attn, layer.mlp
-                attn.qkv_proj = projection([f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"],
-                                           [config.num_attention_heads, config.num_key_value_heads, None])
+                qkv, gate_up = projection_tensors(config, blk)
+                attn.qkv_proj = projection(*qkv)
                 attn.o_proj = projection([f"{blk}.attn_output"], [None])
-                mlp.gate_up_proj = projection([f"{blk}.ffn_gate", f"{blk}.ffn_up"], [None, None])
+                mlp.gate_up_proj = projection(*gate_up)
                 mlp.down_proj = projection([f"{blk}.ffn_down"], [None])
                 set_layer_norms(layer, blk, config, norm_weight)
             model.model.norm.weight = norm_weight("output_norm.weight")
@@ -453,6 +480,16 @@ def _config(reader, metadata: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError(f"unsupported GGUF rope scaling {get('rope.scaling.type')!r}")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     gemma = _gemma3_options(arch, get, hidden, heads) if arch == "gemma3" else {}
+    if arch == "phi3":
+        # Phi-3's 128k models scale their rotary frequencies by LongRoPE factors, stored as two
+        # tensors; the 4k models have none. Their `attention.sliding_window` (2047) is left out,
+        # as llama.cpp leaves it out for phi3.
+        if any(name.startswith("rope_factors") for name in tensors):
+            raise ModelLoadError("GGUF phi3 with LongRoPE factors (rope_factors_long / rope_factors_short: the "
+                                 "128k-context Phi-3 models) is not supported; the 4k-context models load")
+        if get("rope.dimension_count", hidden // heads) != hidden // heads:
+            raise ModelLoadError(f"GGUF phi3: a partial rotary dimension ({get('rope.dimension_count')} of "
+                                 f"{hidden // heads}) is not supported")
     return ModelConfig(
         architecture=arch,
         vocab_size=get("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
@@ -467,7 +504,7 @@ def _config(reader, metadata: dict[str, Any]) -> ModelConfig:
         rope_theta=get("rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=[] if eos is None else [eos],
@@ -510,19 +547,20 @@ def _dequantized(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
-        name = hf_name(t.name, config.architecture)
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape)])
-        if config.architecture == "gemma3" and name.endswith("norm.weight"):
-            w = w - 1.0  # the file holds Gemma's 1 + w; transformers' checkpoints hold w
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            # llama.cpp's converter interleaves the two rotary halves of each head: undo it.
-            n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            out, cols = w.shape
-            w = w.reshape(n_head, out // n_head // 2, 2, cols).swapaxes(1, 2).reshape(out, cols)
-        if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors are views of the file
-            w = np.array(w)
-        yield name, torch.from_numpy(w)
+        for gguf_name, w in _unfused(t.name, w, config):
+            name = hf_name(gguf_name, config.architecture)
+            if config.architecture == "gemma3" and name.endswith("norm.weight"):
+                w = w - 1.0  # the file holds Gemma's 1 + w; transformers' checkpoints hold w
+            if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                # llama.cpp's converter interleaves the two rotary halves of each head: undo it.
+                n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                out, cols = w.shape
+                w = w.reshape(n_head, out // n_head // 2, 2, cols).swapaxes(1, 2).reshape(out, cols)
+            if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors are views of the file
+                w = np.array(w)
+            yield name, torch.from_numpy(w)
 
 
 def _cache_path(path: str, cache_dir: str) -> str:

@@ -393,6 +393,14 @@ def _cuda_blocks(path: str, device: torch.device, dtype: torch.dtype, parallel: 
     kinds = {t.tensor_type.name for t in reader.tensors}
     if not kinds & set(gguf_cuda.BLOCK_TYPES):
         return None
+    field = reader.fields.get("general.architecture")
+    if field is not None and field.contents() == "phi3":  # gguf_cuda.load_blocks reads separate q/k/v, gate/up
+        import logging
+
+        logging.getLogger("tallow.models").warning(
+            "%s: phi3's fused q/k/v and gate/up blocks have no CUDA loader here: weights dequantized to %s",
+            os.path.basename(path), str(dtype).removeprefix("torch."))
+        return None
     if kinds - set(gguf_cuda.BLOCK_TYPES) - set(gguf_cuda.FLOAT_TYPES):  # e.g. IQ4_XS: gguf dequantizes those
         import logging
 
