@@ -100,6 +100,24 @@ def write_llama_gguf(path: str, types: dict[str, str], *, arch: str = "llama", h
     w.close()
 
 
+def add_weight(writer, gguf_name: str, data: np.ndarray, weight_type: str) -> np.ndarray:
+    """data (float32) written as a tensor of weight_type (F32, F16 or a type gguf.quants
+    quantizes); returns its values as the file holds them after dequantization."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType
+
+    if weight_type == "F32":
+        writer.add_tensor(gguf_name, data)
+        return data
+    if weight_type == "F16":
+        writer.add_tensor(gguf_name, data.astype(np.float16))
+        return data.astype(np.float16).astype(np.float32)
+    kind = GGMLQuantizationType[weight_type]
+    q = gguf.quants.quantize(data, kind)
+    writer.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=kind)
+    return gguf.quants.dequantize(q, kind).reshape(data.shape)
+
+
 # llama.cpp's gemma3 tensor names for transformers' Gemma3ForCausalLM parameters.
 GEMMA3_NAMES = {
     "model.embed_tokens": "token_embd", "model.norm": "output_norm",
@@ -120,7 +138,6 @@ def write_gemma3_gguf(path: str, hf_model, weight_type: str = "F32") -> dict[str
     Returns each HF parameter's values as the file holds them after dequantization (HF names,
     norms as w), the reference for a lossy type."""
     import gguf
-    from gguf.constants import GGMLQuantizationType
 
     c = hf_model.config
     assert c.layer_types == ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
@@ -161,17 +178,7 @@ def write_gemma3_gguf(path: str, hf_model, weight_type: str = "F32") -> dict[str
             w.add_tensor(gguf_name, data)
             held[name] = data - 1.0
             continue
-        if weight_type == "F32":
-            w.add_tensor(gguf_name, data)
-            held[name] = data
-        elif weight_type == "F16":
-            w.add_tensor(gguf_name, data.astype(np.float16))
-            held[name] = data.astype(np.float16).astype(np.float32)
-        else:
-            kind_ = GGMLQuantizationType[weight_type]
-            q = gguf.quants.quantize(data, kind_)
-            w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=kind_)
-            held[name] = gguf.quants.dequantize(q, kind_).reshape(data.shape)
+        held[name] = add_weight(w, gguf_name, data, weight_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -196,7 +203,6 @@ def write_phi3_gguf(path: str, hf_model, weight_type: str = "F32", rope_factors:
     rope_factors: also the two LongRoPE tensors of the 128k models. weight_type as
     write_gemma3_gguf's; returns the HF parameters' values as the file holds them."""
     import gguf
-    from gguf.constants import GGMLQuantizationType
 
     c = hf_model.config
     head_dim = c.hidden_size // c.num_attention_heads
@@ -226,17 +232,7 @@ def write_phi3_gguf(path: str, hf_model, weight_type: str = "F32", rope_factors:
     for name, t in hf_model.state_dict().items():
         gguf_name = gguf_tensor_name(name, PHI3_NAMES)
         data = t.float().numpy()
-        if name.endswith("norm.weight") or weight_type == "F32":
-            w.add_tensor(gguf_name, data)
-            held[name] = data
-        elif weight_type == "F16":
-            w.add_tensor(gguf_name, data.astype(np.float16))
-            held[name] = data.astype(np.float16).astype(np.float32)
-        else:
-            kind_ = GGMLQuantizationType[weight_type]
-            q = gguf.quants.quantize(data, kind_)
-            w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=kind_)
-            held[name] = gguf.quants.dequantize(q, kind_).reshape(data.shape)
+        held[name] = add_weight(w, gguf_name, data, "F32" if name.endswith("norm.weight") else weight_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
