@@ -22,7 +22,7 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" | "phi3" (GGUF only)
     vocab_size: int
     hidden_size: int
     intermediate_size: int

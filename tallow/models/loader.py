@@ -385,42 +385,33 @@ def _cuda_blocks(path: str, device: torch.device, dtype: torch.dtype, parallel: 
                  ) -> tuple[LlamaForCausalLM, dict[str, Any]] | None:
     """(model, metadata) of a GGUF file with block-quantized weights kept in their blocks on
     CUDA (tallow/models/gguf_cuda.py; with parallel, this rank's shard), or None for a file
-    without block types, one with types the kernels do not take, or a shard whose row-parallel
-    inputs do not fall on block boundaries (the last two logged: the caller dequantizes)."""
+    without block types, one with types the kernels do not take, a phi3 file (its fused
+    projections), or a shard whose row-parallel inputs do not fall on block boundaries (the last
+    three logged: the caller dequantizes)."""
     from tallow.models import gguf, gguf_cuda
 
     reader = gguf.open_gguf(path)
     kinds = {t.tensor_type.name for t in reader.tensors}
     if not kinds & set(gguf_cuda.BLOCK_TYPES):
         return None
-    field = reader.fields.get("general.architecture")
-    if field is not None and field.contents() == "phi3":  # gguf_cuda.load_blocks reads separate q/k/v, gate/up
-        import logging
-
-        logging.getLogger("tallow.models").warning(
-            "%s: phi3's fused q/k/v and gate/up blocks have no CUDA loader here: weights dequantized to %s",
-            os.path.basename(path), str(dtype).removeprefix("torch."))
-        return None
-    if kinds - set(gguf_cuda.BLOCK_TYPES) - set(gguf_cuda.FLOAT_TYPES):  # e.g. IQ4_XS: gguf dequantizes those
-        import logging
-
-        logging.getLogger("tallow.models").warning(
-            "%s: tensor types %s have no CUDA kernel here: weights dequantized to %s", os.path.basename(path),
-            ", ".join(sorted(kinds - set(gguf_cuda.BLOCK_TYPES) - set(gguf_cuda.FLOAT_TYPES))),
-            str(dtype).removeprefix("torch."))
-        return None
-    if parallel is not None:
+    arch = reader.fields.get("general.architecture")
+    unkernelled = kinds - set(gguf_cuda.BLOCK_TYPES) - set(gguf_cuda.FLOAT_TYPES)  # e.g. IQ4_XS: gguf dequantizes those
+    why = None
+    if arch is not None and arch.contents() == "phi3":  # gguf_cuda.load_blocks reads separate q/k/v, gate/up
+        why = "phi3's fused q/k/v and gate/up blocks have no CUDA loader here"
+    elif unkernelled:
+        why = f"tensor types {', '.join(sorted(unkernelled))} have no CUDA kernel here"
+    elif parallel is not None:
         from tallow.models.sharding import ShardLayout
 
         src = gguf_cuda.GgufFileTensors(path, reader)
         config = gguf.read_gguf(path, reader)[0]
         if not gguf_cuda.shards_fit(config, src, ShardLayout.of(config, parallel.rank, parallel.world_size)):
-            import logging
-
-            logging.getLogger("tallow.models").warning(
-                "%s: tensor-parallel slices of the o/down projections do not fall on block boundaries: "
-                "weights dequantized to %s", os.path.basename(path), str(dtype).removeprefix("torch."))
-            return None
+            why = "tensor-parallel slices of the o/down projections do not fall on block boundaries"
+    if why is not None:
+        log.warning("%s: %s: weights dequantized to %s", os.path.basename(path), why,
+                    str(dtype).removeprefix("torch."))
+        return None
     _, metadata, model = gguf_cuda.load_gguf_blocks(path, reader, device, dtype, parallel)
     return model, metadata
 
