@@ -18,13 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tallow.engine.grammar import closed_objects
+from tallow.engine.grammar import JSON_OPTIONS, closed_objects
 
 if TYPE_CHECKING:
     from tallow.output.tool_parsers.input_grammar import InputGrammar
 
-# llguidance's JSON options (its "x-guidance" key), as json.dumps(obj) writes JSON.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance's JSON options (its "x-guidance" key), as json.dumps(obj) writes JSON: the engine's.
+JSON_STYLE = JSON_OPTIONS
 
 # Any text: the free text around calls.
 ANY_TEXT = r"/(?s:.*)/"
