@@ -7,7 +7,7 @@ accordingly. The reference for such a file is the float32 model of its own dequa
 from __future__ import annotations
 
 import numpy as np
-from model_utils import gguf_tensor_name
+from model_utils import add_gguf_shape, close_gguf, gguf_tensor_name
 
 # Byte offsets of each block's float16 scale fields (the rest of a block is codes and integer
 # scales, any bit pattern valid).
@@ -118,6 +118,21 @@ def add_weight(writer, gguf_name: str, data: np.ndarray, weight_type: str) -> np
     return gguf.quants.dequantize(q, kind).reshape(data.shape)
 
 
+def add_sentencepiece_stub(writer, vocab_size: int, bos: int, eos: int) -> None:
+    """An F32 file's type and a SentencePiece ("llama") vocabulary of placeholder pieces t0, t1, ...
+    for a model the tests feed token ids."""
+    import gguf
+
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}" for i in range(vocab_size)])
+    writer.add_token_scores([0.0] * vocab_size)
+    writer.add_token_types([1] * vocab_size)
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
+    writer.add_add_space_prefix(False)
+
+
 # llama.cpp's gemma3 tensor names for transformers' Gemma3ForCausalLM parameters.
 GEMMA3_NAMES = {
     "model.embed_tokens": "token_embd", "model.norm": "output_norm",
@@ -144,29 +159,16 @@ def write_gemma3_gguf(path: str, hf_model, weight_type: str = "F32") -> dict[str
                              for i in range(c.num_hidden_layers)], "the converter writes no pattern: period 6"
     assert c.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0, "the converter writes no local theta"
     w = gguf.GGUFWriter(path, "gemma3")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_gguf_shape(w, c)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
     scaling = c.rope_parameters["full_attention"]
     if scaling.get("rope_type", "default") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaling["factor"])
     w.add_sliding_window(c.sliding_window)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    w.add_token_scores([0.0] * c.vocab_size)
-    w.add_token_types([1] * c.vocab_size)
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_add_space_prefix(False)
+    add_sentencepiece_stub(w, c.vocab_size, bos=2, eos=1)
     held = {}
     for name, t in hf_model.state_dict().items():
         if name == "lm_head.weight":
@@ -179,10 +181,7 @@ def write_gemma3_gguf(path: str, hf_model, weight_type: str = "F32") -> dict[str
             held[name] = data - 1.0
             continue
         held[name] = add_weight(w, gguf_name, data, weight_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
     return held
 
 
@@ -207,24 +206,11 @@ def write_phi3_gguf(path: str, hf_model, weight_type: str = "F32", rope_factors:
     c = hf_model.config
     head_dim = c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(path, "phi3")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    add_gguf_shape(w, c)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"] if getattr(c, "rope_parameters", None) else c.rope_theta)
-    w.add_sliding_window(c.sliding_window or 2047)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    w.add_token_scores([0.0] * c.vocab_size)
-    w.add_token_types([1] * c.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_space_prefix(False)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_sliding_window(c.sliding_window or 0)  # the converter's 0 for none
+    add_sentencepiece_stub(w, c.vocab_size, bos=1, eos=2)
     if rope_factors:
         w.add_tensor("rope_factors_long.weight", np.ones(head_dim // 2, np.float32))
         w.add_tensor("rope_factors_short.weight", np.ones(head_dim // 2, np.float32))
@@ -233,8 +219,5 @@ def write_phi3_gguf(path: str, hf_model, weight_type: str = "F32", rope_factors:
         gguf_name = gguf_tensor_name(name, PHI3_NAMES)
         data = t.float().numpy()
         held[name] = add_weight(w, gguf_name, data, "F32" if name.endswith("norm.weight") else weight_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
     return held

@@ -211,16 +211,10 @@ def write_gguf(path: str, hf_model, arch: str) -> None:
     c = hf_model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    add_gguf_shape(writer, c)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
@@ -238,6 +232,23 @@ def write_gguf(path: str, hf_model, arch: str) -> None:
         elif arch == "llama" and name.endswith("k_proj.weight"):
             w = llama_cpp_permute(w, c.num_key_value_heads)
         writer.add_tensor(gguf_name, w)
+    close_gguf(writer)
+
+
+def add_gguf_shape(writer, c) -> None:
+    """A transformers config's layer shape in a GGUF writer's metadata (the keys every
+    architecture's converter writes)."""
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+
+
+def close_gguf(writer) -> None:
+    """Write the file: header, metadata, tensors."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

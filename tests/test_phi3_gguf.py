@@ -15,10 +15,11 @@ from tallow.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
-# Phi-3 mini's proportions (head dim 96, no GQA, untied LM head), small.
+# Phi-3 mini's proportions (head dim 96, no GQA, untied LM head, its 2,047-token sliding window in
+# the file, which tallow leaves out as llama.cpp does: the test's prompts are shorter), small.
 SHAPE = dict(vocab_size=256, hidden_size=192, intermediate_size=384, num_hidden_layers=3, num_attention_heads=2,
              num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
-             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+             sliding_window=2047, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def hf_phi3(seed: int = 0):
