@@ -219,6 +219,62 @@ def test_native_decode_batch_of_many_spans(threads, dtype):
 
 
 @native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("variant", cpu_native.supported_variants())
+def test_native_long_decode_rows_of_many_kv_heads(threads, variant, monkeypatch):
+    """Eight KV heads of 64 (no grouping), decode rows of 18 and 11 chunks: where every block of
+    a step is one decode token, a thread on the AVX-512 loops runs the span it claims chunk by
+    chunk (every head's chunk, then the next chunk) instead of head by head. Against float64,
+    and the same bits as the row beside a prefill chunk (which runs head by head) and alone."""
+    monkeypatch.setattr(cpu_native, "_lib", cpu_native.load(variant))
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    heads = kv_heads = 8
+    D, block = 64, 16
+    g = torch.Generator().manual_seed(11)
+    contexts = [1100, 700]
+    free = torch.randperm(sum(-(-n // block) for n in contexts) + 3, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in contexts]
+    k_cache, v_cache = (torch.randn(len(free) + sum(map(len, tables)), block, kv_heads, D, generator=g).half()
+                        for _ in range(2))
+    q = [torch.randn(n, heads, D, generator=g) for n in contexts]
+    slot = lambda s, p: tables[s][p // block] * block + p % block  # noqa: E731
+
+    def attend(chunks):
+        slots = [slot(s, p) for s, n, ql in chunks for p in range(n - ql, n)]
+        flat = lambda c: c.view(-1, kv_heads, D)[slots].float()  # noqa: E731
+        width = max(len(tables[s]) for s, _, _ in chunks)
+        qls = [ql for _, _, ql in chunks]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), seq_lens=torch.tensor([n for _, n, _ in chunks], dtype=torch.int32),
+            query_start_loc=torch.tensor([0] + qls, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            block_tables=torch.tensor([tables[s] + [0] * (width - len(tables[s])) for s, _, _ in chunks],
+                                      dtype=torch.int32),
+            max_query_len=max(qls), max_seq_len=max(n for _, n, _ in chunks), query_lens_cpu=qls,
+            seq_lens_cpu=[n for _, n, _ in chunks], block_size=block)
+        qs = torch.cat([q[s][n - ql: n] for s, n, ql in chunks])
+        out = CpuAttentionBackend().forward(qs, flat(k_cache), flat(v_cache), k_cache, v_cache, meta, D ** -0.5)
+        return out.split(qls)
+
+    def reference(s, n):
+        rows = [slot(s, p) for p in range(n)]
+        k, v = (c.view(-1, kv_heads, D)[rows].double() for c in (k_cache, v_cache))
+        probs = (torch.einsum("hd,khd->hk", q[s][n - 1].double(), k) * D ** -0.5).softmax(-1)
+        return torch.einsum("hk,khd->hd", probs, v).float()
+
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        decode = attend([(0, 1100, 1), (1, 700, 1)])
+        for s, n in enumerate(contexts):
+            torch.testing.assert_close(decode[s][0], reference(s, n), atol=1e-5, rtol=1e-5)
+        assert torch.equal(attend([(0, 1100, 1)])[0], decode[0])
+        beside_prefill = attend([(1, 700, 9), (0, 1100, 1)])
+        assert torch.equal(beside_prefill[1], decode[0]) and torch.equal(beside_prefill[0][-1], decode[1][0])
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+@native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_native_backend_writes_new_kv_and_skips_padding(dtype):
     """tl_kv_write puts each token's K/V at its slot (rounded to nearest in a float16 cache)

@@ -696,20 +696,18 @@ static void locate_item(long item, int nblocks, const int *bt, const int *bspan,
     *blk = lo, *kvh = (int)(item % kv_heads), *s = (int)(span - bspan[lo]), *k = left < ATT_SPAN ? left : ATT_SPAN;
 }
 
-// Queues for pf_drain the rows of every chunk of work item `item`'s span, whole (every KV head's;
-// K rows, then V rows, chunk by chunk); off: scratch for ATT_CHUNK offsets.
-static void pf_push_span(att_prefetch *pf, long item, int nblocks, const int *bt, const int *bspan, const int *nch,
-                         const int *key0, const int *ctx, const int *seq, const int32_t *block_tables, long bt_stride,
-                         int block_size, int kv_heads, size_t P, const void *k_cache, const void *v_cache,
-                         size_t esize, size_t *off) {
+// Queues for pf_drain the rows of chunk i of work item `item`'s span, whole (every KV head's; K
+// rows, then V rows); off: scratch for ATT_CHUNK offsets.
+static void pf_push_chunk(att_prefetch *pf, long item, int i, int nblocks, const int *bt, const int *bspan,
+                          const int *nch, const int *key0, const int *ctx, const int *seq, const int32_t *block_tables,
+                          long bt_stride, int block_size, int kv_heads, size_t P, const void *k_cache,
+                          const void *v_cache, size_t esize, size_t *off) {
     int blk, kvh, s, k;
     locate_item(item, nblocks, bt, bspan, nch, kv_heads, &blk, &kvh, &s, &k);
-    for (int i = 0; i < k; i++) {
-        const int n = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN + i, 0, key0, ctx, seq, block_tables, bt_stride,
-                                 block_size, kv_heads, P, k_cache, v_cache, esize, -1, off);
-        for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)k_cache + off[j] * esize;
-        for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)v_cache + off[j] * esize;
-    }
+    const int n = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN + i, 0, key0, ctx, seq, block_tables, bt_stride,
+                             block_size, kv_heads, P, k_cache, v_cache, esize, -1, off);
+    for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)k_cache + off[j] * esize;
+    for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)v_cache + off[j] * esize;
 }
 
 // Parts {max, sum, out[D]} p[0], p[stride], ... p[(nc - 1) * stride] of one row merged in order:
@@ -816,21 +814,32 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         // a span's kv_heads items together (a span's keys' rows hold every head's K or V in one
         // run of memory: fetched whole with the first head, they are in cache for the others;
         // when neighbouring heads ran on other threads the rows came from memory in pieces).
-        const int claim = kv_heads > 1 && bspan[nblocks] >= 4L * nthreads ? kv_heads : 1;
+        // On the AVX-512 loops, a slab of decode tokens only (one token a block) runs each claimed
+        // span chunk by chunk (below), from half as many spans; the order of the work changes no
+        // result.
+        const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else attend_scores16 / values16 (K, V in place)
+        const int one_token_blocks = !tiles && nblocks == t1 - t0;
+        const int claim = kv_heads > 1 && bspan[nblocks] >= (one_token_blocks ? 2L : 4L) * nthreads ? kv_heads : 1;
 #pragma omp parallel num_threads(nthreads)
         {
+            // Where a thread claims a span's heads together on the AVX-512 loops (drip), it claims the
+            // next span when it starts one and prefetches rows from inside the arithmetic of the
+            // rows before them (att_prefetch); otherwise each chunk's rows are prefetched as the one
+            // before it starts. Spans of query blocks run head by head (every chunk of a head, then
+            // the next head), with the next span's rows queued whole; spans of decode tokens chunk by
+            // chunk (chunk i of every head, then chunk i + 1), with the next chunk's rows queued: a
+            // chunk's rows of every head are one run of memory each, 512 KB for 32 KV heads of 64
+            // float16 where a span of four chunks is 2 MB, more than L2 holds.
+            const int drip = claim > 1 && !tiles, by_chunk = drip && one_token_blocks;
             // scores: a chunk's rows (the block's tokens' heads); cpart: a span's chunk results
-            // (ATT_SPAN x the block's rows); rows: a chunk's rows for attend_item
+            // (ATT_SPAN x the block's rows; by_chunk: ATT_SPAN x the token's heads, for every KV
+            // head); rows: a chunk's rows for attend_item
+            const size_t cpart_rows = by_chunk ? (size_t)kv_heads * ATT_SPAN * group : (size_t)ATT_SPAN * max_rows;
+            const size_t cstride = (by_chunk ? (size_t)group : (size_t)max_rows) * part_len;  // a row's next chunk
             float *scores = (float *)malloc(sizeof(float) * ATT_CHUNK * (size_t)max_rows);
-            float *cpart = (float *)malloc(sizeof(float) * ATT_SPAN * (size_t)max_rows * part_len);
+            float *cpart = (float *)malloc(sizeof(float) * cpart_rows * part_len);
             att_row *rows = (att_row *)malloc(sizeof(att_row) * (size_t)max_rows);
             size_t *off = (size_t *)malloc(sizeof(size_t) * 4 * ATT_CHUNK);  // two chunks' row offsets; dense ones; scratch
-            const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else attend_scores16 / values16 (K, V in place)
-            // Where a thread claims a span's heads together on the AVX-512 loops, it claims the next
-            // span when it starts one and prefetches that span's rows from inside this one's
-            // arithmetic (att_prefetch); otherwise each chunk's rows are prefetched as the one
-            // before it starts.
-            const int drip = claim > 1 && !tiles;
             att_prefetch pf = {drip ? (const char **)malloc(sizeof(char *) * 2 * ATT_SPAN * ATT_CHUNK) : NULL, 0, 0,
                                (size_t)kv_heads * P * esize, 0};
             // the tiles' K columns, then (from a float16 or int8 cache) V rows as float32 (gather_rows)
@@ -845,17 +854,24 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             size_t *off_cur = off, *off_next = off + ATT_CHUNK, *dense = off + 2 * ATT_CHUNK;
             int blk = 0, kvh = 0, s = 0, k = 0, i = 0, n_cur = 0;  // chunk i of the item's k
             long cur = ok ? __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED) : items, ahead = items;
-#define PUSH_SPAN(item) pf_push_span(&pf, item, nblocks, bt, bspan, nch, lo, ctx, seq, block_tables, bt_stride, \
-                                     block_size, kv_heads, P, k_cache, v_cache, esize, off + 3 * ATT_CHUNK)
+#define PUSH_CHUNK(item, i) pf_push_chunk(&pf, item, i, nblocks, bt, bspan, nch, lo, ctx, seq, block_tables, \
+                                          bt_stride, block_size, kv_heads, P, k_cache, v_cache, esize, off + 3 * ATT_CHUNK)
+#define PUSH_SPAN(item)                                                      \
+    do {                                                                     \
+        int blk_, kvh_, s_, k_;                                              \
+        locate_item(item, nblocks, bt, bspan, nch, kv_heads, &blk_, &kvh_, &s_, &k_); \
+        for (int i_ = 0; i_ < k_; i_++) PUSH_CHUNK(item, i_);                \
+    } while (0)
             if (ok) {
                 for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
                 if (cur < items) {
                     locate_item(cur, nblocks, bt, bspan, nch, kv_heads, &blk, &kvh, &s, &k);
-                    if (drip) {  // the first span's rows at once, the next span's from inside it
-                        PUSH_SPAN(cur);
+                    if (drip) {  // the first span's (by_chunk: chunk's) rows at once, the next ones' from inside it
+                        if (by_chunk) PUSH_CHUNK(cur, 0);
+                        else PUSH_SPAN(cur);
                         pf_flush(&pf);
                         ahead = __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED);
-                        if (ahead < items) PUSH_SPAN(ahead);
+                        if (ahead < items && !by_chunk) PUSH_SPAN(ahead);
                     }
                     n_cur = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN, kvh, lo, ctx, seq, block_tables, bt_stride,
                                        block_size, kv_heads, P, k_cache, v_cache, esize,
@@ -865,16 +881,24 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             float *vrows = tiles && fmt != KV_F32 ? kt + (size_t)ATT_CHUNK * D : NULL;
             const float *vc = vrows ? vrows : (const float *)v_cache;
             while (cur < items) {
+                if (by_chunk && kvh == 0) {  // a chunk starts: the rest of its rows now, the next chunk's queued
+                    pf_flush(&pf);
+                    if (i + 1 < k) PUSH_CHUNK(cur, i + 1);
+                    else if (ahead < items) PUSH_CHUNK(ahead, 0);
+                }
                 long next = cur;  // the item of the next chunk, and that chunk
                 int nblk = blk, nkvh = kvh, ns = s, nk = k, ni = i + 1;
-                if (ni == k) {
+                if (by_chunk && (kvh + 1 < kv_heads || ni < k)) {  // the next head's chunk i, else head 0's chunk i + 1
+                    if (kvh + 1 < kv_heads) next = cur + 1, nkvh = kvh + 1, ni = i;
+                    else next = cur + 1 - kv_heads, nkvh = 0;
+                } else if (by_chunk || ni == k) {
                     if ((cur + 1) % claim) {
                         next = cur + 1;
-                    } else if (drip) {  // the span claimed ahead: the rest of its rows now, and the one after it queued
+                    } else if (drip) {  // the span claimed ahead (head by head: the rest of its rows now, and the one after it queued)
                         next = ahead;
-                        pf_flush(&pf);
+                        if (!by_chunk) pf_flush(&pf);
                         ahead = next < items ? __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED) : items;
-                        if (ahead < items) PUSH_SPAN(ahead);
+                        if (ahead < items && !by_chunk) PUSH_SPAN(ahead);
                     } else {
                         next = __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED);
                     }
@@ -891,8 +915,10 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                     keys_transposed(k_cache, fmt, off_cur, n_cur, D, kt);
                     if (vrows) gather_rows(v_cache, fmt, off_cur, n_cur, D, vrows);
                 }
-                // chunk i's results of the block's rows (token t's head g at row (t - tb) * group + g)
-                float *ci = cpart + (size_t)i * max_rows * part_len;
+                // chunk i's results of the block's rows (token t's head g at row (t - tb) * group + g;
+                // by_chunk: KV head kvh's own ATT_SPAN x group rows)
+                float *cbase = by_chunk ? cpart + (size_t)kvh * ATT_SPAN * cstride : cpart;
+                float *ci = cbase + (size_t)i * cstride;
                 int nrows = 0;
 #if ATTEND16
                 if (!tiles) {
@@ -920,8 +946,8 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                         if (nc <= 0) continue;  // the span is past this token's context
                         for (int g = 0; g < group; g++) {
                             float *dst = parts + (((size_t)first[t] + s) * kv_heads + kvh) * group * part_len + g * part_len;
-                            merge_parts(cpart + ((size_t)(t - tb) * group + g) * part_len, (size_t)max_rows * part_len,
-                                        nc, D, dst, dst + 1, dst + 2);
+                            merge_parts(cbase + ((size_t)(t - tb) * group + g) * part_len, cstride, nc, D, dst, dst + 1,
+                                        dst + 2);
                         }
                     }
                 size_t *swap = off_cur;
@@ -929,6 +955,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
                 cur = next, blk = nblk, kvh = nkvh, s = ns, k = nk, i = ni, n_cur = n_next;
             }
 #undef PUSH_SPAN
+#undef PUSH_CHUNK
 #pragma omp barrier
             // (every span is done) each (token, head)'s spans merged in order
 #pragma omp for schedule(static)
