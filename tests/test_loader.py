@@ -186,7 +186,7 @@ def test_unsupported_hf_architecture_names_itself_and_the_supported_ones(model_t
     message = str(e.value)
     assert f"model_type {model_type!r}" in message and archs[0] in message and "Gemma 3" not in message
     assert all(name in message for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                            "MistralForCausalLM", "Gemma3ForCausalLM"))
+                                            "MistralForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"))
 
 
 def test_architectures_decide_where_a_config_has_no_model_type():

@@ -17,12 +17,14 @@ class MissingConfigKey(ValueError):
 
 # The transformers checkpoints tallow runs: model_type -> its causal-LM class.
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+# Phi-3's rope types of the 128k-context models (transformers reads su and yarn as longrope).
+_LONGROPE = ("longrope", "su", "yarn")
 
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" | "phi3" (GGUF only)
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -40,8 +42,9 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     hidden_act: str = "silu"
     sliding_window: int | None = None
-    # Per layer "sliding_attention" | "full_attention" (Gemma 3): a sliding layer attends to the
-    # last sliding_window positions (itself included). None: every layer attends to everything.
+    # Per layer "sliding_attention" | "full_attention" (Gemma 3; Phi-3's HF folders: every layer
+    # slides): a sliding layer attends to the last sliding_window positions (itself included).
+    # None: every layer attends to everything.
     layer_types: list[str] | None = None
     # Gemma 3: the sliding layers' rotary theta (no scaling there); rope_theta/rope_scaling are
     # the full-attention layers'.
@@ -119,6 +122,13 @@ class ModelConfig:
                 rope_scaling = rope_scaling or rp
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
+        window = d.get("sliding_window") if d.get("use_sliding_window") else None
+        layer_types = None
+        if arch == "phi3":
+            _check_phi3(d, rope_scaling)
+            # transformers' Phi3Model masks every layer to its window whenever sliding_window is set
+            window = d.get("sliding_window")
+            layer_types = None if window is None else ["sliding_attention"] * d["num_hidden_layers"]
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -136,7 +146,8 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
             qk_norm=arch == "qwen3",
             hidden_act=d.get("hidden_act", "silu"),
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window") else None,
+            sliding_window=window,
+            layer_types=layer_types,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos_list,
             pad_token_id=d.get("pad_token_id"),
@@ -196,3 +207,17 @@ class ModelConfig:
             pad_token_id=d.get("pad_token_id", 0),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
         )
+
+
+def _check_phi3(d: dict[str, Any], rope_scaling: dict[str, Any] | None) -> None:
+    """Refuse what Phi3ForCausalLM can hold and tallow does not run: the 128k-context models'
+    LongRoPE and a partial rotary dimension (Phi-4-mini), each by its config.json field."""
+    kind = rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in _LONGROPE:
+        field_name = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+        raise ValueError(f"phi3 with {field_name} of type {kind!r} (LongRoPE: the 128k-context Phi-3 models) is "
+                         "not supported; the 4k-context models load")
+    rp = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    factor = d.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0))
+    if factor is not None and factor < 1:
+        raise ValueError(f"phi3 with partial_rotary_factor {factor} (a partial rotary dimension) is not supported")

@@ -52,6 +52,8 @@ _BLOCK_NAMES = {
 # Gemma 3's four norms per layer: ffn_norm is the one before the MLP there.
 _GEMMA3_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's fused projections, under its checkpoints' names (LlamaForCausalLM.load_weights splits them).
+_PHI3_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
@@ -59,7 +61,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     base, _, kind = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        names = dict(_BLOCK_NAMES, **_GEMMA3_NORMS) if arch == "gemma3" else _BLOCK_NAMES
+        names = dict(_BLOCK_NAMES, **{"gemma3": _GEMMA3_NORMS, "phi3": _PHI3_FUSED}.get(arch, {}))
         if part in names:
             return f"model.layers.{layer}.{names[part]}.{kind}"
     elif base in _GLOBAL_NAMES:
@@ -71,27 +73,13 @@ def projection_tensors(config: ModelConfig, blk: str) -> tuple[tuple[list[str], 
     """A layer's q/k/v and gate/up projections as GGUF tensors whose rows, side by side, are the
     fused projection's, each with the head count that undoes llama.cpp's q/k row interleave (None:
     nothing to undo). Phi-3's files keep its checkpoints' fused tensors: attn_qkv (q, k, v rows)
-    and ffn_up (the gate's rows, then the up projection's)."""
+    and ffn_up (the gate's rows, then the up projection's); the float path reads them under
+    those checkpoints' names (hf_name), split by LlamaForCausalLM.load_weights."""
     if config.architecture == "phi3":
         return ([f"{blk}.attn_qkv"], [None]), ([f"{blk}.ffn_up"], [None])
     return (([f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"],
              [config.num_attention_heads, config.num_key_value_heads, None]),
             ([f"{blk}.ffn_gate", f"{blk}.ffn_up"], [None, None]))
-
-
-def _unfused(gguf_name: str, w: np.ndarray, config: ModelConfig) -> list[tuple[str, np.ndarray]]:
-    """Phi-3's fused tensors (projection_tensors) split into the separate ones of the other
-    architectures, for the float path's transformers names; any other tensor as it is."""
-    base, _, kind = gguf_name.rpartition(".")
-    blk, _, part = base.rpartition(".")
-    if config.architecture != "phi3" or part not in ("attn_qkv", "ffn_up"):
-        return [(gguf_name, w)]
-    if part == "attn_qkv":
-        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-        parts = zip(("attn_q", "attn_k", "attn_v"), np.split(w, [q, q + kv]))
-    else:
-        parts = zip(("ffn_gate", "ffn_up"), np.split(w, 2))
-    return [(f"{blk}.{name}.{kind}", np.ascontiguousarray(p)) for name, p in parts]
 
 
 class _Field:
@@ -549,18 +537,17 @@ def _dequantized(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape)])
-        for gguf_name, w in _unfused(t.name, w, config):
-            name = hf_name(gguf_name, config.architecture)
-            if config.architecture == "gemma3" and name.endswith("norm.weight"):
-                w = w - 1.0  # the file holds Gemma's 1 + w; transformers' checkpoints hold w
-            if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                # llama.cpp's converter interleaves the two rotary halves of each head: undo it.
-                n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-                out, cols = w.shape
-                w = w.reshape(n_head, out // n_head // 2, 2, cols).swapaxes(1, 2).reshape(out, cols)
-            if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors are views of the file
-                w = np.array(w)
-            yield name, torch.from_numpy(w)
+        name = hf_name(t.name, config.architecture)
+        if config.architecture == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # the file holds Gemma's 1 + w; transformers' checkpoints hold w
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # llama.cpp's converter interleaves the two rotary halves of each head: undo it.
+            n_head = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            out, cols = w.shape
+            w = w.reshape(n_head, out // n_head // 2, 2, cols).swapaxes(1, 2).reshape(out, cols)
+        if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors are views of the file
+            w = np.array(w)
+        yield name, torch.from_numpy(w)
 
 
 def _cache_path(path: str, cache_dir: str) -> str:

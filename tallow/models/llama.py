@@ -1,5 +1,5 @@
-"""The engine's model code for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)
-and Gemma 3's text model, which ModelConfig describes as a Llama with options: embeddings
+"""The engine's model code for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2,
+Phi-3) and Gemma 3's text model, which ModelConfig describes as a Llama with options: embeddings
 scaled by sqrt(hidden), norms before and after attention and the MLP (sandwich_norms; the
 norm weights held as applied, Gemma's 1 + w), q/k norms, GeGLU (gelu_tanh), a query scale of
 query_pre_attn_scalar ** -0.5, and sliding-window attention on the layers layer_types names,
@@ -60,8 +60,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: ShardLayout,
                  parallel: ParallelContext | None = None, layer: int = 0):
         super().__init__()
-        # Sliding-window layers (Gemma 3) attend to their last `sliding_window` positions and
-        # rotate with the local rotary table.
+        # Sliding-window layers (Gemma 3; every layer of a Phi-3 HF folder) attend to their last
+        # `sliding_window` positions; Gemma 3's rotate with the local rotary table.
         self.sliding_window = config.layer_window(layer)
         self.local_rope = self.sliding_window is not None and config.rope_local_theta is not None
         self.num_heads = shard.num_heads
@@ -93,7 +93,7 @@ class LlamaAttention(nn.Module):
         window = {}
         if self.sliding_window is not None:
             if not getattr(self.backend, "supports_sliding_window", False):
-                raise NotImplementedError(f"sliding-window attention (Gemma 3) is not supported by "
+                raise NotImplementedError(f"sliding-window attention (Gemma 3, Phi-3) is not supported by "
                                           f"{type(self.backend).__name__}: it runs on the CPU backends")
             window = {"sliding_window": self.sliding_window}
         fused = getattr(self.backend, "forward_rotary", None)
@@ -350,11 +350,33 @@ class LlamaForCausalLM(nn.Module):
         parts = [part for part, (fused, _) in _FUSED.items() if fused == leaf]
         return {f"{parent}.{part}.{kind}": t for part, t in zip(parts, w.split(self._fused_sizes()[leaf]))}
 
-    def _fused_sizes(self) -> dict[str, list[int]]:
-        """Rows of each part of the fused weights, in this rank's shard."""
-        sh = self.shard
+    def _fused_sizes(self, whole: bool = False) -> dict[str, list[int]]:
+        """Rows of each part of the fused weights, in this rank's shard (whole: the whole model's,
+        as a checkpoint holds them)."""
+        sh = ShardLayout.of(self.config) if whole else self.shard
         q, kv = sh.num_heads * sh.head_dim, sh.num_kv_heads * sh.head_dim
         return {"qkv_proj": [q, kv, kv], "gate_up_proj": [sh.intermediate_size] * 2}
+
+    def _separated(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's weights with fused projections (Phi-3's qkv_proj: q, k, v rows;
+        gate_up_proj: the gate's rows, then up's) split into the separate parts the other
+        architectures' checkpoints hold (q_proj, k_proj, v_proj; gate_proj, up_proj): views, or
+        for a safetensors slice, only that part read."""
+        sizes = self._fused_sizes(whole=True)
+        for name, w in weights:
+            module, _, kind = name.rpartition(".")
+            parent, _, leaf = module.rpartition(".")
+            if leaf not in sizes or kind not in ("weight", "bias"):
+                yield name, w
+                continue
+            rows_held = (w.shape if isinstance(w, torch.Tensor) else w.get_shape())[0]
+            if rows_held != sum(sizes[leaf]):
+                raise ValueError(f"weight {name!r} has {rows_held} rows, expected {sum(sizes[leaf])} "
+                                 f"({' + '.join(map(str, sizes[leaf]))})")
+            start = 0
+            for part, rows in zip([p for p, (fused, _) in _FUSED.items() if fused == leaf], sizes[leaf]):
+                yield f"{parent}.{part}.{kind}", w[start:start + rows]
+                start += rows
 
     def _own_slice(self, leaf: str, w) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor. w is a tensor or a safetensors slice
@@ -382,15 +404,15 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights named as in a transformers checkpoint (model.layers.0.self_attn.q_proj.weight,
-        ...) into this model, fusing q/k/v and gate/up; a shard copies only its slice of each
-        (the weights may be safetensors slices). Raises ValueError on an unknown name, a shape
-        mismatch or a parameter left unloaded."""
+        ...; Phi-3's fused qkv_proj and gate_up_proj too) into this model, fusing q/k/v and
+        gate/up; a shard copies only its slice of each (the weights may be safetensors slices).
+        Raises ValueError on an unknown name, a shape mismatch or a parameter left unloaded."""
         cfg = self.config
         shards = self._fused_sizes()
         params = dict(self.named_parameters())
         missing = {(name, shard) for name in params
                    for shard in range(len(shards.get(name.split(".")[-2], [None])))}
-        for name, w in weights:
+        for name, w in self._separated(weights):
             if "rotary_emb." in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             module, _, kind = name.rpartition(".")
