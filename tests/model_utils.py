@@ -113,6 +113,10 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
         config._attn_implementation = "eager"
         model = transformers.Gemma3ForCausalLM(config)
+    elif family == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint; every layer slides (window 6)
+        config = transformers.Phi3Config(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **fields},
+                                         sliding_window=6)  # (its default token ids are past a tiny vocabulary)
+        model = transformers.Phi3ForCausalLM(config)
     else:
         raise ValueError(family)
     with torch.no_grad():

@@ -368,8 +368,9 @@ def test_kernels_link_torchs_openmp_runtime():
 # ---- the fused decoder layer (tl_llama_layer) against the module path -------------------------
 
 # qwen2: biases on q/k/v; qwen3: q/k norms; gemma3: q/k and sandwich norms, GeGLU, sliding-window
-# layers (a window of 6 positions: the steps' sequences pass it) with their own rotary table
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+# layers (a window of 6 positions: the steps' sequences pass it) with their own rotary table;
+# phi3: a window of 6 on every layer, with the model's one rotary table
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
 def test_fused_layers_equal_the_module_path(family, tmp_path, monkeypatch):
     """LlamaModel's one-call-per-layer path gives bit for bit the logits of running its modules
     over the same kernels: prefill chunks with cached prefixes, mixed and decode steps."""
