@@ -1,12 +1,12 @@
 // One chunk of paged attention on AVX-512 (included by kernels.c when compiled for it): the
 // contract of attention_avx2.h's tiles (part[g] = {max, sum, out[D]} over n <= ATT_CHUNK keys)
-// with 16-wide vectors, for D % 16 == 0, in two steps: a token's group heads' scores
-// (attend_scores16), then the weighted V sums of the rows of the tokens that read the same keys
-// (attend_values16).
+// with 16-wide vectors, for D % 16 == 0, in two steps: the scores of a token's group heads, or of
+// consecutive tokens' one head where a KV head serves one query head (qk_rows, softmax_rows), then
+// the weighted V sums of the rows of the tokens that read the same keys (attend_values16).
 //
 // q . k: each (head, key)'s D products folded into one vector, then 16 such vectors summed across
-// their lanes together (hsum16x16) into one vector of scores; up to four heads of a token share
-// each K row's load (and conversion from float16). The weighted sum of V runs several rows in one
+// their lanes together (hsum16x16) into one vector of scores; up to four rows (heads of a token,
+// or tokens of one head) share each K row's load (and conversion from float16). The weighted sum of V runs several rows in one
 // pass over the V rows (a row loaded and converted once for all of them). The order of every
 // operation of a row is fixed by n and D alone, so a token's result does not depend on its batch,
 // its neighbours in a block or the threads.
@@ -46,14 +46,15 @@ static inline __attribute__((always_inline)) __m512 v16(const void *v, size_t of
 #define PF_LINES_QK 4  // lines pf_drain prefetches a vector of scores, and a V row of a pass
 #define PF_LINES_PV 3
 
-// Scores of hg heads (queries at q + h * D) for keys off[0 .. n) into s[h * ATT_CHUNK + j]: kpr =
+// Scores of hg rows (queries at q + h * qs: a token's heads, qs = D, or the one head of
+// consecutive tokens, qs = the token stride) for keys off[0 .. n) into s[h * ATT_CHUNK + j]: kpr =
 // 16 / hg keys a vector of sums, lane i of it head i / kpr's key i % kpr (lanes past hg * kpr idle).
 // Each (head, key)'s D products are folded to 16 lanes (16 at a time, in order) and summed by hsum16x16's
 // tree, which sums every input the same way wherever it sits; so a score's bits do not depend on
 // hg. Inlined with constant hg.
-static inline __attribute__((always_inline)) void qk_heads(const float *q, int D, const void *k, const size_t *off,
-                                                            int fmt, int n, int hg, float scale, float *s,
-                                                            att_prefetch *pf) {
+static inline __attribute__((always_inline)) void qk_heads(const float *q, size_t qs, int D, const void *k,
+                                                            const size_t *off, int fmt, int n, int hg, float scale,
+                                                            float *s, att_prefetch *pf) {
     const int w = D / 16, kpr = 16 / hg;
     for (int j0 = 0; j0 < n; j0 += kpr) {
         __m512 a[16];
@@ -65,10 +66,10 @@ static inline __attribute__((always_inline)) void qk_heads(const float *q, int D
             if (j >= nk) continue;
             __m512 x[4];
             __m512 kv = v16(k, off[j0 + j], 0, fmt, D);
-            for (int h = 0; h < hg; h++) x[h] = _mm512_mul_ps(_mm512_loadu_ps(q + (size_t)h * D), kv);
+            for (int h = 0; h < hg; h++) x[h] = _mm512_mul_ps(_mm512_loadu_ps(q + h * qs), kv);
             for (int i = 1; i < w; i++) {
                 kv = v16(k, off[j0 + j], 16 * (size_t)i, fmt, D);
-                for (int h = 0; h < hg; h++) x[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (size_t)h * D + 16 * i), kv, x[h]);
+                for (int h = 0; h < hg; h++) x[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * qs + 16 * i), kv, x[h]);
             }
             for (int h = 0; h < hg; h++) a[perm16[h * kpr + j]] = x[h];
         }
@@ -103,30 +104,34 @@ static inline __attribute__((always_inline)) void pv_pass(const void *v, const s
             _mm512_storeu_ps(out + g * part_len + 16 * (size_t)(i0 + i), acc[g * wi + i]);
 }
 
-// One token's group heads q[g] over one chunk of n <= ATT_CHUNK keys (K rows at element off[j] of
-// the cache, format fmt): its scores as exp(score - max) at scores[g * ATT_CHUNK + j],
-// and part[g] = {max, sum} (the outputs come from attend_values16).
-static inline __attribute__((always_inline)) void attend_scores16(const float *q, int group, int D, float scale,
-                                                                   const void *k, const size_t *off, int fmt, int n,
-                                                                   float *scores, float *part, att_prefetch *pf) {
-    const size_t part_len = (size_t)D + 2;
-    // q . k: up to four heads at a time (each K row loaded and converted once for them), 16 / hg
-    // keys of each in one vector of sums
-    for (int g = 0; g < group;) {
-        const int hg = group - g >= 4 ? 4 : group - g;
-        switch (hg) {  // constant head counts: the accumulators stay in registers
-            case 1: qk_heads(q + (size_t)g * D, D, k, off, fmt, n, 1, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
-            case 2: qk_heads(q + (size_t)g * D, D, k, off, fmt, n, 2, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
-            case 3: qk_heads(q + (size_t)g * D, D, k, off, fmt, n, 3, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
-            default: qk_heads(q + (size_t)g * D, D, k, off, fmt, n, 4, scale, scores + (size_t)g * ATT_CHUNK, pf); break;
+// Scores of rows rows (queries at q + r * qs) for keys off[0 .. n) into scores[r * ATT_CHUNK + j],
+// up to four rows at a time (each K row loaded and converted once for them), 16 / hg keys of each
+// in one vector of sums.
+static inline __attribute__((always_inline)) void qk_rows(const float *q, size_t qs, int rows, int D, float scale,
+                                                           const void *k, const size_t *off, int fmt, int n,
+                                                           float *scores, att_prefetch *pf) {
+    for (int g = 0; g < rows;) {
+        const int hg = rows - g >= 4 ? 4 : rows - g;
+        const float *qg = q + g * qs;
+        float *sg = scores + (size_t)g * ATT_CHUNK;
+        switch (hg) {  // constant row counts: the accumulators stay in registers
+            case 1: qk_heads(qg, qs, D, k, off, fmt, n, 1, scale, sg, pf); break;
+            case 2: qk_heads(qg, qs, D, k, off, fmt, n, 2, scale, sg, pf); break;
+            case 3: qk_heads(qg, qs, D, k, off, fmt, n, 3, scale, sg, pf); break;
+            default: qk_heads(qg, qs, D, k, off, fmt, n, 4, scale, sg, pf); break;
         }
         g += hg;
     }
-    // exp(s - max) in place, the lanes past n masked out of the max and the sum: up to
-    // ATT_GROUP_BATCH heads' vectors in one loop (their exponentials independent, in flight
-    // together), each head's sum in order of j0
-    for (int g0 = 0; g0 < group; g0 += ATT_GROUP_BATCH) {
-        const int hg = group - g0 < ATT_GROUP_BATCH ? group - g0 : ATT_GROUP_BATCH;
+}
+
+// Rows rows of n scores (at scores[r * ATT_CHUNK + j]) as exp(score - max) in place, and part[r *
+// part_len] = {max, sum}: the lanes past n masked out of the max and the sum, up to
+// ATT_GROUP_BATCH rows' vectors in one loop (their exponentials independent, in flight together),
+// each row's sum in order of j0.
+static inline __attribute__((always_inline)) void softmax_rows(float *scores, int rows, int n, float *part,
+                                                                size_t part_len) {
+    for (int g0 = 0; g0 < rows; g0 += ATT_GROUP_BATCH) {
+        const int hg = rows - g0 < ATT_GROUP_BATCH ? rows - g0 : ATT_GROUP_BATCH;
         float mx[ATT_GROUP_BATCH];
         __m512 sum[ATT_GROUP_BATCH];
         for (int g = 0; g < hg; g++) {

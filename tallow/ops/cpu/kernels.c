@@ -598,7 +598,7 @@ static void pf_flush(att_prefetch *pf) {
 
 #if defined(__AVX512F__)
 #include "attention_avx512.h"
-#define ATTEND16 1  // attend_scores16 and attend_values16 serve D % 16 == 0
+#define ATTEND16 1  // qk_rows, softmax_rows and attend_values16 serve D % 16 == 0
 #else
 #define ATTEND16 0
 #endif
@@ -665,11 +665,19 @@ static inline __attribute__((always_inline)) void attend_block16(const float *q,
                                                                   const int *ctx, int n_cur, float *scores,
                                                                   float *ci, att_prefetch *pf) {
     const size_t part_len = (size_t)D + 2;
-    for (int t = tb; t < te; t++) {
+    // scores: each token's group heads (rows of one token), or where a KV head serves one query head,
+    // the runs of tokens that read the same keys, up to four rows sharing each K row's load
+    for (int t = tb, u; t < te; t = u) {
         const int n = chunk_keys(t, c, key0, ctx, n_cur);
+        u = t + 1;
+        if (group == 1)
+            while (u < te && chunk_keys(u, c, key0, ctx, n_cur) == n) u++;
         const size_t r0 = (size_t)(t - tb) * group;
-        if (n) attend_scores16(q + t * q_stride + (size_t)kvh * group * D, group, D, scale, k_cache, off, fmt, n,
-                               scores + r0 * ATT_CHUNK, ci + r0 * part_len, pf);
+        const int rows = group == 1 ? u - t : group;
+        if (!n) continue;
+        qk_rows(q + t * q_stride + (size_t)kvh * group * D, group == 1 ? (size_t)q_stride : (size_t)D, rows, D, scale,
+                k_cache, off, fmt, n, scores + r0 * ATT_CHUNK, pf);
+        softmax_rows(scores + r0 * ATT_CHUNK, rows, n, ci + r0 * part_len, part_len);
     }
     for (int t = tb, u; t < te; t = u) {
         const int n = chunk_keys(t, c, key0, ctx, n_cur);
@@ -817,7 +825,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         // On the AVX-512 loops, a slab of decode tokens only (one token a block) runs each claimed
         // span chunk by chunk (below), from half as many spans; the order of the work changes no
         // result.
-        const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else attend_scores16 / values16 (K, V in place)
+        const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else qk_rows, softmax_rows, attend_values16 (K, V in place)
         const int one_token_blocks = !tiles && nblocks == t1 - t0;
         const int claim = kv_heads > 1 && bspan[nblocks] >= (one_token_blocks ? 2L : 4L) * nthreads ? kv_heads : 1;
 #pragma omp parallel num_threads(nthreads)
