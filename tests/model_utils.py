@@ -88,6 +88,24 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
 
 
+def random_hf_model(model_cls, config, seed: int = 0, std: float | None = None, norm_mean: float = 0.0,
+                    norm_std: float = 0.3):
+    """A transformers model of random weights (eager attention, float32, eval mode): every weight
+    N(0, std) (None: the class's own initialization) and the norm weights N(norm_mean, norm_std),
+    away from their neutral value so that a misplaced norm, or one applied as w instead of 1 + w,
+    shows."""
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(norm_mean, norm_std)
+            elif std is not None:
+                p.normal_(0.0, std)
+    return model.eval()
+
+
 def tiny_hf_model(family: str, seed: int = 0, **overrides):
     """A small random transformers model (GQA, 2 layers) with weights large enough that attention
     is far from uniform, and norm weights away from 1 so a misplaced norm shows. overrides: config

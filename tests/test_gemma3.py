@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gguf_files import write_gemma3_gguf
-from model_utils import PagedBatches, run_all
+from model_utils import PagedBatches, random_hf_model, run_all
 from tallow.attention.cpu_backend import CpuAttentionBackend
 from tallow.config import EngineConfig
 from tallow.models.config import ModelConfig
@@ -36,19 +36,10 @@ SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_
 
 
 def hf_gemma(shape: dict, seed: int = 0):
-    """A random Gemma3ForCausalLM (eager attention, float32) with norm weights away from 0, so a
-    norm applied as w instead of 1 + w, or misplaced, shows."""
+    """A random Gemma3ForCausalLM with norm weights away from 0 (random_hf_model)."""
     import transformers
 
-    torch.manual_seed(seed)
-    config = transformers.Gemma3TextConfig(**shape)
-    config._attn_implementation = "eager"
-    model = transformers.Gemma3ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.3)
-    return model.eval()
+    return random_hf_model(transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(**shape), seed)
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:

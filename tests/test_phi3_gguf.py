@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gguf_files import write_phi3_gguf
+from model_utils import random_hf_model
 from test_gemma3 import ATOL, check_chunks_then_decode, hf_logits, random_ids, use_backend
 from tallow.errors import ModelLoadError
 from tallow.models.loader import load_model
@@ -23,14 +24,8 @@ SHAPE = dict(vocab_size=256, hidden_size=192, intermediate_size=384, num_hidden_
 
 
 def hf_phi3(seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.Phi3Config(**SHAPE)
-    config._attn_implementation = "eager"
-    model = transformers.Phi3ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3 if name.endswith("norm.weight") else 0.05)
-    return model.eval()
+    return random_hf_model(transformers.Phi3ForCausalLM, transformers.Phi3Config(**SHAPE), seed, std=0.05,
+                           norm_mean=1.0)
 
 
 @pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0"])

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from model_utils import PagedBatches
+from model_utils import PagedBatches, random_hf_model
 from test_gemma3 import ATOL, check_chunks_then_decode, hf_logits, random_ids, run, use_backend
 from tallow.errors import ModelLoadError
 from tallow.models.hf import load_hf_folder
@@ -30,17 +30,13 @@ CASES = {"mha-untied-window5": (4, False, 5), "gqa-tied-nowindow": (2, True, Non
          "gqa-untied-window7": (2, False, 7)}
 
 
-def save_phi3(path, kv_heads: int, tied: bool, window: int | None, seed: int = 0, **overrides) -> None:
+def save_phi3(path, kv_heads: int, tied: bool, window: int | None, seed: int = 0) -> None:
     """A random Phi3ForCausalLM saved as safetensors, with norm weights away from 1 so that a
     misplaced norm shows."""
-    torch.manual_seed(seed)
     config = transformers.Phi3Config(**dict(SHAPE, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
-                                            sliding_window=window, **overrides))
-    model = transformers.Phi3ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3 if name.endswith("norm.weight") else 0.08)
-    model.save_pretrained(path, safe_serialization=True)
+                                            sliding_window=window))
+    random_hf_model(transformers.Phi3ForCausalLM, config, seed, std=0.08, norm_mean=1.0).save_pretrained(
+        path, safe_serialization=True)
 
 
 def hf_from_folder(path):
