@@ -232,6 +232,8 @@ _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# A fused Linear's checkpoint parts, in order: fused name -> [part names].
+_PARTS = {fused: [part for part, (f, _) in _FUSED.items() if f == fused] for fused, _ in _FUSED.values()}
 # Checkpoint weights that tensor parallelism splits: module name -> (dim, ShardLayout.span kind).
 _SPLIT = {
     "q_proj": (0, "q"), "k_proj": (0, "kv"), "v_proj": (0, "kv"), "o_proj": (1, "q"),
@@ -347,8 +349,7 @@ class LlamaForCausalLM(nn.Module):
         parent, _, leaf = module.rpartition(".")
         if leaf not in self._fused_sizes():
             return {name: w}
-        parts = [part for part, (fused, _) in _FUSED.items() if fused == leaf]
-        return {f"{parent}.{part}.{kind}": t for part, t in zip(parts, w.split(self._fused_sizes()[leaf]))}
+        return {f"{parent}.{part}.{kind}": t for part, t in zip(_PARTS[leaf], w.split(self._fused_sizes()[leaf]))}
 
     def _fused_sizes(self, whole: bool = False) -> dict[str, list[int]]:
         """Rows of each part of the fused weights, in this rank's shard (whole: the whole model's,
@@ -374,7 +375,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} has {rows_held} rows, expected {sum(sizes[leaf])} "
                                  f"({' + '.join(map(str, sizes[leaf]))})")
             start = 0
-            for part, rows in zip([p for p, (fused, _) in _FUSED.items() if fused == leaf], sizes[leaf]):
+            for part, rows in zip(_PARTS[leaf], sizes[leaf]):
                 yield f"{parent}.{part}.{kind}", w[start:start + rows]
                 start += rows
 

@@ -704,18 +704,21 @@ static void locate_item(long item, int nblocks, const int *bt, const int *bspan,
     *blk = lo, *kvh = (int)(item % kv_heads), *s = (int)(span - bspan[lo]), *k = left < ATT_SPAN ? left : ATT_SPAN;
 }
 
-// Queues for pf_drain the rows of chunk i of work item `item`'s span, whole (every KV head's; K
-// rows, then V rows); off: scratch for ATT_CHUNK offsets.
-static void pf_push_chunk(att_prefetch *pf, long item, int i, int nblocks, const int *bt, const int *bspan,
-                          const int *nch, const int *key0, const int *ctx, const int *seq, const int32_t *block_tables,
-                          long bt_stride, int block_size, int kv_heads, size_t P, const void *k_cache,
-                          const void *v_cache, size_t esize, size_t *off) {
+// Queues for pf_drain the rows of work item `item`'s span, whole (every KV head's; K rows, then V
+// rows, chunk by chunk): every chunk's (only < 0) or chunk `only`'s; off: scratch for ATT_CHUNK
+// offsets.
+static void pf_push(att_prefetch *pf, long item, int only, int nblocks, const int *bt, const int *bspan,
+                    const int *nch, const int *key0, const int *ctx, const int *seq, const int32_t *block_tables,
+                    long bt_stride, int block_size, int kv_heads, size_t P, const void *k_cache, const void *v_cache,
+                    size_t esize, size_t *off) {
     int blk, kvh, s, k;
     locate_item(item, nblocks, bt, bspan, nch, kv_heads, &blk, &kvh, &s, &k);
-    const int n = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN + i, 0, key0, ctx, seq, block_tables, bt_stride,
-                             block_size, kv_heads, P, k_cache, v_cache, esize, -1, off);
-    for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)k_cache + off[j] * esize;
-    for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)v_cache + off[j] * esize;
+    for (int i = only < 0 ? 0 : only; i < (only < 0 ? k : only + 1); i++) {
+        const int n = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN + i, 0, key0, ctx, seq, block_tables, bt_stride,
+                                 block_size, kv_heads, P, k_cache, v_cache, esize, -1, off);
+        for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)k_cache + off[j] * esize;
+        for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)v_cache + off[j] * esize;
+    }
 }
 
 // Parts {max, sum, out[D]} p[0], p[stride], ... p[(nc - 1) * stride] of one row merged in order:
@@ -826,8 +829,8 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         // span chunk by chunk (below), from half as many spans; the order of the work changes no
         // result.
         const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else qk_rows, softmax_rows, attend_values16 (K, V in place)
-        const int one_token_blocks = !tiles && nblocks == t1 - t0;
-        const int claim = kv_heads > 1 && bspan[nblocks] >= (one_token_blocks ? 2L : 4L) * nthreads ? kv_heads : 1;
+        const int chunk_order = !tiles && nblocks == t1 - t0;
+        const int claim = kv_heads > 1 && bspan[nblocks] >= (chunk_order ? 2L : 4L) * nthreads ? kv_heads : 1;
 #pragma omp parallel num_threads(nthreads)
         {
             // Where a thread claims a span's heads together on the AVX-512 loops (drip), it claims the
@@ -838,7 +841,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             // chunk (chunk i of every head, then chunk i + 1), with the next chunk's rows queued: a
             // chunk's rows of every head are one run of memory each, 512 KB for 32 KV heads of 64
             // float16 where a span of four chunks is 2 MB, more than L2 holds.
-            const int drip = claim > 1 && !tiles, by_chunk = drip && one_token_blocks;
+            const int drip = claim > 1 && !tiles, by_chunk = claim > 1 && chunk_order;
             // scores: a chunk's rows (the block's tokens' heads); cpart: a span's chunk results
             // (ATT_SPAN x the block's rows; by_chunk: ATT_SPAN x the token's heads, for every KV
             // head); rows: a chunk's rows for attend_item
@@ -862,14 +865,9 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             size_t *off_cur = off, *off_next = off + ATT_CHUNK, *dense = off + 2 * ATT_CHUNK;
             int blk = 0, kvh = 0, s = 0, k = 0, i = 0, n_cur = 0;  // chunk i of the item's k
             long cur = ok ? __atomic_fetch_add(&claimed, claim, __ATOMIC_RELAXED) : items, ahead = items;
-#define PUSH_CHUNK(item, i) pf_push_chunk(&pf, item, i, nblocks, bt, bspan, nch, lo, ctx, seq, block_tables, \
-                                          bt_stride, block_size, kv_heads, P, k_cache, v_cache, esize, off + 3 * ATT_CHUNK)
-#define PUSH_SPAN(item)                                                      \
-    do {                                                                     \
-        int blk_, kvh_, s_, k_;                                              \
-        locate_item(item, nblocks, bt, bspan, nch, kv_heads, &blk_, &kvh_, &s_, &k_); \
-        for (int i_ = 0; i_ < k_; i_++) PUSH_CHUNK(item, i_);                \
-    } while (0)
+#define PUSH_CHUNK(item, i) pf_push(&pf, item, i, nblocks, bt, bspan, nch, lo, ctx, seq, block_tables, bt_stride, \
+                                    block_size, kv_heads, P, k_cache, v_cache, esize, off + 3 * ATT_CHUNK)
+#define PUSH_SPAN(item) PUSH_CHUNK(item, -1)
             if (ok) {
                 for (int j = 0; j < ATT_CHUNK; j++) dense[j] = (size_t)j * D;
                 if (cur < items) {
