@@ -51,6 +51,10 @@ class BuildPyWithKernels(build_py):
             try:
                 cpu_build.build(variant, out)
             except Exception as e:  # the compiler's own message, not just its exit status
+                if variant in cpu_build.OPTIONAL:
+                    self.warn(f"tallow CPU kernels ({variant}) not compiled into the wheel (the compiler "
+                              f"lacks its instructions?): {getattr(e, 'stderr', '') or e}")
+                    continue
                 raise RuntimeError(f"compiling tallow's CPU kernels ({variant}) failed:\n"
                                    f"{getattr(e, 'stderr', '') or e}") from e
 

@@ -8,6 +8,7 @@ builds' outputs are bit-identical and that each row equals the one-row call's re
 
     python benchmarks/cpu_rows_ab.py --old /work/main --new . --rows 1 2 5 8 16 32
     python benchmarks/cpu_rows_ab.py --old OLD --new . --variant avx512 --amx --rows 16 20 24 40
+    python benchmarks/cpu_rows_ab.py --old . --new . --variant avx2 --new-variant avxvnni   # two builds
 
 --amx turns both builds' AMX tile kernel on (tl_amx_enable, in this process: only where the
 tallow's own probe says tiles run; rows from 12 take the tiles).
@@ -38,6 +39,9 @@ def main() -> None:
     ap.add_argument("--old", required=True)
     ap.add_argument("--new", required=True)
     ap.add_argument("--variant", default="avx2")
+    ap.add_argument("--new-variant", default=None,
+                    help="the new side's build, if not --variant (e.g. --old . --new . --variant avx2 "
+                         "--new-variant avxvnni)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8, 16, 32])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--rounds", type=int, default=15)
@@ -47,9 +51,10 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {tag: tree_kernels(tree, args.variant, tmp, tag, ["tl_q4_linear", "tl_q8_linear", "tl_tile_channels"]
+        libs = {tag: tree_kernels(tree, variant, tmp, tag, ["tl_q4_linear", "tl_q8_linear", "tl_tile_channels"]
                                 + (["tl_amx_enable"] if args.amx else []))
-                for tag, tree in (("old", args.old), ("new", args.new))}
+                for tag, tree, variant in (("old", args.old, args.variant),
+                                           ("new", args.new, args.new_variant or args.variant))}
         if args.amx:
             from tallow.ops import cpu_native
 
@@ -59,7 +64,8 @@ def main() -> None:
                 if not lib.tl_amx_enable():
                     raise SystemExit("tl_amx_enable failed")
         nt = libs["new"].tl_tile_channels()
-        print(f"variant {args.variant}, NT {nt}, threads {args.threads}")
+        print(f"variant {args.variant}{' / new ' + args.new_variant if args.new_variant else ''}, NT {nt}, "
+              f"threads {args.threads}")
         print(f"{'shape':>11} {'M':>3} {'old us':>18} {'new us':>18} {'new/old':>7}")
         for shape in args.shapes:
             n, k, q8 = SHAPES[shape]

@@ -9,6 +9,7 @@ Rounds alternate the candidates so a shared machine's load hits them alike.
     OMP_NUM_THREADS=2 python benchmarks/gguf_gemv.py
     OMP_NUM_THREADS=2 python benchmarks/gguf_gemv.py --m 1 4 --rounds 9
     OMP_NUM_THREADS=1 python benchmarks/gguf_gemv.py --base /work/main   # A/B: that tree's kernels vs these
+    TALLOW_CPU_KERNELS=avxvnni python benchmarks/gguf_gemv.py --m 1 32 512 --base-variant avx2   # two builds
 
 With --base, each layer also runs on the kernels built from BASE/tallow/ops/cpu (same variant),
 alternating call samples, and the table gives base / this per shape (median and min-max of the
@@ -61,6 +62,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--sample-ms", type=float, default=50.0)
     ap.add_argument("--base", help="a source tree whose kernels to compare against (A/B)")
+    ap.add_argument("--base-variant", default=None,
+                    help="the base's build, if not the one in use (its GGUF layout must be the same: "
+                         "avx2 against avxvnni; --base defaults to this tree then)")
     ap.add_argument("--min", action="store_true", help="quote the best round (a loaded machine) instead of the median")
     args = ap.parse_args()
     from gguf_files import random_blocks
@@ -78,14 +82,15 @@ def main() -> None:
         raw = random_blocks(fmt, n, k, np.random.default_rng(0))
         layers.append((name, fmt, n, k, uses, gl.linear_from_raw(raw, getattr(T, fmt), k)))
     base_fn = None
+    if args.base_variant and not args.base:
+        args.base = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if args.base:
         import copy
         import tempfile
 
         from benchmarks.common import tree_kernels
         from tallow.ops import cpu_native
-        variant = cpu_native.cpu_kernels_variant() if hasattr(cpu_native, "cpu_kernels_variant") else "avx2"
-        variant = variant if variant in cpu_native.VARIANTS else cpu_native.supported_variants()[0]
+        variant = args.base_variant or cpu_native.variant()
         base_lib = tree_kernels(args.base, variant, tempfile.mkdtemp(), "base", ["tl_gguf_linear", "tl_q8_linear"])
         base_fn, base_q8 = base_lib.tl_gguf_linear, base_lib.tl_q8_linear
         print(f"A/B against {args.base} ({variant} build)")

@@ -16,7 +16,7 @@ def _default_cache_dir() -> str:
 
 
 def cpu_kernels_variant() -> str | None:
-    """$TALLOW_CPU_KERNELS: which build of tallow's CPU kernels to run ("avx512", "avx2"; "none"
+    """$TALLOW_CPU_KERNELS: which build of tallow's CPU kernels to run ("avx512", "avxvnni", "avx2"; "none"
     for torch's kernels), None for the best one the CPU runs (tallow/ops/cpu_native.py)."""
     return os.environ.get("TALLOW_CPU_KERNELS") or None
 

@@ -30,8 +30,26 @@ LIBS = ["-lm"]
 VARIANTS = {
     "avx512": (["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
                ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    # AVX2's code with AVX-VNNI's one-instruction multiply-adds (kernels.c: TL_VNNI256): Intel's
+    # client cores from Alder Lake, AMD's Zen 5 where AVX-512 is off. gcc 11+ / clang 12+.
+    "avxvnni": (["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], ("avx2", "fma", "f16c", "avx_vnni")),
     "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
 }
+# Builds a compiler may be too old for: a wheel goes without them (their CPUs run the next
+# variant), and a first-use build that fails falls back the same way (cpu_native.select).
+OPTIONAL = ("avxvnni",)
+# Builds for the tests only, never served nor shipped: "avxvnni-evex" is the avxvnni build's code
+# with the EVEX encodings of the same instructions, so that CPUs with AVX-512 VNNI but no AVX-VNNI
+# (AMD Zen 4, Intel Xeons before Sapphire Rapids) check its arithmetic (tests/test_cpu_avxvnni.py).
+CHECK_VARIANTS = {
+    "avxvnni-evex": (["-mavx2", "-mfma", "-mf16c", "-DTL_VNNI256_EVEX"],
+                     ("avx2", "fma", "f16c", "avx512_vnni", "avx512vl")),
+}
+
+
+def flags(variant: str) -> list[str]:
+    """The compiler flags of a build (VARIANTS or CHECK_VARIANTS)."""
+    return (VARIANTS.get(variant) or CHECK_VARIANTS[variant])[0]
 
 
 def sources(cpu_dir: str = CPU_DIR) -> list[str]:
@@ -41,7 +59,7 @@ def sources(cpu_dir: str = CPU_DIR) -> list[str]:
 
 def commands(variant: str, obj: str, out: str, cc: str = "cc", cpu_dir: str = CPU_DIR) -> list[list[str]]:
     """The compile and link commands of one build."""
-    return [[cc, *COMPILE_FLAGS, *VARIANTS[variant][0], "-c", "-o", obj, os.path.join(cpu_dir, "kernels.c")],
+    return [[cc, *COMPILE_FLAGS, *flags(variant), "-c", "-o", obj, os.path.join(cpu_dir, "kernels.c")],
             [cc, *LINK_FLAGS, "-o", out, obj, *LIBS]]
 
 

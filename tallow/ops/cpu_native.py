@@ -1,8 +1,9 @@
 """tallow's own CPU kernels (tallow/ops/cpu/kernels.c), loaded through ctypes.
 
-The source compiles for one of two instruction sets, the best this CPU has: "avx512" (AVX-512
-with VNNI: the linear layers' tiles of 16 channels multiplied by vpdpwssd) or "avx2" (AVX2,
-FMA, F16C: the same tiles, 8 channels to a register, the same floats); TALLOW_CPU_KERNELS (read in tallow/config.py) picks one, or
+The source compiles for one of three instruction sets, the best this CPU has: "avx512" (AVX-512
+with VNNI: the linear layers' tiles of 16 channels multiplied by vpdpwssd), "avx2" (AVX2, FMA,
+F16C: the same tiles, 8 channels to a register, the same floats) or "avxvnni" (avx2's code with
+AVX-VNNI's one-instruction multiply-adds: the same floats again); TALLOW_CPU_KERNELS (read in tallow/config.py) picks one, or
 "none" for torch's kernels. How they compile is tallow/ops/cpu_build.py. Where they come from,
 in order: the builds a wheel made at install (tallow/ops/cpu/prebuilt/, named by a digest of the
 sources and flags, so a stale one is never used), the cache of first-use builds
@@ -93,6 +94,12 @@ def cpu_flags() -> frozenset[str]:
 def supported_variants() -> list[str]:
     """The instruction sets of VARIANTS this CPU can run, best first."""
     return [name for name, (_, needs) in VARIANTS.items() if all(flag in cpu_flags() for flag in needs)]
+
+
+def runs(variant: str) -> bool:
+    """Whether this CPU runs a build of VARIANTS or cpu_build.CHECK_VARIANTS (the tests' builds)."""
+    needs = (VARIANTS.get(variant) or cpu_build.CHECK_VARIANTS.get(variant) or (None, ("?",)))[1]
+    return all(flag in cpu_flags() for flag in needs)
 
 
 def cpu_supported() -> bool:
@@ -210,9 +217,11 @@ def load(variant: str) -> ctypes.CDLL:
     with _lock:
         if variant in _loaded:
             return _loaded[variant]
-        if variant not in supported_variants():
-            raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS[variant][1])}" if variant in VARIANTS
-                               else f"unknown kernel variant {variant!r}; one of {', '.join(VARIANTS)}, none")
+        known = {**VARIANTS, **cpu_build.CHECK_VARIANTS}
+        if variant not in known:
+            raise RuntimeError(f"unknown kernel variant {variant!r}; one of {', '.join(VARIANTS)}, none")
+        if not runs(variant):
+            raise RuntimeError(f"the CPU lacks one of {', '.join(known[variant][1])}")
         path = library_path(variant)
         check_one_openmp_runtime()  # before: a conflicting runtime would take the kernels' calls
         loaded = ctypes.CDLL(path)
@@ -298,21 +307,26 @@ def select(wanted: str | None) -> ctypes.CDLL | None:
     global _lib, _tried, _error
     if _tried:
         return _lib
-    variants = supported_variants()
-    wanted = wanted or (variants[0] if variants else None)
     if wanted == "none":
         _error = "TALLOW_CPU_KERNELS=none"
     else:
-        try:
-            if wanted is None:
-                raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS['avx2'][1])}")
-            _lib = load(wanted)
-        except OpenMPRuntimeConflict:
-            raise
-        except subprocess.CalledProcessError as e:
-            _error = f"build failed: {e.stderr.strip()[:2000]}"
-        except Exception as e:  # no build and no compiler, unsupported CPU, load error: torch's kernels serve
-            _error = f"{type(e).__name__}: {e}"
+        # the one asked for, else the best this CPU runs; an optional build that fails (a
+        # compiler too old for its instructions) gives way to the next
+        for candidate in [wanted] if wanted else supported_variants() or [None]:
+            try:
+                if candidate is None:
+                    raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS['avx2'][1])}")
+                _lib, _error = load(candidate), None
+                break
+            except OpenMPRuntimeConflict:
+                raise
+            except subprocess.CalledProcessError as e:
+                _error = f"build failed: {e.stderr.strip()[:2000]}"
+            except Exception as e:  # no build and no compiler, unsupported CPU, load error: torch's kernels serve
+                _error = f"{type(e).__name__}: {e}"
+            if wanted or candidate not in cpu_build.OPTIONAL:
+                break
+            log.warning("tallow CPU kernels (%s) unavailable (%s): trying the next build", candidate, _error)
     if _error:
         log.warning("tallow CPU kernels unavailable (%s): the slow torch path is in use", _error)
     _tried = True

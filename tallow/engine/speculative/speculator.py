@@ -154,7 +154,7 @@ def default_row_cost(device_type: str) -> float:
 
     if cpu_native.variant() == "avx512" and cpu_native.amx_state() == "on":
         return 0.02  # many rows on AMX tiles: see config.py
-    return {"avx512": 0.25, "avx2": 0.4}.get(cpu_native.variant() or "", 0.7)
+    return {"avx512": 0.25, "avxvnni": 0.4, "avx2": 0.4}.get(cpu_native.variant() or "", 0.7)
 
 
 def batch_row_cost(row_cost: float, batch: int) -> float:

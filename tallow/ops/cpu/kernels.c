@@ -61,6 +61,36 @@ static inline __m256i pair_bcast(const int16_t *x) {
     return _mm256_set1_epi32(*(const pair *)x);
 }
 
+// AVX-VNNI (Intel's client cores from Alder Lake, Zen 5): the AVX2 build compiled with it
+// (the "avxvnni" variant) multiplies and adds in one instruction where AVX2 takes two or three:
+// vpdpwssd = madd + add (int16 pairs), vpdpbusd = maddubs + madd by ones + add (byte quads),
+// exact in int32 and never saturating, so the integers are those of the AVX2 loops (which
+// never saturate either: linear_gguf.h's groups) and the two builds compute the same floats.
+// TL_VNNI256_EVEX runs the same code with the EVEX encodings of AVX-512 VNNI / VL, for testing
+// on CPUs that have those but not AVX-VNNI (tests/test_cpu_avxvnni.py); it is never served.
+#if !defined(__AVX512F__) && (defined(__AVXVNNI__) || defined(TL_VNNI256_EVEX))
+#define TL_VNNI256 1
+static inline __attribute__((always_inline)) __m256i dpwssd256(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    __asm__("%{evex%} vpdpwssd %[b], %[a], %[acc]" : [acc] "+x"(acc) : [a] "x"(a), [b] "x"(b));
+    return acc;
+#endif
+}
+// acc + the 4 products of unsigned bytes u and signed bytes s in each 32-bit lane
+static inline __attribute__((always_inline)) __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    __asm__("%{evex%} vpdpbusd %[s], %[u], %[acc]" : [acc] "+x"(acc) : [u] "x"(u), [s] "x"(s));
+    return acc;
+#endif
+}
+#else
+#define TL_VNNI256 0
+#endif
+
 // A block of 32 floats as integers of scale d = max|x| / levels: v[0..3] (loaded from xb) become
 // round(x * levels / max|x|) (to nearest even; all 0 for a block of zeros); returns d.
 static inline __attribute__((always_inline)) float block_round(const float *xb, float levels, __m256 v[4]) {

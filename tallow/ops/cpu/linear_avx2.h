@@ -57,6 +57,21 @@ static inline __attribute__((always_inline)) void group_weights(const uint8_t *w
 static inline __attribute__((always_inline)) void block_dots(const uint8_t *wb, int q8, const int16_t *x, int K, int R,
                                                               __m256i *sums) {
     for (int i = 0; i < 2 * R; i++) sums[i] = _mm256_setzero_si256();
+#if TL_VNNI256
+    if (R == 1) {  // one row: four chains of multiply-adds, not two (their latency hidden)
+        __m256i s2 = _mm256_setzero_si256(), s3 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            __m256i w[4];
+            group_weights(wb, q8, g, w);
+            const __m256i xa = pair_bcast(x + 4 * g), xb = pair_bcast(x + 4 * g + 2);
+            sums[0] = dpwssd256(sums[0], w[0], xa), sums[1] = dpwssd256(sums[1], w[1], xa);
+            s2 = dpwssd256(s2, w[2], xb), s3 = dpwssd256(s3, w[3], xb);
+        }
+        sums[0] = _mm256_add_epi32(sums[0], s2), sums[1] = _mm256_add_epi32(sums[1], s3);
+        return;
+    }
+#endif
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
         __m256i w[4];
@@ -64,10 +79,15 @@ static inline __attribute__((always_inline)) void block_dots(const uint8_t *wb, 
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
             const __m256i xa = pair_bcast(x + (size_t)i * K + 4 * g), xb = pair_bcast(x + (size_t)i * K + 4 * g + 2);
+#if TL_VNNI256
+            sums[2 * i] = dpwssd256(dpwssd256(sums[2 * i], w[0], xa), w[2], xb);
+            sums[2 * i + 1] = dpwssd256(dpwssd256(sums[2 * i + 1], w[1], xa), w[3], xb);
+#else
             sums[2 * i] = _mm256_add_epi32(sums[2 * i], _mm256_add_epi32(_mm256_madd_epi16(w[0], xa),
                                                                          _mm256_madd_epi16(w[2], xb)));
             sums[2 * i + 1] = _mm256_add_epi32(sums[2 * i + 1], _mm256_add_epi32(_mm256_madd_epi16(w[1], xa),
                                                                                  _mm256_madd_epi16(w[3], xb)));
+#endif
             // keeps each group's adds in place: gcc otherwise computes the block's madds first
             // and spills them (1.4x slower)
             __asm__("" : "+x"(sums[2 * i]), "+x"(sums[2 * i + 1]));

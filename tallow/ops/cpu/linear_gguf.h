@@ -191,6 +191,19 @@ static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk
 // as the many-row loop's (gguf_sums, gguf_rows_q6), which sum in another order.
 static inline __attribute__((always_inline)) void gguf_half_sums1(const uint8_t *blk, int planes, int group, int h,
                                                                    const int8_t *x, __m256i *A, __m256i *B) {
+#if TL_VNNI256  // quads 0-3 into A, 4-7 into B, in int32 at once (A + B is the same integer)
+    (void)group;
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+        __m256i wl, wh;
+        gguf_quads(blk, planes, h, g, &wl, &wh);
+        a = dpbusd256(a, wl, _mm256_set1_epi32(quad_of(x + 4 * g)));
+        b = dpbusd256(b, wh, _mm256_set1_epi32(quad_of(x + 16 + 4 * g)));
+    }
+    *A = a, *B = b;
+    return;
+#endif
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a16 = _mm256_setzero_si256(), b16 = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -242,6 +255,23 @@ static inline __attribute__((always_inline)) void gguf_half_out(__m256i A, __m25
 // gguf_half_sums1's A + B.
 static inline __attribute__((always_inline)) void gguf_sums(const gblock *W, const int8_t *x, size_t xs, int R,
                                                              int group, __m256i A[3][2]) {
+#if TL_VNNI256  // every quad into int32 at once
+    (void)group;
+    for (int i = 0; i < R; i++) A[i][0] = A[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+        const __m256i w0 = _mm256_load_si256(&W->w[0][g]), w1 = _mm256_load_si256(&W->w[1][g]);
+        const __m256i w4 = _mm256_load_si256(&W->w[0][g + 4]), w5 = _mm256_load_si256(&W->w[1][g + 4]);
+        for (int i = 0; i < R; i++) {
+            const __m256i lo = _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 4 * g));
+            const __m256i hi = _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 16 + 4 * g));
+            A[i][0] = dpbusd256(dpbusd256(A[i][0], w0, lo), w4, hi);
+            A[i][1] = dpbusd256(dpbusd256(A[i][1], w1, lo), w5, hi);
+        }
+        for (int i = 0; i < R; i++) __asm__("" : "+x"(A[i][0]), "+x"(A[i][1]));  // kept in order: no spills
+    }
+    return;
+#endif
     const __m256i ones = _mm256_set1_epi16(1);
     const int steps = group / 2;  // steps of g per int16 sum
     __m256i s16[3][2];
@@ -273,14 +303,21 @@ static inline __attribute__((always_inline)) void gguf_sums(const gblock *W, con
 static inline __attribute__((always_inline)) void gguf_rows_q6(const gblock *W, const qrows8 *r, size_t row0, int R,
                                                                 int nb, int b, const float *dw0, const float *dw1,
                                                                 float *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *x = q8block(r, row0, b);
-    __m256i s16[3][2], s32[3][2];
+    __m256i s32[3][2];
+#if !TL_VNNI256
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s16[3][2];
+#endif
 #pragma GCC unroll 8
     for (int v = 0; v < 8; v++) {
         const __m256i w0 = _mm256_load_si256(&W->w[0][v]), w1 = _mm256_load_si256(&W->w[1][v]);
         for (int i = 0; i < R; i++) {
             const __m256i xv = _mm256_set1_epi32(quad_of(x + (size_t)i * r->rs + 4 * v));
+#if TL_VNNI256  // each quad into int32 at once
+            for (int h = 0; h < 2; h++)
+                s32[i][h] = dpbusd256(v % 4 == 0 ? _mm256_setzero_si256() : s32[i][h], h ? w1 : w0, xv);
+#else
             const __m256i p0 = _mm256_maddubs_epi16(w0, xv), p1 = _mm256_maddubs_epi16(w1, xv);
             s16[i][0] = v % 2 == 0 ? p0 : _mm256_add_epi16(s16[i][0], p0);
             s16[i][1] = v % 2 == 0 ? p1 : _mm256_add_epi16(s16[i][1], p1);
@@ -289,6 +326,7 @@ static inline __attribute__((always_inline)) void gguf_rows_q6(const gblock *W, 
                     const __m256i a32 = _mm256_madd_epi16(s16[i][h], ones);
                     s32[i][h] = v % 4 == 1 ? a32 : _mm256_add_epi32(s32[i][h], a32);
                 }
+#endif
             if (v % 4 == 3) {  // a half of the inputs done: (sum - 32 * its activations' sum) * dw * dx into acc
                 const size_t k = (row0 + (size_t)i) * nb + b;
                 const __m256 dxv = _mm256_set1_ps(r->d[k]);
@@ -302,7 +340,11 @@ static inline __attribute__((always_inline)) void gguf_rows_q6(const gblock *W, 
                 }
             }
         }
+#if TL_VNNI256
+        for (int i = 0; i < R; i++) __asm__("" : "+x"(s32[i][0]), "+x"(s32[i][1]));  // kept in order: no spills
+#else
         for (int i = 0; i < R; i++) __asm__("" : "+x"(s16[i][0]), "+x"(s16[i][1]));  // kept in order: no spills
+#endif
     }
 }
 
