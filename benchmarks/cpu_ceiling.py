@@ -3,9 +3,10 @@ measured alternately in one run (the real-models issue's target: 32-sequence dec
 default model at >= 60% of this machine's measured int16 ceiling).
 
 The ceiling: a C loop of 12 independent chains of the widest int16 multiply-add the CPU has
-(`vpdpwssd` on 512 bits where it lists avx512_vnni: 32 products an instruction; else AVX2's
-`vpmaddwd` + `vpaddd`: 16), compiled here with the system's C compiler and run on every thread
-at once (OpenMP), as BENCHMARKS.md's Zen 4 section measured it. The decode: `--batch`
+(`vpdpwssd` on 512 bits where it lists avx512_vnni: 32 products an instruction; on 256 bits
+where it lists avx_vnni: 16; else AVX2's `vpmaddwd` + `vpaddd`: 16), compiled here with the
+system's C compiler and run on every thread at once (OpenMP), as BENCHMARKS.md's Zen 4 section
+measured it. The decode: `--batch`
 sequences of `--prompt-len` random tokens, `--new-tokens` greedy tokens each, through the
 engine (decode_latency.py's loop); its multiply-adds a token are the model's linear layers
 (LM head included) plus attention's q.k and p.v at the run's mean context.
@@ -52,7 +53,11 @@ long chains(long n, int threads) {
         for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_epi32(i);
         for (long k = 0; k < n; k++)
 #pragma GCC unroll 12
+#if defined(__AVXVNNI__)
+            for (int i = 0; i < 12; i++) acc[i] = _mm256_dpwssd_avx_epi32(acc[i], a, b);
+#else
             for (int i = 0; i < 12; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(a, b));
+#endif
         for (int i = 0; i < 12; i++) total += _mm256_extract_epi32(acc[i], 0);
 #endif
     }
@@ -61,6 +66,9 @@ long chains(long n, int threads) {
 #if defined(__AVX512VNNI__)
 int madds(void) { return 32; }
 const char *instruction(void) { return "vpdpwssd (512 bits)"; }
+#elif defined(__AVXVNNI__)
+int madds(void) { return 16; }
+const char *instruction(void) { return "vpdpwssd (AVX-VNNI, 256 bits)"; }
 #else
 int madds(void) { return 16; }
 const char *instruction(void) { return "vpmaddwd + vpaddd (256 bits)"; }
@@ -76,7 +84,8 @@ def build_ceiling_kernel(folder: str) -> ctypes.CDLL:
     if cc is None:
         raise SystemExit(f"cpu_ceiling.py compiles its loop: {cpu_build.cannot_build()}")
     flags = cpu_native.cpu_flags()
-    isa = ["-mavx512f", "-mavx512bw", "-mavx512vnni"] if {"avx512f", "avx512_vnni"} <= flags else ["-mavx2"]
+    isa = (["-mavx512f", "-mavx512bw", "-mavx512vnni"] if {"avx512f", "avx512_vnni"} <= flags
+           else ["-mavx2", "-mavxvnni"] if "avx_vnni" in flags else ["-mavx2"])
     src, lib = os.path.join(folder, "ceiling.c"), os.path.join(folder, "ceiling.so")
     with open(src, "w") as f:
         f.write(_SOURCE)
