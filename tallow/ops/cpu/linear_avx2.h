@@ -27,12 +27,16 @@
 // Many rows: the rows in chunks of about ROW_CHUNK_BYTES of activations (they stay in L2 while a
 // thread's tiles go by: 1.03-1.1x at 512-2048 rows against a tile-outer loop), each block's
 // weights widened once for every ROWS rows (registers hold ROWS rows' accumulators: 3 rows is
-// the most that fits in 16 registers without spills), the rows' float accumulators in a small
-// per-thread buffer. One row (decode): blocks in order with the float accumulators in
-// registers (row1).
+// the most that fits in 16 registers without spills; 4 with AVX-VNNI, whose products need no
+// temporaries), the rows' float accumulators in a small per-thread buffer. One row (decode):
+// blocks in order with the float accumulators in registers (row1).
 
 #define NT 16
+#if TL_VNNI256
+#define ROWS 4
+#else
 #define ROWS 3
+#endif
 #define ROW_CHUNK_BYTES 65536
 #define PREFETCH 2048  // bytes of Q4 weights ahead of the current block (Q8: 4x: measured best on Zen 3)
 
@@ -198,7 +202,8 @@ static int linear(const float *x, int M, int K, int N, const uint8_t *wq, const 
                     int i = 0;
                     for (; i + ROWS <= rows; i += ROWS)
                         rows_block(&r, m0 + i, ROWS, K, b, wb, q8, d, mv, acc + (size_t)i * 2 * NT);
-                    if (rows - i == 2) rows_block(&r, m0 + i, 2, K, b, wb, q8, d, mv, acc + (size_t)i * 2 * NT);
+                    if (rows - i == 3) rows_block(&r, m0 + i, 3, K, b, wb, q8, d, mv, acc + (size_t)i * 2 * NT);
+                    else if (rows - i == 2) rows_block(&r, m0 + i, 2, K, b, wb, q8, d, mv, acc + (size_t)i * 2 * NT);
                     else if (rows - i == 1) rows_block(&r, m0 + i, 1, K, b, wb, q8, d, mv, acc + (size_t)i * 2 * NT);
                 }
                 for (int i = 0; i < rows; i++) {

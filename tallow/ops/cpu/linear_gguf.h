@@ -57,6 +57,14 @@ static inline int gguf_planes(int fmt) { return fmt == TL_Q6_K ? 2 : fmt == TL_Q
 static inline int gguf_zero(int fmt) { return fmt == TL_Q5_0 ? 16 : fmt == TL_Q6_K ? 32 : 0; }
 static inline int gguf_halves(int fmt) { return fmt == TL_Q6_K; }  // two scales per block of 32
 static inline int gguf_has_m(int fmt) { return fmt != TL_Q5_0 && fmt != TL_Q6_K; }
+// AVX2: rows a pass over an unpacked block (16 registers; AVX-VNNI needs no int16 partial sums,
+// so one more row fits)
+#if TL_VNNI256
+#define GROWS 4
+#else
+#define GROWS 3
+#endif
+
 // AVX2: quads whose byte products may add up in int16 (the format's largest code: 15, 31, 63)
 static inline int gguf_group(int fmt) { return fmt == TL_Q4_K ? 8 : fmt == TL_Q6_K ? 2 : 4; }
 
@@ -254,7 +262,7 @@ static inline __attribute__((always_inline)) void gguf_half_out(__m256i A, __m25
 // for `group` / 2 steps of g (group 8: all eight quads, 4: four), then widen: A[i][h] is
 // gguf_half_sums1's A + B.
 static inline __attribute__((always_inline)) void gguf_sums(const gblock *W, const int8_t *x, size_t xs, int R,
-                                                             int group, __m256i A[3][2]) {
+                                                             int group, __m256i A[GROWS][2]) {
 #if TL_VNNI256  // every quad into int32 at once
     (void)group;
     for (int i = 0; i < R; i++) A[i][0] = A[i][1] = _mm256_setzero_si256();
@@ -274,7 +282,7 @@ static inline __attribute__((always_inline)) void gguf_sums(const gblock *W, con
 #endif
     const __m256i ones = _mm256_set1_epi16(1);
     const int steps = group / 2;  // steps of g per int16 sum
-    __m256i s16[3][2];
+    __m256i s16[GROWS][2];
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
         const __m256i w0 = _mm256_load_si256(&W->w[0][g]), w1 = _mm256_load_si256(&W->w[1][g]);
@@ -304,10 +312,10 @@ static inline __attribute__((always_inline)) void gguf_rows_q6(const gblock *W, 
                                                                 int nb, int b, const float *dw0, const float *dw1,
                                                                 float *acc) {
     const int8_t *x = q8block(r, row0, b);
-    __m256i s32[3][2];
+    __m256i s32[GROWS][2];
 #if !TL_VNNI256
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i s16[3][2];
+    __m256i s16[GROWS][2];
 #endif
 #pragma GCC unroll 8
     for (int v = 0; v < 8; v++) {
@@ -349,7 +357,7 @@ static inline __attribute__((always_inline)) void gguf_rows_q6(const gblock *W, 
 }
 
 // R rows (row0 + i of r, accumulators acc + i * GT) through an unpacked block together: each
-// quad vector is loaded once for the R rows (gguf_sums; Q6_K: gguf_rows_q6). R <= 3.
+// quad vector is loaded once for the R rows (gguf_sums; Q6_K: gguf_rows_q6). R <= GROWS.
 static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, const qrows8 *r, size_t row0, int R,
                                                              int nb, int b, int zero, int group, const float *dw0,
                                                              const float *dw1, const float *mw, int halves, int has_m,
@@ -358,7 +366,7 @@ static inline __attribute__((always_inline)) void gguf_rows(const gblock *W, con
         gguf_rows_q6(W, r, row0, R, nb, b, dw0, dw1, acc);
         return;
     }
-    __m256i A[3][2];
+    __m256i A[GROWS][2];
     gguf_sums(W, q8block(r, row0, b), r->rs, R, group, A);
     for (int i = 0; i < R; i++) {
         const size_t k = (row0 + (size_t)i) * nb + b;
@@ -477,7 +485,7 @@ static inline __attribute__((always_inline)) void gguf_tile_rows(int planes, int
                                                                   const uint16_t *mt, const uint8_t *sct,
                                                                   const uint8_t *mnt, const qrows8 *r, int m0,
                                                                   int rows, float *acc) {
-    const int R = 3;  // AVX2: 16 registers (AVX-512's gguf_rows takes any)
+    const int R = GROWS;  // AVX2: 16 registers (AVX-512's gguf_rows takes any)
     for (int b = 0; b < nb; b++) {
         const uint8_t *wb = wt + (size_t)b * block_bytes;
         for (size_t p = 0; p < block_bytes; p += 64) _mm_prefetch((const char *)(wb + 4 * block_bytes + p), _MM_HINT_T0);
@@ -488,6 +496,9 @@ static inline __attribute__((always_inline)) void gguf_tile_rows(int planes, int
         int i = 0;
         for (; i + R <= rows; i += R)
             gguf_rows(&W, r, (size_t)(m0 + i), R, nb, b, zero, group, dw0, dw1, mw, halves, has_m, acc + (size_t)i * GT);
+        if (R > 3 && rows - i == 3)
+            gguf_rows(&W, r, (size_t)(m0 + i), 3, nb, b, zero, group, dw0, dw1, mw, halves, has_m, acc + (size_t)i * GT),
+                i += 3;
         if (rows - i == 2)
             gguf_rows(&W, r, (size_t)(m0 + i), 2, nb, b, zero, group, dw0, dw1, mw, halves, has_m, acc + (size_t)i * GT),
                 i += 2;
