@@ -3,8 +3,8 @@
 The source compiles for one of three instruction sets, the best this CPU has: "avx512" (AVX-512
 with VNNI: the linear layers' tiles of 16 channels multiplied by vpdpwssd), "avx2" (AVX2, FMA,
 F16C: the same tiles, 8 channels to a register, the same floats) or "avxvnni" (avx2's code with
-AVX-VNNI's one-instruction multiply-adds: the same floats again); TALLOW_CPU_KERNELS (read in tallow/config.py) picks one, or
-"none" for torch's kernels. How they compile is tallow/ops/cpu_build.py. Where they come from,
+AVX-VNNI's one-instruction multiply-adds: the same floats again); TALLOW_CPU_KERNELS (read in
+tallow/config.py) picks one, or "none" for torch's kernels. How they compile is tallow/ops/cpu_build.py. Where they come from,
 in order: the builds a wheel made at install (tallow/ops/cpu/prebuilt/, named by a digest of the
 sources and flags, so a stale one is never used), the cache of first-use builds
 (~/.cache/tallow/kernels: editable installs, built with the system C compiler), else none:
