@@ -340,7 +340,7 @@ def variant() -> str | None:
 
 
 def tile_channels(kernels: ctypes.CDLL | None = None) -> int:
-    """Output channels per weight tile of these kernels (default: lib()'s): 16 in both builds."""
+    """Output channels per weight tile of these kernels (default: lib()'s): 16 in every build."""
     return (kernels or lib()).tl_tile_channels()
 
 

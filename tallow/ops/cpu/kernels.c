@@ -1,5 +1,7 @@
-// tallow's CPU kernels (AVX2 + FMA; the linear layers also on AVX-512 VNNI), loaded through
-// ctypes by tallow/ops/cpu_native.py, which compiles this file once per instruction set.
+// tallow's CPU kernels (AVX2 + FMA; the linear layers also on AVX-512 VNNI, or on AVX2 with
+// AVX-VNNI's multiply-adds: TL_VNNI256 below), loaded through ctypes by tallow/ops/cpu_native.py,
+// which compiles this file once per instruction set. "Both builds" below means the AVX-512 code
+// and the AVX2 code, which the avx2 and avxvnni builds share.
 //
 // (Many rows run on AMX tiles where the CPU has them: linear_amx.h, linear_gguf_amx.h.)
 //
