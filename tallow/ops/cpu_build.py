@@ -52,6 +52,11 @@ def flags(variant: str) -> list[str]:
     return (VARIANTS.get(variant) or CHECK_VARIANTS[variant])[0]
 
 
+def needs(variant: str) -> tuple[str, ...]:
+    """The /proc/cpuinfo flags a build (VARIANTS or CHECK_VARIANTS) needs."""
+    return (VARIANTS.get(variant) or CHECK_VARIANTS[variant])[1]
+
+
 def sources(cpu_dir: str = CPU_DIR) -> list[str]:
     """The kernels' source files: kernels.c (the one translation unit) and every header beside it."""
     return [os.path.join(cpu_dir, "kernels.c"), *sorted(glob.glob(os.path.join(cpu_dir, "*.h")))]

@@ -93,13 +93,12 @@ def cpu_flags() -> frozenset[str]:
 
 def supported_variants() -> list[str]:
     """The instruction sets of VARIANTS this CPU can run, best first."""
-    return [name for name, (_, needs) in VARIANTS.items() if all(flag in cpu_flags() for flag in needs)]
+    return [name for name in VARIANTS if runs(name)]
 
 
 def runs(variant: str) -> bool:
     """Whether this CPU runs a build of VARIANTS or cpu_build.CHECK_VARIANTS (the tests' builds)."""
-    needs = (VARIANTS.get(variant) or cpu_build.CHECK_VARIANTS.get(variant) or (None, ("?",)))[1]
-    return all(flag in cpu_flags() for flag in needs)
+    return all(flag in cpu_flags() for flag in cpu_build.needs(variant))
 
 
 def cpu_supported() -> bool:
@@ -217,11 +216,10 @@ def load(variant: str) -> ctypes.CDLL:
     with _lock:
         if variant in _loaded:
             return _loaded[variant]
-        known = {**VARIANTS, **cpu_build.CHECK_VARIANTS}
-        if variant not in known:
+        if variant not in VARIANTS and variant not in cpu_build.CHECK_VARIANTS:
             raise RuntimeError(f"unknown kernel variant {variant!r}; one of {', '.join(VARIANTS)}, none")
         if not runs(variant):
-            raise RuntimeError(f"the CPU lacks one of {', '.join(known[variant][1])}")
+            raise RuntimeError(f"the CPU lacks one of {', '.join(cpu_build.needs(variant))}")
         path = library_path(variant)
         check_one_openmp_runtime()  # before: a conflicting runtime would take the kernels' calls
         loaded = ctypes.CDLL(path)
@@ -315,7 +313,7 @@ def select(wanted: str | None) -> ctypes.CDLL | None:
         for candidate in [wanted] if wanted else supported_variants() or [None]:
             try:
                 if candidate is None:
-                    raise RuntimeError(f"the CPU lacks one of {', '.join(VARIANTS['avx2'][1])}")
+                    raise RuntimeError(f"the CPU lacks one of {', '.join(cpu_build.needs('avx2'))}")
                 _lib, _error = load(candidate), None
                 break
             except OpenMPRuntimeConflict:

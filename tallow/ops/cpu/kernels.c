@@ -70,25 +70,21 @@ static inline __m256i pair_bcast(const int16_t *x) {
 // never saturate either: linear_gguf.h's groups) and the two builds compute the same floats.
 // TL_VNNI256_EVEX runs the same code with the EVEX encodings of AVX-512 VNNI / VL, for testing
 // on CPUs that have those but not AVX-VNNI (tests/test_cpu_avxvnni.py); it is never served.
-#if !defined(__AVX512F__) && (defined(__AVXVNNI__) || defined(TL_VNNI256_EVEX))
+// dpwssd256(acc, a, b): acc + each 32-bit lane's two int16 products; dpbusd256(acc, u, s): acc +
+// each lane's four products of unsigned bytes u and signed bytes s.
+#if !defined(__AVX512F__) && defined(__AVXVNNI__)
 #define TL_VNNI256 1
-static inline __attribute__((always_inline)) __m256i dpwssd256(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-    __asm__("%{evex%} vpdpwssd %[b], %[a], %[acc]" : [acc] "+x"(acc) : [a] "x"(a), [b] "x"(b));
-    return acc;
-#endif
-}
-// acc + the 4 products of unsigned bytes u and signed bytes s in each 32-bit lane
-static inline __attribute__((always_inline)) __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    __asm__("%{evex%} vpdpbusd %[s], %[u], %[acc]" : [acc] "+x"(acc) : [u] "x"(u), [s] "x"(s));
-    return acc;
-#endif
-}
+#define dpwssd256 _mm256_dpwssd_avx_epi32
+#define dpbusd256 _mm256_dpbusd_avx_epi32
+#elif !defined(__AVX512F__) && defined(TL_VNNI256_EVEX)
+#define TL_VNNI256 1
+#define VNNI256_EVEX(name, insn)                                                                          \
+    static inline __attribute__((always_inline)) __m256i name(__m256i acc, __m256i a, __m256i b) {       \
+        __asm__("%{evex%} " insn " %[b], %[a], %[acc]" : [acc] "+x"(acc) : [a] "x"(a), [b] "x"(b)); \
+        return acc;                                                                                      \
+    }
+VNNI256_EVEX(dpwssd256, "vpdpwssd")
+VNNI256_EVEX(dpbusd256, "vpdpbusd")
 #else
 #define TL_VNNI256 0
 #endif

@@ -61,21 +61,9 @@ static inline __attribute__((always_inline)) void group_weights(const uint8_t *w
 static inline __attribute__((always_inline)) void block_dots(const uint8_t *wb, int q8, const int16_t *x, int K, int R,
                                                               __m256i *sums) {
     for (int i = 0; i < 2 * R; i++) sums[i] = _mm256_setzero_si256();
-#if TL_VNNI256
-    if (R == 1) {  // one row: four chains of multiply-adds, not two (their latency hidden)
-        __m256i s2 = _mm256_setzero_si256(), s3 = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int g = 0; g < 8; g++) {
-            __m256i w[4];
-            group_weights(wb, q8, g, w);
-            const __m256i xa = pair_bcast(x + 4 * g), xb = pair_bcast(x + 4 * g + 2);
-            sums[0] = dpwssd256(sums[0], w[0], xa), sums[1] = dpwssd256(sums[1], w[1], xa);
-            s2 = dpwssd256(s2, w[2], xb), s3 = dpwssd256(s3, w[3], xb);
-        }
-        sums[0] = _mm256_add_epi32(sums[0], s2), sums[1] = _mm256_add_epi32(sums[1], s3);
-        return;
-    }
-#endif
+    // AVX-VNNI, one row: the pairs (4g + 2, 4g + 3) in chains of their own (four chains, not two:
+    // their latency hidden); more rows have chains enough
+    __m256i t[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
         __m256i w[4];
@@ -84,8 +72,9 @@ static inline __attribute__((always_inline)) void block_dots(const uint8_t *wb, 
         for (int i = 0; i < R; i++) {
             const __m256i xa = pair_bcast(x + (size_t)i * K + 4 * g), xb = pair_bcast(x + (size_t)i * K + 4 * g + 2);
 #if TL_VNNI256
-            sums[2 * i] = dpwssd256(dpwssd256(sums[2 * i], w[0], xa), w[2], xb);
-            sums[2 * i + 1] = dpwssd256(dpwssd256(sums[2 * i + 1], w[1], xa), w[3], xb);
+            __m256i *sb = R == 1 ? t : sums + 2 * i;
+            sums[2 * i] = dpwssd256(sums[2 * i], w[0], xa), sb[0] = dpwssd256(sb[0], w[2], xb);
+            sums[2 * i + 1] = dpwssd256(sums[2 * i + 1], w[1], xa), sb[1] = dpwssd256(sb[1], w[3], xb);
 #else
             sums[2 * i] = _mm256_add_epi32(sums[2 * i], _mm256_add_epi32(_mm256_madd_epi16(w[0], xa),
                                                                          _mm256_madd_epi16(w[2], xb)));
@@ -97,6 +86,7 @@ static inline __attribute__((always_inline)) void block_dots(const uint8_t *wb, 
             __asm__("" : "+x"(sums[2 * i]), "+x"(sums[2 * i + 1]));
         }
     }
+    if (TL_VNNI256 && R == 1) sums[0] = _mm256_add_epi32(sums[0], t[0]), sums[1] = _mm256_add_epi32(sums[1], t[1]);
 }
 
 // R rows (from row m of the call, at acc in the chunk's accumulators: per row dot[16], m[16])

@@ -199,27 +199,19 @@ static inline __attribute__((always_inline)) void gguf_unpack(const uint8_t *blk
 // as the many-row loop's (gguf_sums, gguf_rows_q6), which sum in another order.
 static inline __attribute__((always_inline)) void gguf_half_sums1(const uint8_t *blk, int planes, int group, int h,
                                                                    const int8_t *x, __m256i *A, __m256i *B) {
-#if TL_VNNI256  // quads 0-3 into A, 4-7 into B, in int32 at once (A + B is the same integer)
-    (void)group;
-    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; g++) {
-        __m256i wl, wh;
-        gguf_quads(blk, planes, h, g, &wl, &wh);
-        a = dpbusd256(a, wl, _mm256_set1_epi32(quad_of(x + 4 * g)));
-        b = dpbusd256(b, wh, _mm256_set1_epi32(quad_of(x + 16 + 4 * g)));
-    }
-    *A = a, *B = b;
-    return;
-#endif
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a16 = _mm256_setzero_si256(), b16 = _mm256_setzero_si256();
+    if (TL_VNNI256) *A = *B = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
         __m256i wl, wh;
         gguf_quads(blk, planes, h, g, &wl, &wh);
-        const __m256i pa = _mm256_maddubs_epi16(wl, _mm256_set1_epi32(quad_of(x + 4 * g)));
-        const __m256i pb = _mm256_maddubs_epi16(wh, _mm256_set1_epi32(quad_of(x + 16 + 4 * g)));
+        const __m256i xl = _mm256_set1_epi32(quad_of(x + 4 * g)), xh = _mm256_set1_epi32(quad_of(x + 16 + 4 * g));
+#if TL_VNNI256  // quads 0-3 into A, 4-7 into B, in int32 at once (A + B is the same integer)
+        *A = dpbusd256(*A, wl, xl), *B = dpbusd256(*B, wh, xh);
+        continue;
+#endif
+        const __m256i pa = _mm256_maddubs_epi16(wl, xl), pb = _mm256_maddubs_epi16(wh, xh);
         if (group == 8) {
             a16 = g == 0 ? _mm256_add_epi16(pa, pb) : _mm256_add_epi16(a16, _mm256_add_epi16(pa, pb));
             continue;
@@ -232,7 +224,7 @@ static inline __attribute__((always_inline)) void gguf_half_sums1(const uint8_t 
             *B = g < group ? b32 : _mm256_add_epi32(*B, b32);
         }
     }
-    if (group == 8) *A = _mm256_madd_epi16(a16, ones), *B = _mm256_setzero_si256();
+    if (!TL_VNNI256 && group == 8) *A = _mm256_madd_epi16(a16, ones), *B = _mm256_setzero_si256();
 }
 
 // Channels 8h..8h+7 of a block for one row: the integer sums A, B (gguf_half_sums1) less the
@@ -263,23 +255,6 @@ static inline __attribute__((always_inline)) void gguf_half_out(__m256i A, __m25
 // gguf_half_sums1's A + B.
 static inline __attribute__((always_inline)) void gguf_sums(const gblock *W, const int8_t *x, size_t xs, int R,
                                                              int group, __m256i A[GROWS][2]) {
-#if TL_VNNI256  // every quad into int32 at once
-    (void)group;
-    for (int i = 0; i < R; i++) A[i][0] = A[i][1] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; g++) {
-        const __m256i w0 = _mm256_load_si256(&W->w[0][g]), w1 = _mm256_load_si256(&W->w[1][g]);
-        const __m256i w4 = _mm256_load_si256(&W->w[0][g + 4]), w5 = _mm256_load_si256(&W->w[1][g + 4]);
-        for (int i = 0; i < R; i++) {
-            const __m256i lo = _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 4 * g));
-            const __m256i hi = _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 16 + 4 * g));
-            A[i][0] = dpbusd256(dpbusd256(A[i][0], w0, lo), w4, hi);
-            A[i][1] = dpbusd256(dpbusd256(A[i][1], w1, lo), w5, hi);
-        }
-        for (int i = 0; i < R; i++) __asm__("" : "+x"(A[i][0]), "+x"(A[i][1]));  // kept in order: no spills
-    }
-    return;
-#endif
     const __m256i ones = _mm256_set1_epi16(1);
     const int steps = group / 2;  // steps of g per int16 sum
     __m256i s16[GROWS][2];
@@ -290,6 +265,11 @@ static inline __attribute__((always_inline)) void gguf_sums(const gblock *W, con
         for (int i = 0; i < R; i++) {
             const __m256i lo = _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 4 * g));
             const __m256i hi = _mm256_set1_epi32(quad_of(x + (size_t)i * xs + 16 + 4 * g));
+#if TL_VNNI256  // every quad into int32 at once
+            A[i][0] = dpbusd256(dpbusd256(g == 0 ? _mm256_setzero_si256() : A[i][0], w0, lo), w4, hi);
+            A[i][1] = dpbusd256(dpbusd256(g == 0 ? _mm256_setzero_si256() : A[i][1], w1, lo), w5, hi);
+            continue;
+#endif
             const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, lo), _mm256_maddubs_epi16(w4, hi));
             const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(w1, lo), _mm256_maddubs_epi16(w5, hi));
             s16[i][0] = g % steps == 0 ? p0 : _mm256_add_epi16(s16[i][0], p0);
@@ -300,7 +280,11 @@ static inline __attribute__((always_inline)) void gguf_sums(const gblock *W, con
                     A[i][h] = g < steps ? a32 : _mm256_add_epi32(A[i][h], a32);
                 }
         }
+#if TL_VNNI256
+        for (int i = 0; i < R; i++) __asm__("" : "+x"(A[i][0]), "+x"(A[i][1]));  // kept in order: no spills
+#else
         for (int i = 0; i < R; i++) __asm__("" : "+x"(s16[i][0]), "+x"(s16[i][1]));  // kept in order: no spills
+#endif
     }
 }
 
