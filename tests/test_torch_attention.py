@@ -218,6 +218,49 @@ def test_native_decode_batch_of_many_spans(threads, dtype):
         torch.set_num_threads(old_threads)
 
 
+class ManyHeads:
+    """Sequences of the given context lengths over a float16 cache of `kv_heads` KV heads of 64,
+    one query head each (no grouping), blocks shuffled."""
+
+    def __init__(self, contexts: list[int], kv_heads: int, seed: int):
+        self.kv_heads, self.D, self.block = kv_heads, 64, 16
+        g = torch.Generator().manual_seed(seed)
+        free = torch.randperm(sum(-(-n // self.block) for n in contexts) + 3, generator=g).tolist()
+        self.tables = [[free.pop() for _ in range(-(-n // self.block))] for n in contexts]
+        self.k_cache, self.v_cache = (
+            torch.randn(len(free) + sum(map(len, self.tables)), self.block, kv_heads, self.D, generator=g).half()
+            for _ in range(2))
+        self.q = [torch.randn(n, kv_heads, self.D, generator=g) for n in contexts]
+
+    def slot(self, s: int, p: int) -> int:
+        return self.tables[s][p // self.block] * self.block + p % self.block
+
+    def attend(self, chunks: list[tuple[int, int, int]]) -> tuple[torch.Tensor, ...]:
+        """(seq, context length after the step, query length) per sequence -> each one's output rows."""
+        kvh, D = self.kv_heads, self.D
+        slots = [self.slot(s, p) for s, n, ql in chunks for p in range(n - ql, n)]
+        width = max(len(self.tables[s]) for s, _, _ in chunks)
+        qls = [ql for _, _, ql in chunks]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), seq_lens=torch.tensor([n for _, n, _ in chunks], dtype=torch.int32),
+            query_start_loc=torch.tensor([0] + qls, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            block_tables=torch.tensor([self.tables[s] + [0] * (width - len(self.tables[s])) for s, _, _ in chunks],
+                                      dtype=torch.int32),
+            max_query_len=max(qls), max_seq_len=max(n for _, n, _ in chunks), query_lens_cpu=qls,
+            seq_lens_cpu=[n for _, n, _ in chunks], block_size=self.block)
+        qs = torch.cat([self.q[s][n - ql: n] for s, n, ql in chunks])
+        k, v = (c.view(-1, kvh, D)[slots].float() for c in (self.k_cache, self.v_cache))
+        out = CpuAttentionBackend().forward(qs, k, v, self.k_cache, self.v_cache, meta, D ** -0.5)
+        return out.split(qls)
+
+    def reference(self, s: int, n: int) -> torch.Tensor:
+        """Float64 attention of sequence s's token n - 1 over its n keys."""
+        rows = [self.slot(s, p) for p in range(n)]
+        k, v = (c.view(-1, self.kv_heads, self.D)[rows].double() for c in (self.k_cache, self.v_cache))
+        probs = (torch.einsum("hd,khd->hk", self.q[s][n - 1].double(), k) * self.D ** -0.5).softmax(-1)
+        return torch.einsum("hk,khd->hd", probs, v).float()
+
+
 @native
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("variant", cpu_native.supported_variants())
@@ -228,48 +271,43 @@ def test_native_long_decode_rows_of_many_kv_heads(threads, variant, monkeypatch)
     and the same bits as the row beside a prefill chunk (which runs head by head) and alone."""
     monkeypatch.setattr(cpu_native, "_lib", cpu_native.load(variant))
     monkeypatch.setattr(cpu_native, "_tried", True)
-    heads = kv_heads = 8
-    D, block = 64, 16
-    g = torch.Generator().manual_seed(11)
-    contexts = [1100, 700]
-    free = torch.randperm(sum(-(-n // block) for n in contexts) + 3, generator=g).tolist()
-    tables = [[free.pop() for _ in range(-(-n // block))] for n in contexts]
-    k_cache, v_cache = (torch.randn(len(free) + sum(map(len, tables)), block, kv_heads, D, generator=g).half()
-                        for _ in range(2))
-    q = [torch.randn(n, heads, D, generator=g) for n in contexts]
-    slot = lambda s, p: tables[s][p // block] * block + p % block  # noqa: E731
-
-    def attend(chunks):
-        slots = [slot(s, p) for s, n, ql in chunks for p in range(n - ql, n)]
-        flat = lambda c: c.view(-1, kv_heads, D)[slots].float()  # noqa: E731
-        width = max(len(tables[s]) for s, _, _ in chunks)
-        qls = [ql for _, _, ql in chunks]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), seq_lens=torch.tensor([n for _, n, _ in chunks], dtype=torch.int32),
-            query_start_loc=torch.tensor([0] + qls, dtype=torch.int32).cumsum(0, dtype=torch.int32),
-            block_tables=torch.tensor([tables[s] + [0] * (width - len(tables[s])) for s, _, _ in chunks],
-                                      dtype=torch.int32),
-            max_query_len=max(qls), max_seq_len=max(n for _, n, _ in chunks), query_lens_cpu=qls,
-            seq_lens_cpu=[n for _, n, _ in chunks], block_size=block)
-        qs = torch.cat([q[s][n - ql: n] for s, n, ql in chunks])
-        out = CpuAttentionBackend().forward(qs, flat(k_cache), flat(v_cache), k_cache, v_cache, meta, D ** -0.5)
-        return out.split(qls)
-
-    def reference(s, n):
-        rows = [slot(s, p) for p in range(n)]
-        k, v = (c.view(-1, kv_heads, D)[rows].double() for c in (k_cache, v_cache))
-        probs = (torch.einsum("hd,khd->hk", q[s][n - 1].double(), k) * D ** -0.5).softmax(-1)
-        return torch.einsum("hk,khd->hd", probs, v).float()
-
+    heads = ManyHeads([1100, 700], kv_heads=8, seed=11)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        decode = attend([(0, 1100, 1), (1, 700, 1)])
-        for s, n in enumerate(contexts):
-            torch.testing.assert_close(decode[s][0], reference(s, n), atol=1e-5, rtol=1e-5)
-        assert torch.equal(attend([(0, 1100, 1)])[0], decode[0])
-        beside_prefill = attend([(1, 700, 9), (0, 1100, 1)])
+        decode = heads.attend([(0, 1100, 1), (1, 700, 1)])
+        for s, n in enumerate([1100, 700]):
+            torch.testing.assert_close(decode[s][0], heads.reference(s, n), atol=1e-5, rtol=1e-5)
+        assert torch.equal(heads.attend([(0, 1100, 1)])[0], decode[0])
+        beside_prefill = heads.attend([(1, 700, 9), (0, 1100, 1)])
         assert torch.equal(beside_prefill[1], decode[0]) and torch.equal(beside_prefill[0][-1], decode[1][0])
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+@native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("variant", cpu_native.supported_variants())
+@pytest.mark.parametrize("kv_heads", [8, 12])
+def test_native_short_decode_rows_claim_parts_of_a_spans_heads(threads, variant, kv_heads, monkeypatch):
+    """A lone decode row of one or two spans (65-512 keys) of many KV heads: too few spans for a
+    thread to claim every head of one, so threads claim runs of a span's heads (the rows' parts
+    of those heads are one run of memory). Against float64; the same bits alone, in a batch with
+    spans enough for whole claims, and beside a prefill chunk (one head a claim)."""
+    monkeypatch.setattr(cpu_native, "_lib", cpu_native.load(variant))
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    contexts = [200, 400, 90, 1100, 700]
+    heads = ManyHeads(contexts, kv_heads=kv_heads, seed=5)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = heads.attend([(s, n, 1) for s, n in enumerate(contexts)])
+        for s, n in enumerate(contexts[:3]):
+            alone = heads.attend([(s, n, 1)])[0]
+            torch.testing.assert_close(alone[0], heads.reference(s, n), atol=1e-5, rtol=1e-5)
+            assert torch.equal(alone, batch[s])
+            beside_prefill = heads.attend([(3, 1100, 7), (s, n, 1)])
+            assert torch.equal(beside_prefill[1], alone)
     finally:
         torch.set_num_threads(old_threads)
 

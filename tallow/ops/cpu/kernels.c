@@ -645,13 +645,12 @@ static void pf_flush(att_prefetch *pf) {
 
 // The keys j0 .. j0 + n - 1 (n <= ATT_CHUNK) of chunk c of token t's context, for KV head kvh:
 // their element offsets in the caches (off; P = kv_pitch: elements from one (token, head) row to
-// the next), whose lines are prefetched to L2 (K's, then V's):
-// whole 0, the head's; 1, every head's (the rows' kv_heads * D elements, one run of memory), for
-// a thread that runs the other heads of the same keys next; -1, none (they came with head 0's).
-// Returns n.
+// the next), whose lines are prefetched to L2 (K's, then V's) for `heads` heads from kvh (a key's
+// heads are one run of memory: a thread that runs the next heads of the same keys next fetches
+// theirs with kvh's); 0, none (they came with an earlier head's). Returns n.
 static int chunk_rows(int t, int c, int kvh, const int *key0, const int *ctx, const int *seq,
                       const int32_t *block_tables, long bt_stride, int block_size, int kv_heads, size_t P,
-                      const void *k_cache, const void *v_cache, size_t esize, int whole, size_t *off) {
+                      const void *k_cache, const void *v_cache, size_t esize, int heads, size_t *off) {
     const int j0 = key0[t] + c * ATT_CHUNK;
     const int n = ctx[t] - j0 < ATT_CHUNK ? ctx[t] - j0 : ATT_CHUNK;
     const int32_t *table = block_tables + (size_t)seq[t] * bt_stride;
@@ -660,19 +659,19 @@ static int chunk_rows(int t, int c, int kvh, const int *key0, const int *ctx, co
         off[j] = ((size_t)table[b] * block_size + slot) * kv_row + (size_t)kvh * P;
         if (++slot == block_size) slot = 0, b++;
     }
-    if (whole < 0) return n;
-    const size_t from = whole ? (size_t)kvh * P : 0, len = (whole ? kv_row : P) * esize;
+    if (!heads) return n;
+    const size_t len = (size_t)heads * P * esize;
     for (int j = 0; j < n; j++)
-        for (size_t i = 0; i < len; i += 64) _mm_prefetch((const char *)k_cache + (off[j] - from) * esize + i, _MM_HINT_T1);
+        for (size_t i = 0; i < len; i += 64) _mm_prefetch((const char *)k_cache + off[j] * esize + i, _MM_HINT_T1);
     for (int j = 0; j < n; j++)
-        for (size_t i = 0; i < len; i += 64) _mm_prefetch((const char *)v_cache + (off[j] - from) * esize + i, _MM_HINT_T1);
+        for (size_t i = 0; i < len; i += 64) _mm_prefetch((const char *)v_cache + off[j] * esize + i, _MM_HINT_T1);
     return n;
 }
 
-// chunk_rows' `whole` for KV head kvh's chunks where a thread claims `claim` heads of a span
-// together (1: one head at a time, each fetching its own part of the rows); drip: the rows come
-// through att_prefetch instead (-1).
-static inline int rows_fetch(int claim, int drip, int kvh) { return drip ? -1 : claim > 1 ? (kvh == 0 ? 1 : -1) : 0; }
+// chunk_rows' `heads` for KV head kvh's chunks where a thread claims `claim` consecutive heads of
+// a span together (the first fetches every claimed head's part of the rows; 1: one head at a
+// time, each its own part); drip: the rows come through att_prefetch instead (0).
+static inline int rows_fetch(int claim, int drip, int kvh) { return drip ? 0 : kvh % claim ? 0 : claim; }
 
 // How many keys of chunk c of token t's context (n_cur: the chunk's, as located for the block's
 // last token) token t reads: its causal end may cut the chunk, or lie before it (0).
@@ -732,9 +731,9 @@ static void locate_item(long item, int nblocks, const int *bt, const int *bspan,
     *blk = lo, *kvh = (int)(item % kv_heads), *s = (int)(span - bspan[lo]), *k = left < ATT_SPAN ? left : ATT_SPAN;
 }
 
-// Queues for pf_drain the rows of work item `item`'s span, whole (every KV head's; K rows, then V
-// rows, chunk by chunk): every chunk's (only < 0) or chunk `only`'s; off: scratch for ATT_CHUNK
-// offsets.
+// Queues for pf_drain the rows of work item `item`'s span from its KV head on (pf->len bytes of
+// each: the heads of a claim; K rows, then V rows, chunk by chunk): every chunk's (only < 0) or
+// chunk `only`'s; off: scratch for ATT_CHUNK offsets.
 static void pf_push(att_prefetch *pf, long item, int only, int nblocks, const int *bt, const int *bspan,
                     const int *nch, const int *key0, const int *ctx, const int *seq, const int32_t *block_tables,
                     long bt_stride, int block_size, int kv_heads, size_t P, const void *k_cache, const void *v_cache,
@@ -742,8 +741,8 @@ static void pf_push(att_prefetch *pf, long item, int only, int nblocks, const in
     int blk, kvh, s, k;
     locate_item(item, nblocks, bt, bspan, nch, kv_heads, &blk, &kvh, &s, &k);
     for (int i = only < 0 ? 0 : only; i < (only < 0 ? k : only + 1); i++) {
-        const int n = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN + i, 0, key0, ctx, seq, block_tables, bt_stride,
-                                 block_size, kv_heads, P, k_cache, v_cache, esize, -1, off);
+        const int n = chunk_rows(bt[blk + 1] - 1, s * ATT_SPAN + i, kvh, key0, ctx, seq, block_tables, bt_stride,
+                                 block_size, kv_heads, P, k_cache, v_cache, esize, 0, off);
         for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)k_cache + off[j] * esize;
         for (int j = 0; j < n; j++) pf->row[pf->n++] = (const char *)v_cache + off[j] * esize;
     }
@@ -849,16 +848,20 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         t1++;
         const long items = (long)bspan[nblocks] * kv_heads;
         long claimed = 0;  // items handed out
-        // Items go out one at a time, or, where there are spans enough to keep the threads busy,
-        // a span's kv_heads items together (a span's keys' rows hold every head's K or V in one
-        // run of memory: fetched whole with the first head, they are in cache for the others;
-        // when neighbouring heads ran on other threads the rows came from memory in pieces).
-        // On the AVX-512 loops, a slab of decode tokens only (one token a block) runs each claimed
-        // span chunk by chunk (below), from half as many spans; the order of the work changes no
-        // result.
+        // Items go out `claim` consecutive heads of a span together: as many as leave the threads
+        // claims enough to share (a span's keys' rows hold every head's K or V in one run of
+        // memory: fetched with the claim's first head, the claim's part is in cache for the
+        // others; where neighbouring heads run on other threads each reads its own piece of every
+        // row, which the memory serves far below its streaming rate). Every head of a span where
+        // spans are many; one head at a time where even that leaves too few claims. On the AVX-512
+        // loops, a slab of decode tokens only (one token a block) runs each claimed span chunk by
+        // chunk (below), from half as many claims; the order of the work changes no result.
         const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else qk_rows, softmax_rows, attend_values16 (K, V in place)
         const int chunk_order = !tiles && nblocks == t1 - t0;
-        const int claim = kv_heads > 1 && bspan[nblocks] >= (chunk_order ? 2L : 4L) * nthreads ? kv_heads : 1;
+        int claim = kv_heads;
+        while (claim > 1 && ((long)bspan[nblocks] * (kv_heads / claim) < (chunk_order ? 2L : 4L) * nthreads ||
+                             kv_heads % claim || (tiles && claim < kv_heads)))
+            claim--;
 #pragma omp parallel num_threads(nthreads)
         {
             // Where a thread claims a span's heads together on the AVX-512 loops (drip), it claims the
@@ -880,7 +883,7 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             att_row *rows = (att_row *)malloc(sizeof(att_row) * (size_t)max_rows);
             size_t *off = (size_t *)malloc(sizeof(size_t) * 4 * ATT_CHUNK);  // two chunks' row offsets; dense ones; scratch
             att_prefetch pf = {drip ? (const char **)malloc(sizeof(char *) * 2 * ATT_SPAN * ATT_CHUNK) : NULL, 0, 0,
-                               (size_t)kv_heads * P * esize, 0};
+                               (size_t)claim * P * esize, 0};
             // the tiles' K columns, then (from a float16 or int8 cache) V rows as float32 (gather_rows)
             float *kt = tiles ? (float *)malloc(sizeof(float) * (fmt != KV_F32 ? 2 : 1) * ATT_CHUNK * (size_t)D) : NULL;
             const int ok = scores && cpart && rows && off && (pf.row || !drip) && (kt || !tiles);
@@ -915,16 +918,16 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
             float *vrows = tiles && fmt != KV_F32 ? kt + (size_t)ATT_CHUNK * D : NULL;
             const float *vc = vrows ? vrows : (const float *)v_cache;
             while (cur < items) {
-                if (by_chunk && kvh == 0) {  // a chunk starts: the rest of its rows now, the next chunk's queued
+                if (by_chunk && kvh % claim == 0) {  // a chunk starts: the rest of its rows now, the next chunk's queued
                     pf_flush(&pf);
                     if (i + 1 < k) PUSH_CHUNK(cur, i + 1);
                     else if (ahead < items) PUSH_CHUNK(ahead, 0);
                 }
                 long next = cur;  // the item of the next chunk, and that chunk
                 int nblk = blk, nkvh = kvh, ns = s, nk = k, ni = i + 1;
-                if (by_chunk && (kvh + 1 < kv_heads || ni < k)) {  // the next head's chunk i, else head 0's chunk i + 1
-                    if (kvh + 1 < kv_heads) next = cur + 1, nkvh = kvh + 1, ni = i;
-                    else next = cur + 1 - kv_heads, nkvh = 0;
+                if (by_chunk && ((kvh + 1) % claim || ni < k)) {  // the claim's next head's chunk i, else its first's chunk i + 1
+                    if ((kvh + 1) % claim) next = cur + 1, nkvh = kvh + 1, ni = i;
+                    else next = cur + 1 - claim, nkvh = kvh + 1 - claim;
                 } else if (by_chunk || ni == k) {
                     if ((cur + 1) % claim) {
                         next = cur + 1;
