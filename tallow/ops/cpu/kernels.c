@@ -848,28 +848,29 @@ int tl_paged_attention(const float *q, long q_stride, float *out, long out_strid
         t1++;
         const long items = (long)bspan[nblocks] * kv_heads;
         long claimed = 0;  // items handed out
-        // Items go out `claim` consecutive heads of a span together: as many as leave the threads
-        // claims enough to share (a span's keys' rows hold every head's K or V in one run of
-        // memory: fetched with the claim's first head, the claim's part is in cache for the
-        // others; where neighbouring heads run on other threads each reads its own piece of every
-        // row, which the memory serves far below its streaming rate). Every head of a span where
-        // spans are many; one head at a time where even that leaves too few claims. On the AVX-512
-        // loops, a slab of decode tokens only (one token a block) runs each claimed span chunk by
-        // chunk (below), from half as many claims; the order of the work changes no result.
+        // Items go out `claim` consecutive heads of a span together: the most heads (a divisor of
+        // kv_heads) that still leave `want` claims a thread (a span's keys' rows hold every head's
+        // K or V in one run of memory: fetched with the claim's first head, the claim's part is in
+        // cache for the others; where neighbouring heads run on other threads each reads its own
+        // piece of every row, which the memory serves far below its streaming rate). The AVX2
+        // tiles claim every head or one (their claim's first head fetches its rows in one burst:
+        // runs of heads were slower). On the AVX-512 loops, a slab of decode tokens only (one
+        // token a block) runs each claimed span chunk by chunk (below), from half as many claims;
+        // the order of the work changes no result.
         const int tiles = !(ATTEND16 && D % 16 == 0);  // attend_item, else qk_rows, softmax_rows, attend_values16 (K, V in place)
         const int chunk_order = !tiles && nblocks == t1 - t0;
+        const long want = (chunk_order ? 2L : 4L) * nthreads;
         int claim = kv_heads;
-        while (claim > 1 && ((long)bspan[nblocks] * (kv_heads / claim) < (chunk_order ? 2L : 4L) * nthreads ||
-                             kv_heads % claim || (tiles && claim < kv_heads)))
-            claim--;
+        while (claim > 1 && (kv_heads % claim || (long)bspan[nblocks] * (kv_heads / claim) < want))
+            claim = tiles ? 1 : claim - 1;
 #pragma omp parallel num_threads(nthreads)
         {
-            // Where a thread claims a span's heads together on the AVX-512 loops (drip), it claims the
+            // Where a thread claims several heads of a span on the AVX-512 loops (drip), it claims the
             // next span when it starts one and prefetches rows from inside the arithmetic of the
             // rows before them (att_prefetch); otherwise each chunk's rows are prefetched as the one
             // before it starts. Spans of query blocks run head by head (every chunk of a head, then
             // the next head), with the next span's rows queued whole; spans of decode tokens chunk by
-            // chunk (chunk i of every head, then chunk i + 1), with the next chunk's rows queued: a
+            // chunk (chunk i of every claimed head, then chunk i + 1), with the next chunk's rows queued: a
             // chunk's rows of every head are one run of memory each, 512 KB for 32 KV heads of 64
             // float16 where a span of four chunks is 2 MB, more than L2 holds.
             const int drip = claim > 1 && !tiles, by_chunk = claim > 1 && chunk_order;
